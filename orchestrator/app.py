@@ -1,0 +1,43 @@
+"""The task: validate the config, plan, run the handoffs, report. Called by __main__ under
+Hydra, once per job (also inside launcher workers, hence logging is configured here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from . import report
+from .config import ConfigError, validate
+from .logs import configure
+from .plan import make_plan
+from .platform import detect
+from .runner import run_handoffs
+
+
+def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Raises ConfigError for user mistakes (before anything starts)."""
+    log = configure(run_dir, "orchestrator", keep_root_handlers=True)
+    obj = validate(cfg)
+    plan = make_plan(obj, detect())
+    log.info("plan", **plan.as_dict())
+    for event in plan.events:
+        log.warning(event.event, reason=event.reason.value, detail=event.detail)
+
+    def progress(done: int) -> None:
+        log.info("progress", done=done, total=obj.workload.requests)
+
+    out = run_handoffs(obj, plan, run_dir, progress=progress)
+    results = report.build_results(obj.workload.requests, plan, out)
+    report.write(run_dir, results, out)
+    log.info("results", **{k: results[k] for k in ("requests", "verified", "corrupted", "failed",
+                                                  "routes", "effective_transport")})
+    print(report.summary(results, run_dir), flush=True)
+    return results
+
+
+def user_error(exc: ConfigError) -> None:
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

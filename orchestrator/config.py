@@ -1,0 +1,198 @@
+"""Config schema: the dataclasses Hydra validates every profile and override against.
+
+Everything a user can type lives here, once. The dataclasses are stored in Hydra's
+ConfigStore and named first in ``conf/config.yaml``'s defaults list, so Hydra itself rejects
+a misspelled key, a value of the wrong type, or an enum value that does not exist (enums are
+matched by member NAME, so members are spelled exactly as users type them). What OmegaConf
+cannot check (ranges, ports, hosts) is checked by :func:`validate`, which turns each problem
+into one sentence naming the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class MemPoolType(Enum):
+    """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values. NONE stands for "no custom pool"."""
+
+    NONE = "NONE"
+    NVLINK = "NVLINK"
+    BAREX = "BAREX"
+    INTRA_NODE_NVLINK = "INTRA_NODE_NVLINK"
+
+
+class RouteSetting(Enum):
+    """transport.route: let the rules decide (auto), or force one route."""
+
+    auto = "auto"
+    tcp = "tcp"
+    engine = "engine"
+
+
+class FallbackPolicy(Enum):
+    """transport.fallback: stop when the declared path is unavailable, or degrade and log it."""
+
+    strict = "strict"
+    degrade = "degrade"
+
+
+class EngineTransportSetting(Enum):
+    """transport.mooncake.transport: which Mooncake transport the engine route should use.
+
+    auto derives it from where the buffers live (CUDA buffers of an INTRA_NODE_NVLINK pool:
+    nvlink_intra; host buffers: tcp). rdma is for hosts with an HCA.
+    """
+
+    auto = "auto"
+    tcp = "tcp"
+    rdma = "rdma"
+    nvlink_intra = "nvlink_intra"
+
+
+class HiddenStatesDtype(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class MemPoolConfig:
+    type: MemPoolType = MemPoolType.NONE
+    description: str = ""
+
+
+@dataclass
+class BuffersConfig:
+    size: int = 64  # slots (rows) per MetadataBuffers
+    hidden_size: int = 16
+    hidden_states_dtype: HiddenStatesDtype = HiddenStatesDtype.float32
+    max_top_logprobs_num: int = 128
+    output_dsa_topk_indices_dim: int = 0  # > 0 adds the DSA top-k field
+
+
+@dataclass
+class MooncakeConfig:
+    metadata_server: str = "P2PHANDSHAKE"
+    transport: EngineTransportSetting = EngineTransportSetting.auto
+    device_name: str = ""  # RDMA device list ("" = let Mooncake pick)
+    # MC_TCP_PROGRESS_TIMEOUT_SEC: bounds a write to a stopped peer (Mooncake's default is 30 s).
+    tcp_progress_timeout_s: int = 5
+    # A batch holds one block per field; more blocks than this in one batch is refused
+    # (Mooncake's TCP transport failed a 2,560-block batch).
+    max_blocks_per_batch: int = 1024
+
+
+@dataclass
+class TransportConfig:
+    route: RouteSetting = RouteSetting.auto
+    fallback: FallbackPolicy = FallbackPolicy.strict
+    host: str = "127.0.0.1"  # data and control planes bind here; loopback unless declared
+    timeout_s: float = 10.0  # a peer silent this long is declared lost
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+
+
+@dataclass
+class WorkloadConfig:
+    requests: int = 1000
+    concurrency: int = 8
+    return_logprob: bool = True
+    top_logprobs_num: int = 5
+    hidden_states: bool = True
+    seed: int = 0
+
+
+@dataclass
+class EndpointsConfig:
+    # CUDA device index of each endpoint when buffers live on CUDA; null = auto
+    # (prefill 0, decode 1 when there are two GPUs, else 0).
+    prefill_gpu: Optional[int] = None
+    decode_gpu: Optional[int] = None
+    startup_timeout_s: float = 60.0
+
+
+@dataclass
+class OrchestratorConfig:
+    mem_pool: MemPoolConfig = field(default_factory=MemPoolConfig)
+    buffers: BuffersConfig = field(default_factory=BuffersConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+
+
+def register_configs() -> None:
+    """Store the schema; conf/config.yaml names it first in its defaults list."""
+    ConfigStore.instance().store(name="orchestrator_schema", node=OrchestratorConfig)
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: rendered as one line, never with a traceback."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}.")
+
+
+_POSITIVE_INTS = (
+    ("buffers.size", "a whole number of slots > 0"),
+    ("buffers.hidden_size", "a whole number > 0"),
+    ("buffers.max_top_logprobs_num", "a whole number > 0"),
+    ("workload.concurrency", "a whole number > 0"),
+    ("transport.mooncake.tcp_progress_timeout_s", "a whole number of seconds > 0"),
+    ("transport.mooncake.max_blocks_per_batch", "a whole number > 0"),
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
+    """Range and consistency checks OmegaConf does not do; returns the typed config object.
+
+    Raises ConfigError for the first problem found (one actionable sentence).
+    """
+    obj: OrchestratorConfig = (
+        OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg  # type: ignore[assignment]
+    )
+    for key, allowed in _POSITIVE_INTS:
+        value = _get(obj, key)
+        if value <= 0:
+            raise ConfigError(key, value, allowed)
+    w = obj.workload
+    if w.requests < 0:
+        raise ConfigError("workload.requests", w.requests, "a whole number >= 0")
+    if not 0 <= w.top_logprobs_num <= obj.buffers.max_top_logprobs_num:
+        raise ConfigError(
+            "workload.top_logprobs_num", w.top_logprobs_num,
+            f"0..buffers.max_top_logprobs_num ({obj.buffers.max_top_logprobs_num})",
+        )
+    if obj.buffers.output_dsa_topk_indices_dim < 0:
+        raise ConfigError("buffers.output_dsa_topk_indices_dim",
+                          obj.buffers.output_dsa_topk_indices_dim, "0 (off) or a positive dimension")
+    if obj.transport.timeout_s <= 0:
+        raise ConfigError("transport.timeout_s", obj.transport.timeout_s, "seconds > 0")
+    if obj.endpoints.startup_timeout_s <= 0:
+        raise ConfigError("endpoints.startup_timeout_s", obj.endpoints.startup_timeout_s, "seconds > 0")
+    for key in ("endpoints.prefill_gpu", "endpoints.decode_gpu"):
+        gpu = _get(obj, key)
+        if gpu is not None and gpu < 0:
+            raise ConfigError(key, gpu, "null (auto) or a CUDA device index >= 0")
+    try:
+        ipaddress.ip_address(obj.transport.host)
+    except ValueError:
+        raise ConfigError("transport.host", obj.transport.host,
+                          "an IP address to bind (127.0.0.1 by default)") from None
+    ms = obj.transport.mooncake.metadata_server
+    if ms != "P2PHANDSHAKE" and not ms.startswith(("etcd://", "redis://", "http://", "https://")):
+        raise ConfigError("transport.mooncake.metadata_server", ms,
+                          "P2PHANDSHAKE or an etcd://, redis:// or http(s):// address")
+    return obj

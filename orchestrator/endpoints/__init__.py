@@ -1,0 +1,1 @@
+"""The two processes of a handoff: prefill (sender) and decode (receiver)."""

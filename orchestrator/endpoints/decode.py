@@ -1,0 +1,229 @@
+"""Decode endpoint (receiver): grants slots, lands aux rows, gates on bootstrap_room,
+verifies every byte against the sender's checksum, frees the slot, answers with the outcome.
+
+Readiness gate (SGLang PR 26394 and follow-ups): a slot is accepted only when its
+bootstrap_room equals the room it was granted for. Room 0 means "not landed yet" and is
+re-checked until the timeout; any other room is corruption. A freed slot's room is zeroed,
+so the previous tenant's room can never pass for the next one's.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from .. import control
+from ..buffers import SlotAllocator
+from ..config import OrchestratorConfig
+from ..plan import Device, Plan
+from ..transport import zmq_aux
+from .common import build_side, new_socket, start_process
+
+
+@dataclass
+class Grant:
+    room: int
+    identity: bytes
+    status: zmq_aux.AuxStatus | None = None
+    deadline: float = 0.0
+
+
+@dataclass
+class DecodeStats:
+    verified: int = 0
+    corrupted: int = 0
+    failed: int = 0
+    dropped_data: int = 0
+    dropped_control: int = 0
+    unexpected: int = 0
+    reasons: dict = field(default_factory=dict)
+
+    def count(self, outcome: str, detail: str) -> None:
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        if outcome != "verified":
+            self.reasons[detail] = self.reasons.get(detail, 0) + 1
+
+
+class DecodeEndpoint:
+    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log):
+        self.cfg, self.plan, self.log = cfg, plan, log
+        self.side = build_side(cfg, plan, "decode", run_dir, log)
+        self.buffers = self.side.buffers
+        self.ptrs, _, self.item_lens = self.buffers.get_buf_infos()
+        self.slots = SlotAllocator(cfg.buffers.size)
+        self.grants: dict[int, Grant] = {}
+        self.waiting: deque[tuple[bytes, int]] = deque()  # grant requests without a free slot
+        self.stats = DecodeStats()
+        self.timeout_s = cfg.transport.timeout_s
+        self.ctx = zmq.Context()
+        host = cfg.transport.host
+        self.control = new_socket(self.ctx, zmq.ROUTER, self.timeout_s)
+        self.data = new_socket(self.ctx, zmq.PULL, self.timeout_s)
+        self.control_endpoint = _bind(self.control, host)
+        self.data_endpoint = _bind(self.data, host)
+
+    # ---- control plane ------------------------------------------------------------------
+    def on_control(self, identity: bytes, raw: bytes) -> None:
+        try:
+            msg = control.decode(raw)
+        except control.ControlError as exc:
+            self.stats.dropped_control += 1
+            self.log.warning("control_dropped", error=str(exc))
+            return
+        kind = msg["type"]
+        if kind == "hello":
+            if msg["item_lens"] != self.item_lens:
+                self._reply(identity, control.encode(
+                    "error", detail=f"layout mismatch: decode item_lens {self.item_lens}"))
+                return
+            engine = self.side.engine
+            self._reply(identity, control.encode(
+                "bootstrap", session_id=engine.session_id if engine else None,
+                aux_ptrs=self.ptrs, item_lens=self.item_lens, slots=self.cfg.buffers.size))
+        elif kind == "grant_request":
+            self.waiting.append((identity, msg["room"]))
+            self._grant_waiting()
+        elif kind == "bye":
+            pass
+        else:
+            self.stats.dropped_control += 1
+
+    def _grant_waiting(self) -> None:
+        while self.waiting and self.slots.available:
+            identity, room = self.waiting.popleft()
+            slot = self.slots.alloc()
+            self.grants[slot] = Grant(room, identity)
+            self._reply(identity, control.encode("grant", room=room, slot=slot))
+
+    def _reply(self, identity: bytes, payload: bytes) -> None:
+        try:
+            self.control.send_multipart([identity, payload])
+        except zmq.ZMQError as exc:
+            self.log.warning("reply_failed", error=str(exc))
+
+    # ---- data plane ---------------------------------------------------------------------
+    def on_data(self, frames: list[bytes]) -> None:
+        try:
+            msg = zmq_aux.parse(frames, self.item_lens, self.cfg.buffers.size)
+        except zmq_aux.FrameError as exc:
+            self.stats.dropped_data += 1
+            self.log.warning("frame_dropped", error=str(exc))
+            return
+        grant = self.grants.get(msg.slot)
+        if grant is None or grant.room != msg.room:
+            self.stats.unexpected += 1
+            self.log.warning("frame_for_ungranted_slot", slot=msg.slot, room=msg.room)
+            return
+        if isinstance(msg, zmq_aux.AuxData):
+            if self.buffers.device.type != Device.cpu.value:
+                self.stats.dropped_data += 1
+                return
+            zmq_aux.write_row(self.ptrs, self.item_lens, msg)
+            return
+        grant.status = msg
+        grant.deadline = time.monotonic() + self.timeout_s
+        self._settle(msg.slot, grant)
+
+    def _settle(self, slot: int, grant: Grant) -> bool:
+        """Apply the readiness gate and verification; True when the slot was released."""
+        status = grant.status
+        if status.status != "ok":
+            return self._release(slot, grant, "failed", f"sender_{status.status}")
+        room = self.buffers.room(slot)
+        if room == 0:
+            if time.monotonic() < grant.deadline:
+                return False  # not landed yet: re-check later
+            return self._release(slot, grant, "failed", "room_never_landed")
+        if room != grant.room:
+            return self._release(slot, grant, "corrupted", "room_mismatch")
+        if self.buffers.row_checksum(slot) != status.checksum:
+            return self._release(slot, grant, "corrupted", "checksum_mismatch")
+        return self._release(slot, grant, "verified", "")
+
+    def _release(self, slot: int, grant: Grant, outcome: str, detail: str) -> bool:
+        self.stats.count(outcome, detail)
+        if outcome != "verified":
+            self.log.warning("handoff_rejected", slot=slot, room=grant.room, outcome=outcome,
+                             detail=detail)
+        self.buffers.clear_room(slot)
+        del self.grants[slot]
+        self.slots.free(slot)
+        self._reply(grant.identity, control.encode("result", room=grant.room, slot=slot,
+                                                   outcome=outcome, detail=detail))
+        self._grant_waiting()
+        return True
+
+    def recheck_pending(self) -> None:
+        for slot, grant in list(self.grants.items()):
+            if grant.status is not None:
+                self._settle(slot, grant)
+
+    # ---- loop ---------------------------------------------------------------------------
+    def serve(self, conn) -> None:
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(conn.fileno(), zmq.POLLIN)
+        while True:
+            pending = any(g.status is not None for g in self.grants.values())
+            events = dict(poller.poll(1 if pending else 200))
+            if self.control in events:
+                for _ in range(256):
+                    try:
+                        identity, raw = self.control.recv_multipart(zmq.NOBLOCK)[:2]
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        self.stats.dropped_control += 1
+                        continue
+                    self.on_control(identity, raw)
+            if self.data in events:
+                for _ in range(1024):
+                    try:
+                        frames = self.data.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.on_data(frames)
+            if pending:
+                self.recheck_pending()
+            if conn.fileno() in events and conn.poll():
+                if conn.recv() == "stop":
+                    return
+
+    def close(self) -> None:
+        self.control.close(0)
+        self.data.close(0)
+        self.ctx.term()
+
+
+def _bind(sock, host: str) -> str:
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn) -> None:
+    """Process entry (multiprocessing spawn)."""
+    run_path = Path(run_dir)
+    log = start_process("decode", run_path)
+    endpoint = None
+    try:
+        endpoint = DecodeEndpoint(cfg, plan, run_path, log)
+        conn.send(("ready", {
+            "control_endpoint": endpoint.control_endpoint,
+            "data_endpoint": endpoint.data_endpoint,
+            "transport": endpoint.side.transport,
+            "session_id": endpoint.side.engine.session_id if endpoint.side.engine else None,
+        }))
+        endpoint.serve(conn)
+        conn.send(("stats", vars(endpoint.stats)))
+    except Exception as exc:  # reported to the runner, which owns the user-facing message
+        log.error("decode_failed", error=str(exc), traceback=traceback.format_exc())
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if endpoint is not None:
+            endpoint.close()

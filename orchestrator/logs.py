@@ -1,0 +1,88 @@
+"""structlog set-up: JSON lines in files, a readable console, decisions in their own file.
+
+Called inside the task function and at the start of each endpoint process (spawned workers
+and joblib/loky workers do not run module-level code of __main__). Hydra has already
+configured the stdlib root logger in the task process (console + <job>.log); we keep its
+handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours are one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import structlog
+
+from .router import DECISIONS_LOGGER
+
+_SHARED = [
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def _json_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.JSONRenderer(sort_keys=False)],
+        foreign_pre_chain=_SHARED,
+    )
+
+
+def _console_formatter(stream) -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.dev.ConsoleRenderer(colors=stream.isatty())],
+        foreign_pre_chain=_SHARED,
+    )
+
+
+def configure(run_dir: Optional[Path], role: str, console_level: int = logging.INFO,
+              keep_root_handlers: bool = False) -> structlog.stdlib.BoundLogger:
+    """Route structlog through stdlib logging. `keep_root_handlers` keeps (and re-formats)
+    Hydra's handlers; otherwise the root gets `<role>.log` (JSON) in run_dir and a console."""
+    structlog.configure(
+        processors=_SHARED + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger()
+    if keep_root_handlers and root.handlers:
+        for handler in root.handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.setFormatter(_json_formatter())
+            elif isinstance(handler, logging.StreamHandler):
+                handler.setFormatter(_console_formatter(handler.stream))
+    else:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        console = logging.StreamHandler(sys.stdout)
+        console.setLevel(console_level)
+        console.setFormatter(_console_formatter(sys.stdout))
+        root.addHandler(console)
+        if run_dir is not None:
+            fh = logging.FileHandler(run_dir / f"{role}.log")
+            fh.setFormatter(_json_formatter())
+            root.addHandler(fh)
+    root.setLevel(logging.INFO)
+
+    decisions = logging.getLogger(DECISIONS_LOGGER)
+    for handler in list(decisions.handlers):
+        decisions.removeHandler(handler)
+        handler.close()
+    decisions.propagate = False
+    if run_dir is not None:
+        dh = logging.FileHandler(run_dir / "decisions.jsonl")
+        dh.setFormatter(_json_formatter())
+        decisions.addHandler(dh)
+    else:
+        decisions.addHandler(logging.NullHandler())
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(role=role)
+    return structlog.get_logger("orchestrator")

@@ -1,0 +1,50 @@
+"""Detect what this machine offers (CUDA devices, the Mooncake build) as a plan.Platform.
+
+Kept apart from plan.py so the rules stay pure: this is the only place that asks torch and
+the installed Mooncake wheel what exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from importlib import metadata
+
+from .plan import Platform
+
+MOONCAKE_DISTRIBUTIONS = (
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+)
+
+
+def mooncake_distribution() -> tuple[str, str] | None:
+    """(pip name, version) of the installed Mooncake wheel, or None."""
+    for name in MOONCAKE_DISTRIBUTIONS:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def mooncake_has_cuda() -> bool:
+    """CUDA builds ship mooncake.allocator (NVLinkAllocator); the non-CUDA wheel does not."""
+    dist = mooncake_distribution()
+    if dist is None or dist[0].endswith("-non-cuda"):
+        return False
+    return importlib.util.find_spec("mooncake.allocator") is not None
+
+
+def detect() -> Platform:
+    import torch
+
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
+    return Platform(
+        cuda_devices=cuda_devices,
+        npu=npu,
+        mooncake_cuda=mooncake_has_cuda(),
+        env=dict(os.environ),
+    )

@@ -1,0 +1,126 @@
+"""send_aux: move one request's aux row to its decode slot by the planned route, and log why.
+
+The route and its reason come from orchestrator.plan (computed once, applied per request);
+this module only carries them out and records each one as a structured decision event
+(`route_decision`, one JSON line in decisions.jsonl) with the measured latency and outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import structlog
+import zmq
+
+from .buffers import MetadataBuffers
+from .plan import Plan, Route
+from .transport import zmq_aux
+from .transport.engine import EngineError, MooncakeEngine
+
+DECISIONS_LOGGER = "orchestrator.decisions"
+
+
+class LayoutMismatch(ValueError):
+    """Both sides of the engine route must have identical item lengths."""
+
+
+@dataclass
+class Peer:
+    """What the decode side told us at bootstrap."""
+
+    session_id: Optional[str]
+    aux_ptrs: list[int]
+    item_lens: list[int]
+    slots: int
+
+
+@dataclass
+class Decision:
+    room: int
+    slot: int
+    dst_slot: int
+    mem_pool: str
+    buffer_device: str
+    route: str
+    reason: str
+    transport: str
+    blocks: int
+    bytes: int
+    latency_us: float
+    outcome: str  # "ok" or "error"
+    error: Optional[str] = None
+
+
+class AuxRouter:
+    def __init__(
+        self,
+        plan: Plan,
+        buffers: MetadataBuffers,
+        transport: str,
+        engine: Optional[MooncakeEngine] = None,
+        push: Optional[zmq.Socket] = None,
+        max_blocks_per_batch: int = 1024,
+    ):
+        self.plan = plan
+        self.route = plan.route
+        self.reason = plan.route_reason.value
+        self.transport = transport
+        self.engine = engine
+        self.push = push
+        self.src_ptrs, _, self.item_lens = buffers.get_buf_infos()
+        self.row_bytes = sum(self.item_lens)
+        self.max_blocks = max_blocks_per_batch
+        self.peer: Optional[Peer] = None
+        self._log = structlog.get_logger(DECISIONS_LOGGER)
+        if self.route is Route.engine and engine is None:
+            raise ValueError("the engine route needs a MooncakeEngine")
+        if self.route is Route.tcp and push is None:
+            raise ValueError("the tcp route needs a ZMQ PUSH socket")
+
+    def connect(self, peer: Peer) -> None:
+        if list(peer.item_lens) != list(self.item_lens):
+            raise LayoutMismatch(f"decode item lengths {peer.item_lens} != prefill {self.item_lens}")
+        if len(self.item_lens) > self.max_blocks:
+            raise LayoutMismatch(f"{len(self.item_lens)} blocks per request exceed "
+                                 f"transport.mooncake.max_blocks_per_batch={self.max_blocks}")
+        if self.route is Route.engine and not peer.session_id:
+            raise LayoutMismatch("the decode side has no engine session for the engine route")
+        self.peer = peer
+
+    def blocks(self, slot: int, dst_slot: int) -> tuple[list[int], list[int], list[int]]:
+        """Engine-route blocks: src/dst = base + item_len * slot, one per field."""
+        assert self.peer is not None
+        lens = self.item_lens
+        srcs = [p + n * slot for p, n in zip(self.src_ptrs, lens)]
+        dsts = [p + n * dst_slot for p, n in zip(self.peer.aux_ptrs, lens)]
+        return srcs, dsts, lens
+
+    def send_aux(self, room: int, slot: int, dst_slot: int) -> Decision:
+        assert self.peer is not None, "connect() first"
+        error = None
+        t0 = time.perf_counter()
+        try:
+            if self.route is Route.engine:
+                srcs, dsts, lens = self.blocks(slot, dst_slot)
+                self.engine.batch_write(self.peer.session_id, srcs, dsts, lens)
+            else:
+                self._send_frames(room, slot, dst_slot)
+        except (EngineError, zmq.ZMQError) as exc:
+            error = str(exc)
+        latency_us = (time.perf_counter() - t0) * 1e6
+        decision = Decision(
+            room=room, slot=slot, dst_slot=dst_slot,
+            mem_pool=self.plan.mem_pool.value, buffer_device=self.plan.buffer_device.value,
+            route=self.route.value, reason=self.reason, transport=self.transport,
+            blocks=len(self.item_lens), bytes=self.row_bytes, latency_us=round(latency_us, 2),
+            outcome="ok" if error is None else "error", error=error,
+        )
+        self._log.info("route_decision", **asdict(decision))
+        return decision
+
+    def _send_frames(self, room: int, slot: int, dst_slot: int) -> None:
+        rows: Sequence[bytes] = zmq_aux.read_rows(self.src_ptrs, self.item_lens, slot)
+        for index, payload in enumerate(rows):
+            self.push.send_multipart(zmq_aux.encode_aux(room, index, dst_slot, payload))

@@ -1,0 +1,107 @@
+"""Run one handoff job: start decode, then prefill, as two spawned processes; watch them;
+collect what they measured. Every wait is bounded: a process that stops reporting is killed
+and its requests are counted as failed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import structlog
+
+from .config import OrchestratorConfig
+from .endpoints.decode import decode_main
+from .endpoints.prefill import prefill_main
+from .plan import Plan
+
+
+class RunFailed(RuntimeError):
+    """An endpoint could not start or run; the message says which and why."""
+
+
+@dataclass
+class RunOutput:
+    records: list[tuple] = field(default_factory=list)
+    wall_s: float = 0.0
+    row_bytes: int = 0
+    transports: dict[str, str] = field(default_factory=dict)
+    decode_stats: dict[str, Any] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+def _wait(conn, timeout_s: float, proc: mp.Process) -> tuple[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            return conn.recv()
+        if not proc.is_alive() and not conn.poll(0):
+            return "error", f"{proc.name} exited with code {proc.exitcode}"
+    return "error", f"{proc.name} sent nothing for {timeout_s:g} s"
+
+
+def _stop(proc: mp.Process, grace_s: float = 5.0) -> None:
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2)
+
+
+def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
+                 progress=None) -> RunOutput:
+    log = structlog.get_logger("orchestrator.runner")
+    ctx = mp.get_context("spawn")
+    out = RunOutput()
+    startup = cfg.endpoints.startup_timeout_s
+    watchdog = cfg.transport.timeout_s + 5.0  # prefill reports at least once a second
+
+    d_conn, d_child = ctx.Pipe()
+    decode = ctx.Process(target=decode_main, name="decode",
+                         args=(cfg, plan, str(run_dir), d_child), daemon=True)
+    decode.start()
+    prefill = None
+    try:
+        kind, info = _wait(d_conn, startup, decode)
+        if kind != "ready":
+            raise RunFailed(f"decode endpoint did not start: {info}")
+        out.transports["decode"] = info["transport"]
+        log.info("decode_ready", **info)
+
+        p_conn, p_child = ctx.Pipe()
+        prefill = ctx.Process(target=prefill_main, name="prefill",
+                              args=(cfg, plan, str(run_dir), info, p_child), daemon=True)
+        prefill.start()
+        kind, value = _wait(p_conn, startup, prefill)
+        if kind != "transport":
+            raise RunFailed(f"prefill endpoint did not start: {value}")
+        out.transports["prefill"] = value
+        while True:
+            kind, value = _wait(p_conn, watchdog, prefill)
+            if kind == "progress":
+                if progress:
+                    progress(value)
+                continue
+            if kind == "result":
+                out.records, out.wall_s, out.row_bytes = value["records"], value["wall_s"], value["row_bytes"]
+                break
+            raise RunFailed(f"prefill endpoint failed: {value}")
+    except RunFailed as exc:
+        out.error = str(exc)
+        log.error("run_failed", error=out.error)
+    finally:
+        if decode.is_alive():
+            try:
+                d_conn.send("stop")
+                kind, value = _wait(d_conn, 10.0, decode)
+                if kind == "stats":
+                    out.decode_stats = value
+                elif kind == "error" and out.error is None:
+                    out.error = f"decode endpoint failed: {value}"
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for proc in (prefill, decode):
+            if proc is not None:
+                _stop(proc)
+    return out

@@ -1,0 +1,1 @@
+"""Real I/O: the Mooncake transfer engine and the ZMQ AUX_DATA route."""

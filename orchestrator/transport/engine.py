@@ -1,0 +1,138 @@
+"""Mooncake TransferEngine wrapper: one engine per process, return codes become exceptions.
+
+Mooncake picks its transport at initialize time from the PRESENCE of MC_* variables, and it
+does not validate protocol names, so this wrapper (1) applies the plan's MC_* environment
+(set or unset, every managed name) right before creating the engine, and (2) reads what the
+engine itself logged while it came up to record the EFFECTIVE transport, which the caller
+compares with the declared one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional, Sequence
+
+from ..plan import EngineTransport
+
+
+class EngineError(RuntimeError):
+    """A Mooncake call returned an error code; `rc` and `context` say which and on what."""
+
+    def __init__(self, op: str, rc: int, **context):
+        self.op, self.rc, self.context = op, rc, context
+        detail = ", ".join(f"{k}={v}" for k, v in context.items())
+        super().__init__(f"mooncake {op} returned {rc}" + (f" ({detail})" if detail else ""))
+
+
+# What the engine prints when a transport comes up (glog lines, Mooncake 0.3.13/0.3.14).
+_TRANSPORT_MARKERS = (
+    (re.compile(r"Intra-Node NVLink transport|IntraNodeNvlinkTransport", re.I),
+     EngineTransport.nvlink_intra),
+    (re.compile(r"RdmaTransport|using RDMA|rdma_transport", re.I), EngineTransport.rdma),
+    (re.compile(r"TcpTransport|using TCP transport", re.I), EngineTransport.tcp),
+)
+
+
+def transport_from_log(text: str) -> Optional[EngineTransport]:
+    """The transport an engine's start-up log shows, or None if it names none."""
+    for pattern, transport in _TRANSPORT_MARKERS:
+        if pattern.search(text):
+            return transport
+    return None
+
+
+_fd_lock = threading.Lock()
+
+
+@contextmanager
+def captured_stderr(log_path: Optional[str]) -> Iterator[list[str]]:
+    """Redirect file descriptor 2 (where glog writes) to a file; yield a list that receives
+    what was written. The text is appended to `log_path` when given."""
+    out: list[str] = []
+    with _fd_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            out.append(text)
+            if log_path:
+                with open(log_path, "a") as fh:
+                    fh.write(text)
+
+
+def apply_env(env: Mapping[str, Optional[str]]) -> dict[str, str]:
+    """Set or unset each variable; return the effective values of the names touched."""
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return {name: os.environ[name] for name in env if name in os.environ}
+
+
+class MooncakeEngine:
+    """One initialized TransferEngine. Create one per process and reuse it (teardown ~1 s)."""
+
+    def __init__(
+        self,
+        host: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str = "",
+        env: Optional[Mapping[str, Optional[str]]] = None,
+        log_path: Optional[str] = None,
+    ):
+        self.applied_env = apply_env(env or {})
+        from mooncake.engine import TransferEngine  # imported late: env must be in place
+
+        self._engine = TransferEngine()
+        with captured_stderr(log_path) as logged:
+            rc = self._engine.initialize(host, metadata_server, protocol, device_name)
+        self.init_log = logged[0] if logged else ""
+        if rc != 0:
+            raise EngineError("initialize", rc, host=host, metadata_server=metadata_server,
+                              protocol=protocol)
+        self.host = host
+        self.protocol = protocol
+        self.rpc_port = self._engine.get_rpc_port()
+        self.session_id = f"{host}:{self.rpc_port}"
+        self.effective_transport = transport_from_log(self.init_log)
+        self._registered: list[tuple[int, int]] = []
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise EngineError("register_memory", rc, ptr=hex(ptr), nbytes=nbytes)
+        self._registered.append((ptr, nbytes))
+
+    def unregister_all(self) -> None:
+        for ptr, _ in self._registered:
+            self._engine.unregister_memory(ptr)
+        self._registered.clear()
+
+    def probe(self, session: str) -> bool:
+        return self._engine.send_probe(session) == 0
+
+    def batch_write(self, session: str, srcs: Sequence[int], dsts: Sequence[int],
+                    lengths: Sequence[int]) -> None:
+        """One synchronous batch write. Raises EngineError: Mooncake writes the good blocks
+        of a failed batch anyway (no rollback), so the receiver must never trust a slot
+        whose sender saw this raise."""
+        rc = self._engine.batch_transfer_sync_write(session, srcs, dsts, lengths)
+        if rc != 0:
+            raise EngineError("batch_transfer_sync_write", rc, session=session,
+                              blocks=len(srcs), bytes=sum(lengths))
+
+    @property
+    def raw(self):
+        """The underlying TransferEngine (benchmarks compare against it directly)."""
+        return self._engine
