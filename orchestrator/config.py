@@ -10,6 +10,7 @@ into one sentence naming the key, the bad value and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum
@@ -126,6 +127,10 @@ class OrchestratorConfig:
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
 
 
+_SCHEMAS = {c.__name__: c for c in (MemPoolConfig, BuffersConfig, MooncakeConfig, TransportConfig,
+                                    WorkloadConfig, EndpointsConfig, OrchestratorConfig)}
+
+
 def register_configs() -> None:
     """Store the schema; conf/config.yaml names it first in its defaults list."""
     ConfigStore.instance().store(name="orchestrator_schema", node=OrchestratorConfig)
@@ -155,11 +160,32 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def _unknown_key(node: Any, schema: type, prefix: str = "") -> Optional[str]:
+    """First key of `node` that the dataclass `schema` does not declare (Hydra lets
+    `+group.key=value` through on structured nodes)."""
+    declared = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in declared:
+            return f"{prefix}{key}"
+        ftype = declared[key].type
+        sub = _SCHEMAS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        if sub is not None and isinstance(node[key], DictConfig):
+            found = _unknown_key(node[key], sub, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
 def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
     """Range and consistency checks OmegaConf does not do; returns the typed config object.
 
     Raises ConfigError for the first problem found (one actionable sentence).
     """
+    if isinstance(cfg, DictConfig):
+        unknown = _unknown_key(cfg, OrchestratorConfig)
+        if unknown:
+            raise ConfigError(unknown, OmegaConf.select(cfg, unknown),
+                              "no such key in the schema (see conf/ or --cfg job)")
     obj: OrchestratorConfig = (
         OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg  # type: ignore[assignment]
     )
@@ -187,10 +213,10 @@ def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
         if gpu is not None and gpu < 0:
             raise ConfigError(key, gpu, "null (auto) or a CUDA device index >= 0")
     try:
-        ipaddress.ip_address(obj.transport.host)
+        ipaddress.IPv4Address(obj.transport.host)
     except ValueError:
         raise ConfigError("transport.host", obj.transport.host,
-                          "an IP address to bind (127.0.0.1 by default)") from None
+                          "an IPv4 address to bind (127.0.0.1 by default)") from None
     ms = obj.transport.mooncake.metadata_server
     if ms != "P2PHANDSHAKE" and not ms.startswith(("etcd://", "redis://", "http://", "https://")):
         raise ConfigError("transport.mooncake.metadata_server", ms,

@@ -1,0 +1,46 @@
+# Two entry points for a bare machine:
+#   make run    set up, then run the embedded default job (python -m orchestrator)
+#   make test   set up, then run the test suite
+# Set-up: a venv in .venv, libibverbs1 (the Mooncake wheels link it) when missing, torch
+# (CPU boxes: torch==2.13.0, the CPU build on disk), and this package with the Mooncake
+# wheel for the machine (extra cpu, cuda12 or cuda13; override with `make MOONCAKE=cuda13`).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+ARGS   ?=
+
+HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+CUDA_MAJ := $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p')
+ifeq ($(HAS_GPU),yes)
+  MOONCAKE ?= $(if $(filter 13,$(CUDA_MAJ)),cuda13,cuda12)
+  TORCH    ?= torch
+else
+  MOONCAKE ?= cpu
+  TORCH    ?= torch==2.13.0
+endif
+
+STAMP := $(VENV)/.installed-$(MOONCAKE)
+
+.PHONY: setup run test bench clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { \
+	  echo "installing libibverbs1 (needed by the Mooncake wheel)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 >/dev/null; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(MOONCAKE),test]"
+	@touch $@
+
+run: setup
+	$(PY) -m orchestrator $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,46 @@
+"""Shared fixtures: configs composed through Hydra's compose API, exactly as the CLI does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator.config import OrchestratorConfig, register_configs, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+register_configs()
+
+
+def compose_cfg(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def typed_cfg(*overrides: str) -> OrchestratorConfig:
+    return validate(compose_cfg(*overrides))
+
+
+@pytest.fixture
+def cfg_factory():
+    return typed_cfg
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch sees no GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

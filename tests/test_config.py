@@ -1,0 +1,78 @@
+"""Config composition (Hydra compose API) and user mistakes on the real command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from orchestrator.config import ConfigError, MemPoolType, RouteSetting, validate
+
+from .conftest import CONF, ROOT, compose_cfg
+
+
+def test_default_is_cpu_engine_profile(cfg_factory):
+    cfg = cfg_factory()
+    assert cfg.mem_pool.type is MemPoolType.NONE
+    assert cfg.transport.route is RouteSetting.auto
+    assert cfg.transport.host == "127.0.0.1"
+    assert cfg.workload.requests >= 1000
+
+
+@pytest.mark.parametrize("pool", [p.stem for p in sorted((CONF / "mem_pool").glob("*.yaml"))])
+def test_every_mem_pool_profile_composes(cfg_factory, pool):
+    assert cfg_factory(f"mem_pool={pool}").mem_pool.type is MemPoolType[pool]
+
+
+def test_each_pool_has_a_profile():
+    assert {p.stem for p in (CONF / "mem_pool").glob("*.yaml")} == {p.name for p in MemPoolType}
+
+
+@pytest.mark.parametrize("override", [
+    "mem_pool=FOO", "transport.route=bogus", "transport.fallback=maybe", "buffers.sise=3",
+    "buffers.size=abc", "buffers.hidden_states_dtype=int4", "transport.mooncake.transport=nvlink",
+])
+def test_hydra_rejects(override):
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(override)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("buffers.size=0", "buffers.size"),
+    ("buffers.hidden_size=-1", "buffers.hidden_size"),
+    ("workload.requests=-5", "workload.requests"),
+    ("workload.concurrency=0", "workload.concurrency"),
+    ("transport.timeout_s=0", "transport.timeout_s"),
+    ("transport.host=localhost.example", "transport.host"),
+    ("transport.mooncake.metadata_server=nowhere", "transport.mooncake.metadata_server"),
+    ("workload.top_logprobs_num=500", "workload.top_logprobs_num"),
+    ("+buffers.extra=1", "buffers.extra"),
+    ("endpoints.decode_gpu=-2", "endpoints.decode_gpu"),
+])
+def test_validate_names_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_cfg(override))
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}=")
+
+
+def _cli(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *overrides,
+                           "hydra.run.dir=" + str(ROOT / "outputs" / "test-cli-errors")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("buffers.size=0", "buffers.size=0 is not allowed"),
+    ("workload.requests=-1", "workload.requests=-1 is not allowed"),
+    ("mem_pool=FOO", "Could not find 'mem_pool/FOO'"),
+    ("transport.route=bogus", "expected one of [auto, tcp, engine]"),
+    ("buffers.sise=3", "Key 'sise' not in 'BuffersConfig'"),
+])
+def test_cli_user_error_exits_nonzero_without_traceback(override, needle):
+    proc = _cli(override)
+    assert proc.returncode != 0
+    assert needle in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -1,0 +1,150 @@
+"""The pure rules: device, route, engine environment, and what make_plan refuses."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from orchestrator.config import (ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType,
+                                 RouteSetting)
+from orchestrator.plan import (MANAGED_MC_VARS, Device, EngineTransport, Platform, Reason, Route,
+                               buffer_device, engine_env, make_plan, route_rule)
+
+CPU = Platform(cuda_devices=0, mooncake_cuda=False)
+ONE_GPU = Platform(cuda_devices=1, mooncake_cuda=True)
+TWO_GPU = Platform(cuda_devices=2, mooncake_cuda=True)
+GPU_NO_MC_CUDA = Platform(cuda_devices=2, mooncake_cuda=False)
+NPU = Platform(npu=True)
+PLATFORMS = {"cpu": CPU, "1gpu": ONE_GPU, "2gpu": TWO_GPU, "gpu-noncuda-mooncake": GPU_NO_MC_CUDA,
+             "npu": NPU}
+
+EXPECTED_DEVICE = {
+    MemPoolType.NONE: Device.cpu,
+    MemPoolType.NVLINK: Device.cpu,
+    MemPoolType.BAREX: Device.cpu,
+    MemPoolType.INTRA_NODE_NVLINK: Device.cuda,
+}
+
+
+@pytest.mark.parametrize("pool,platform", list(itertools.product(MemPoolType, PLATFORMS)))
+def test_device_rule(pool, platform):
+    got = buffer_device(pool, PLATFORMS[platform])
+    assert got is (Device.npu if platform == "npu" else EXPECTED_DEVICE[pool])
+
+
+@pytest.mark.parametrize("pool,setting", list(itertools.product(MemPoolType, RouteSetting)))
+def test_route_rule(pool, setting):
+    route, reason = route_rule(pool, setting)
+    if pool is MemPoolType.NVLINK:
+        assert (route, reason) == (Route.tcp, Reason.pool_nvlink_sends_over_tcp)
+    elif setting is RouteSetting.tcp:
+        assert (route, reason) == (Route.tcp, Reason.route_forced_tcp)
+    else:
+        assert route is Route.engine
+
+
+def test_no_pool_name_matches_by_substring():
+    """Regression for `x in ("NVLINK")`: INTRA_NODE_NVLINK contains "NVLINK" as a substring
+    and must NOT take the NVLINK pool's tcp route."""
+    assert "NVLINK" in "INTRA_NODE_NVLINK"  # the trap exists
+    route, reason = route_rule(MemPoolType.INTRA_NODE_NVLINK, RouteSetting.auto)
+    assert route is Route.engine and reason is Reason.engine_default
+    for pool in MemPoolType:
+        others = [p for p in MemPoolType if p is not pool]
+        for other in others:
+            assert pool is not other and pool != other
+    with pytest.raises(ValueError):
+        MemPoolType("NVLINK_INTRA")
+    with pytest.raises(ValueError):
+        MemPoolType("nvlink")  # exact, case-sensitive
+
+
+def test_enums_are_exact_in_config(cfg_factory):
+    from hydra.errors import ConfigCompositionException
+
+    for bad in ("mem_pool=NVLIN", "mem_pool=nvlink", "mem_pool=INTRA_NODE"):
+        with pytest.raises(ConfigCompositionException):
+            cfg_factory(bad)
+
+
+@pytest.mark.parametrize("transport", list(EngineTransport))
+def test_engine_env_sets_or_unsets_every_managed_var(transport):
+    env = engine_env(transport, 7)
+    assert set(env) == set(MANAGED_MC_VARS)
+    assert env["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7"
+    assert (env["MC_FORCE_TCP"] is not None) == (transport is EngineTransport.tcp)
+    assert (env["MC_INTRANODE_NVLINK"] is not None) == (transport is EngineTransport.nvlink_intra)
+    assert env["MC_FORCE_MNNVL"] is None and env["MC_FORCE_HCA"] is None
+
+
+def _plan(cfg_factory, platform, *overrides):
+    return make_plan(cfg_factory(*overrides), platform)
+
+
+@pytest.mark.parametrize("pool,setting,platform", list(itertools.product(
+    MemPoolType, RouteSetting, ["cpu", "1gpu", "2gpu", "gpu-noncuda-mooncake"])))
+@pytest.mark.parametrize("fallback", list(FallbackPolicy))
+def test_make_plan_every_combination(cfg_factory, pool, setting, platform, fallback):
+    """Every pool x platform x route x fallback either plans consistently or is refused with
+    a message naming a key."""
+    p = PLATFORMS[platform]
+    cuda_ok = p.cuda and p.mooncake_cuda
+    try:
+        plan = _plan(cfg_factory, p, f"mem_pool={pool.value}", f"transport.route={setting.value}",
+                     f"transport.fallback={fallback.value}")
+    except ConfigError as exc:
+        assert str(exc).split("=")[0] in ("mem_pool", "transport.route")
+        refused_gpu_tcp = (pool is MemPoolType.INTRA_NODE_NVLINK and setting is RouteSetting.tcp
+                           and (cuda_ok or fallback is FallbackPolicy.strict))
+        refused_no_cuda = (pool is MemPoolType.INTRA_NODE_NVLINK and not cuda_ok
+                           and fallback is FallbackPolicy.strict)
+        refused_nvlink_engine = pool is MemPoolType.NVLINK and setting is RouteSetting.engine
+        assert refused_gpu_tcp or refused_no_cuda or refused_nvlink_engine
+        return
+    # tcp route never reads GPU memory
+    if plan.route is Route.tcp:
+        assert plan.buffer_device is Device.cpu and plan.engine_transport is None
+        assert plan.declared_transport == "zmq-tcp"
+    else:
+        assert set(plan.mc_env) == set(MANAGED_MC_VARS)
+    if pool is MemPoolType.INTRA_NODE_NVLINK and cuda_ok:
+        assert plan.buffer_device is Device.cuda
+        assert plan.engine_transport is EngineTransport.nvlink_intra
+        assert plan.mc_env["MC_INTRANODE_NVLINK"] == "1" and plan.mc_env["MC_FORCE_TCP"] is None
+        assert plan.decode_gpu == (1 if p.cuda_devices >= 2 else 0)
+    elif pool is MemPoolType.INTRA_NODE_NVLINK:
+        # degrade: host buffers, logged fallback, engine over TCP
+        assert plan.buffer_device is Device.cpu and plan.events
+        assert plan.events[0].event == "fallback"
+        if plan.route is Route.engine:
+            assert plan.engine_transport is EngineTransport.tcp
+            assert plan.mc_env["MC_FORCE_TCP"] == "1" and plan.mc_env["MC_INTRANODE_NVLINK"] is None
+    else:
+        assert plan.buffer_device is Device.cpu and not plan.events
+
+
+def test_nvlink_intra_on_host_buffers_is_refused(cfg_factory):
+    with pytest.raises(ConfigError, match="transport.mooncake.transport"):
+        _plan(cfg_factory, TWO_GPU, "transport.mooncake.transport=nvlink_intra")
+
+
+def test_expandable_segments_refused_for_nvlink(cfg_factory):
+    p = Platform(cuda_devices=2, mooncake_cuda=True,
+                 env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"})
+    with pytest.raises(ConfigError, match="PYTORCH_CUDA_ALLOC_CONF"):
+        _plan(cfg_factory, p, "mem_pool=INTRA_NODE_NVLINK")
+    ok = Platform(cuda_devices=2, mooncake_cuda=True,
+                  env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert _plan(cfg_factory, ok, "mem_pool=INTRA_NODE_NVLINK").engine_transport is EngineTransport.nvlink_intra
+
+
+def test_gpu_index_out_of_range(cfg_factory):
+    with pytest.raises(ConfigError, match="endpoints.decode_gpu"):
+        _plan(cfg_factory, ONE_GPU, "mem_pool=INTRA_NODE_NVLINK", "endpoints.decode_gpu=1")
+
+
+def test_engine_tcp_on_gpu_buffers_allowed(cfg_factory):
+    plan = _plan(cfg_factory, TWO_GPU, "mem_pool=INTRA_NODE_NVLINK", "transport.mooncake.transport=tcp")
+    assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.tcp
+    assert plan.mc_env["MC_FORCE_TCP"] == "1"
