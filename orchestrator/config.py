@@ -119,16 +119,28 @@ class EndpointsConfig:
 
 
 @dataclass
+class BenchConfig:
+    """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
+
+    iters: int = 2000  # send_aux and raw batch writes, each, per engine path
+    handoffs: int = 500  # full-protocol handoffs per path, one in flight
+    bulk_mib: int = 64  # one-block bandwidth point per engine path (0 = skip)
+    bulk_reps: int = 20
+
+
+@dataclass
 class OrchestratorConfig:
     mem_pool: MemPoolConfig = field(default_factory=MemPoolConfig)
     buffers: BuffersConfig = field(default_factory=BuffersConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 _SCHEMAS = {c.__name__: c for c in (MemPoolConfig, BuffersConfig, MooncakeConfig, TransportConfig,
-                                    WorkloadConfig, EndpointsConfig, OrchestratorConfig)}
+                                    WorkloadConfig, EndpointsConfig, BenchConfig,
+                                    OrchestratorConfig)}
 
 
 def register_configs() -> None:
@@ -151,6 +163,9 @@ _POSITIVE_INTS = (
     ("workload.concurrency", "a whole number > 0"),
     ("transport.mooncake.tcp_progress_timeout_s", "a whole number of seconds > 0"),
     ("transport.mooncake.max_blocks_per_batch", "a whole number > 0"),
+    ("bench.iters", "a whole number > 0"),
+    ("bench.handoffs", "a whole number > 0"),
+    ("bench.bulk_reps", "a whole number > 0"),
 )
 
 

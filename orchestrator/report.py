@@ -49,6 +49,7 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "failure_reasons": dict(Counter(r[_I["detail"]] for r in recs if r[_I["outcome"]] != "verified")),
         "latency_us": {
             "send_aux": _latency([r[_I["send_us"]] for r in sent]),
+            "deliver": _latency([r[_I["deliver_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
             "handoff": _latency([r[_I["handoff_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
         },
         "handoffs_per_s": round(verified / wall, 1) if wall > 0 else None,

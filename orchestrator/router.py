@@ -36,7 +36,7 @@ class Peer:
     slots: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     room: int
     slot: int
@@ -73,6 +73,8 @@ class AuxRouter:
         self.row_bytes = sum(self.item_lens)
         self.max_blocks = max_blocks_per_batch
         self.peer: Optional[Peer] = None
+        self._src_blocks: dict[int, list[int]] = {}
+        self._dst_blocks: dict[int, list[int]] = {}
         self._log = structlog.get_logger(DECISIONS_LOGGER)
         if self.route is Route.engine and engine is None:
             raise ValueError("the engine route needs a MooncakeEngine")
@@ -88,16 +90,24 @@ class AuxRouter:
         if self.route is Route.engine and not peer.session_id:
             raise LayoutMismatch("the decode side has no engine session for the engine route")
         self.peer = peer
+        self._dst_blocks.clear()
 
     def blocks(self, slot: int, dst_slot: int) -> tuple[list[int], list[int], list[int]]:
-        """Engine-route blocks: src/dst = base + item_len * slot, one per field."""
-        assert self.peer is not None
-        lens = self.item_lens
-        srcs = [p + n * slot for p, n in zip(self.src_ptrs, lens)]
-        dsts = [p + n * dst_slot for p, n in zip(self.peer.aux_ptrs, lens)]
-        return srcs, dsts, lens
+        """Engine-route blocks: src/dst = base + item_len * slot, one per field. Memoized per
+        slot: the addresses of a row never change while the peer stays the same."""
+        srcs = self._src_blocks.get(slot)
+        if srcs is None:
+            srcs = self._src_blocks[slot] = [p + n * slot for p, n in zip(self.src_ptrs, self.item_lens)]
+        dsts = self._dst_blocks.get(dst_slot)
+        if dsts is None:
+            dsts = self._dst_blocks[dst_slot] = [
+                p + n * dst_slot for p, n in zip(self.peer.aux_ptrs, self.item_lens)]
+        return srcs, dsts, self.item_lens
 
     def send_aux(self, room: int, slot: int, dst_slot: int) -> Decision:
+        """Move the row; return the decision with its measured latency and outcome. Logging
+        is left to the caller (log()), after the status is on its way, so the JSON encoding
+        of the event stays off the handoff's critical path."""
         assert self.peer is not None, "connect() first"
         error = None
         t0 = time.perf_counter()
@@ -110,15 +120,17 @@ class AuxRouter:
         except (EngineError, zmq.ZMQError) as exc:
             error = str(exc)
         latency_us = (time.perf_counter() - t0) * 1e6
-        decision = Decision(
+        return Decision(
             room=room, slot=slot, dst_slot=dst_slot,
             mem_pool=self.plan.mem_pool.value, buffer_device=self.plan.buffer_device.value,
             route=self.route.value, reason=self.reason, transport=self.transport,
             blocks=len(self.item_lens), bytes=self.row_bytes, latency_us=round(latency_us, 2),
             outcome="ok" if error is None else "error", error=error,
         )
+
+    def log(self, decision: Decision) -> None:
+        """One `route_decision` JSON line in decisions.jsonl (stable keys: Decision's fields)."""
         self._log.info("route_decision", **asdict(decision))
-        return decision
 
     def _send_frames(self, room: int, slot: int, dst_slot: int) -> None:
         rows: Sequence[bytes] = zmq_aux.read_rows(self.src_ptrs, self.item_lens, slot)

@@ -24,6 +24,7 @@ class RunFailed(RuntimeError):
 
 @dataclass
 class RunOutput:
+    extra: dict[str, Any] = field(default_factory=dict)  # what a custom driver returned
     records: list[tuple] = field(default_factory=list)
     wall_s: float = 0.0
     row_bytes: int = 0
@@ -50,7 +51,8 @@ def _stop(proc: mp.Process, grace_s: float = 5.0) -> None:
 
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
-                 progress=None) -> RunOutput:
+                 progress=None, driver=None, bulk_bytes: int = 0) -> RunOutput:
+    """Start decode, then prefill (running `driver`, default: the configured workload)."""
     log = structlog.get_logger("orchestrator.runner")
     ctx = mp.get_context("spawn")
     out = RunOutput()
@@ -59,7 +61,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
 
     d_conn, d_child = ctx.Pipe()
     decode = ctx.Process(target=decode_main, name="decode",
-                         args=(cfg, plan, str(run_dir), d_child), daemon=True)
+                         args=(cfg, plan, str(run_dir), d_child, bulk_bytes), daemon=True)
     decode.start()
     prefill = None
     try:
@@ -70,8 +72,10 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         log.info("decode_ready", **info)
 
         p_conn, p_child = ctx.Pipe()
+        kwargs = {"driver": driver} if driver is not None else {}
         prefill = ctx.Process(target=prefill_main, name="prefill",
-                              args=(cfg, plan, str(run_dir), info, p_child), daemon=True)
+                              args=(cfg, plan, str(run_dir), info, p_child), kwargs=kwargs,
+                              daemon=True)
         prefill.start()
         kind, value = _wait(p_conn, startup, prefill)
         if kind != "transport":
@@ -84,7 +88,10 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                     progress(value)
                 continue
             if kind == "result":
-                out.records, out.wall_s, out.row_bytes = value["records"], value["wall_s"], value["row_bytes"]
+                out.records = value.pop("records", [])
+                out.wall_s = value.pop("wall_s", 0.0)
+                out.row_bytes = value.pop("row_bytes", 0)
+                out.extra = value
                 break
             raise RunFailed(f"prefill endpoint failed: {value}")
     except RunFailed as exc:

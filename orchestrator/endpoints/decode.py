@@ -206,19 +206,28 @@ def _bind(sock, host: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn) -> None:
-    """Process entry (multiprocessing spawn)."""
+def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
+                bulk_bytes: int = 0) -> None:
+    """Process entry (multiprocessing spawn). `bulk_bytes` > 0 also registers a bulk target
+    region of that size on the buffers' device (the benchmark's bandwidth point)."""
     run_path = Path(run_dir)
     log = start_process("decode", run_path)
     endpoint = None
     try:
         endpoint = DecodeEndpoint(cfg, plan, run_path, log)
-        conn.send(("ready", {
+        info = {
             "control_endpoint": endpoint.control_endpoint,
             "data_endpoint": endpoint.data_endpoint,
             "transport": endpoint.side.transport,
             "session_id": endpoint.side.engine.session_id if endpoint.side.engine else None,
-        }))
+        }
+        if bulk_bytes and endpoint.side.engine is not None:
+            import torch
+
+            bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=endpoint.buffers.device)
+            endpoint.side.engine.register(bulk.data_ptr(), bulk_bytes)
+            info["bulk_ptr"] = bulk.data_ptr()
+        conn.send(("ready", info))
         endpoint.serve(conn)
         conn.send(("stats", vars(endpoint.stats)))
     except Exception as exc:  # reported to the runner, which owns the user-facing message

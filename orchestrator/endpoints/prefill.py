@@ -38,17 +38,19 @@ class Handoff:
     dst_slot: int = -1
     route: str = ""
     send_us: float = 0.0
-    handoff_us: float = 0.0
+    t_send: float = 0.0
+    deliver_us: float = 0.0  # send_aux start -> decode's verdict received
+    handoff_us: float = 0.0  # slot request -> decode's verdict received
     outcome: str = ""
     detail: str = ""
 
     def record(self) -> tuple:
-        return (self.rid, self.room, self.dst_slot, self.route, self.send_us, self.handoff_us,
-                self.outcome, self.detail, self.checksum)
+        return (self.rid, self.room, self.dst_slot, self.route, self.send_us, self.deliver_us,
+                self.handoff_us, self.outcome, self.detail, self.checksum)
 
 
-RECORD_FIELDS = ("rid", "room", "dst_slot", "route", "send_us", "handoff_us", "outcome",
-                 "detail", "checksum")
+RECORD_FIELDS = ("rid", "room", "dst_slot", "route", "send_us", "deliver_us", "handoff_us",
+                 "outcome", "detail", "checksum")
 
 
 class PrefillEndpoint:
@@ -108,14 +110,22 @@ class PrefillEndpoint:
 
     def _on_grant(self, h: Handoff, dst_slot: int) -> None:
         h.dst_slot = dst_slot
+        h.t_send = time.perf_counter()
         decision = self.router.send_aux(h.room, h.slot, dst_slot)
         h.route, h.send_us = decision.route, decision.latency_us
         status = "ok" if decision.outcome == "ok" else "error"
-        self.push.send_multipart(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum))
+        try:
+            self.push.send_multipart(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum))
+        except zmq.ZMQError as exc:  # the data plane is stuck: the peer-lost timer ends it
+            self.log.warning("status_send_failed", room=h.room, error=str(exc))
+        self.router.log(decision)
 
     def _finish(self, h: Handoff, outcome: str, detail: str) -> None:
         h.outcome, h.detail = outcome, detail
-        h.handoff_us = round((time.perf_counter() - h.t_start) * 1e6, 2)
+        now = time.perf_counter()
+        h.handoff_us = round((now - h.t_start) * 1e6, 2)
+        if h.t_send:
+            h.deliver_us = round((now - h.t_send) * 1e6, 2)
         self.buffers.clear_room(h.slot)
         self.slots.free(h.slot)
         self.done.append(h)
@@ -170,19 +180,26 @@ class PrefillEndpoint:
         self.ctx.term()
 
 
-def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, endpoints: dict, conn) -> None:
-    """Process entry (multiprocessing spawn)."""
+def run_workload(endpoint: PrefillEndpoint, conn, decode_info: dict) -> dict:
+    """The default driver: the configured workload through the full handoff protocol."""
+    wall = endpoint.run(conn)
+    return {"wall_s": wall, "row_bytes": endpoint.buffers.row_bytes,
+            "records": [h.record() for h in endpoint.done]}
+
+
+def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_info: dict, conn,
+                 driver=run_workload) -> None:
+    """Process entry (multiprocessing spawn). `driver(endpoint, conn, decode_info)` does the
+    work once bootstrapped and returns the result dict (the benchmark passes its own)."""
     run_path = Path(run_dir)
     log = start_process("prefill", run_path)
     endpoint = None
     try:
-        endpoint = PrefillEndpoint(cfg, plan, run_path, log, endpoints["control_endpoint"],
-                                   endpoints["data_endpoint"])
+        endpoint = PrefillEndpoint(cfg, plan, run_path, log, decode_info["control_endpoint"],
+                                   decode_info["data_endpoint"])
         conn.send(("transport", endpoint.side.transport))
         endpoint.bootstrap()
-        wall = endpoint.run(conn)
-        conn.send(("result", {"wall_s": wall, "row_bytes": endpoint.buffers.row_bytes,
-                              "records": [h.record() for h in endpoint.done]}))
+        conn.send(("result", driver(endpoint, conn, decode_info)))
     except Exception as exc:
         log.error("prefill_failed", error=str(exc), traceback=traceback.format_exc())
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
