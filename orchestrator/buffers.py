@@ -22,6 +22,7 @@ from .config import HiddenStatesDtype, MemPoolType
 from .plan import Device, Platform, buffer_device
 
 _ALIGN = 256
+_CUDA_SEGMENT = 2 << 20
 
 TORCH_DTYPES = {
     HiddenStatesDtype.float32: torch.float32,
@@ -105,7 +106,13 @@ class MetadataBuffers:
             nbytes = size * spec.width * spec.dtype.itemsize
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         # The caching allocator hands out 512-byte aligned blocks; over-allocate to align.
-        self._arena = torch.zeros(total + _ALIGN, dtype=torch.uint8, device=self.device)
+        # On CUDA, a whole multiple of 2 MiB makes the arena its own cudaMalloc segment, so
+        # its pointer is the allocation base that CUDA IPC (and Mooncake's NVLink
+        # registration) hands to the peer.
+        nbytes_arena = total + _ALIGN
+        if self.device.type == "cuda":
+            nbytes_arena = -(-nbytes_arena // _CUDA_SEGMENT) * _CUDA_SEGMENT
+        self._arena = torch.zeros(nbytes_arena, dtype=torch.uint8, device=self.device)
         shift = (-self._arena.data_ptr()) % _ALIGN
         self.fields: list[torch.Tensor] = []
         for spec, off in zip(self.specs, offsets):
