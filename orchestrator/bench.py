@@ -33,7 +33,7 @@ from .config import (ConfigError, EngineTransportSetting, MemPoolType, Orchestra
 from .logs import configure
 from .plan import Device, Plan, Route, make_plan
 from .platform import detect
-from .report import percentile
+from .stats import percentile
 from .runner import run_handoffs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

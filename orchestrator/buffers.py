@@ -166,21 +166,35 @@ class MetadataBuffers:
     def room(self, slot: int) -> int:
         return int(self.bootstrap_room[slot, 0].item())
 
+    @property
+    def room_offset(self) -> int:
+        """Byte offset of bootstrap_room[slot, 0] inside a row snapshot (it is always last)."""
+        return self.row_bytes - self.item_lens[-1]
+
+    def row_snapshot(self, slot: int) -> bytes:
+        """Row `slot` of every field, in field order, as host bytes: one gather and one
+        device->host copy for device buffers, plain memory reads for host buffers."""
+        if self.device.type == "cpu":
+            return b"".join(ctypes.string_at(p + n * slot, n)
+                            for p, n in zip(self._field_ptrs, self.item_lens))
+        row = torch.cat([t[slot].view(torch.uint8).reshape(-1) for t in self.fields]).cpu()
+        return ctypes.string_at(row.data_ptr(), row.numel())
+
+    @staticmethod
+    def snapshot_room(snapshot: bytes, offset: int) -> int:
+        return int.from_bytes(snapshot[offset: offset + 8], "little")
+
     def clear_room(self, slot: int) -> None:
         """Zero a freed slot's bootstrap_room, so a stale room never passes the readiness gate."""
         self.bootstrap_room[slot, 0] = 0
 
     def row_checksum(self, slot: int) -> str:
-        """blake2b over row `slot` of every field, in field order. Host rows are hashed in
-        place; device rows are gathered and copied to the host once."""
-        digest = hashlib.blake2b(digest_size=16)
-        if self.device.type == "cpu":
-            for ptr, n in zip(self._field_ptrs, self.item_lens):
-                digest.update(ctypes.string_at(ptr + n * slot, n))
-        else:
-            row = torch.cat([t[slot].view(torch.uint8).reshape(-1) for t in self.fields]).cpu()
-            digest.update(ctypes.string_at(row.data_ptr(), row.numel()))
-        return digest.hexdigest()
+        """blake2b over row `slot` of every field, in field order."""
+        return checksum(self.row_snapshot(slot))
+
+
+def checksum(snapshot: bytes) -> str:
+    return hashlib.blake2b(snapshot, digest_size=16).hexdigest()
 
 
 def _write_prefix(dst_row: torch.Tensor, values: Sequence | torch.Tensor) -> None:

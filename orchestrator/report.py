@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .endpoints.prefill import RECORD_FIELDS
 from .plan import Plan
 from .runner import RunOutput
+from .stats import latency_summary
 
 _I = {name: i for i, name in enumerate(RECORD_FIELDS)}
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return round(ordered[rank - 1], 2)
-
-
-def _latency(values: Sequence[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99),
-            "p999": percentile(values, 99.9)}
 
 
 def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
@@ -48,9 +34,9 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "routes": dict(routes),
         "failure_reasons": dict(Counter(r[_I["detail"]] for r in recs if r[_I["outcome"]] != "verified")),
         "latency_us": {
-            "send_aux": _latency([r[_I["send_us"]] for r in sent]),
-            "deliver": _latency([r[_I["deliver_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
-            "handoff": _latency([r[_I["handoff_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
+            "send_aux": latency_summary([r[_I["send_us"]] for r in sent]),
+            "deliver": latency_summary([r[_I["deliver_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
+            "handoff": latency_summary([r[_I["handoff_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
         },
         "handoffs_per_s": round(verified / wall, 1) if wall > 0 else None,
         "mb_per_s": round(verified * out.row_bytes / wall / 1e6, 3) if wall > 0 else None,

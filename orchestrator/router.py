@@ -8,7 +8,7 @@ this module only carries them out and records each one as a structured decision 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import structlog
@@ -20,6 +20,7 @@ from .transport import zmq_aux
 from .transport.engine import EngineError, MooncakeEngine
 
 DECISIONS_LOGGER = "orchestrator.decisions"
+_now = time.perf_counter
 
 
 class LayoutMismatch(ValueError):
@@ -38,19 +39,26 @@ class Peer:
 
 @dataclass(slots=True)
 class Decision:
+    """One routing decision and its outcome. The per-run constant part (pool, device, route,
+    reason, transport, blocks, bytes) is shared, so building one costs next to nothing on
+    the hot path; event() renders the full, stable set of keys."""
+
     room: int
     slot: int
     dst_slot: int
-    mem_pool: str
-    buffer_device: str
-    route: str
-    reason: str
-    transport: str
-    blocks: int
-    bytes: int
     latency_us: float
     outcome: str  # "ok" or "error"
-    error: Optional[str] = None
+    error: Optional[str]
+    static: dict
+
+    @property
+    def route(self) -> str:
+        return self.static["route"]
+
+    def event(self) -> dict:
+        return {"room": self.room, "slot": self.slot, "dst_slot": self.dst_slot, **self.static,
+                "latency_us": round(self.latency_us, 2), "outcome": self.outcome,
+                "error": self.error}
 
 
 class AuxRouter:
@@ -72,6 +80,12 @@ class AuxRouter:
         self.src_ptrs, _, self.item_lens = buffers.get_buf_infos()
         self.row_bytes = sum(self.item_lens)
         self.max_blocks = max_blocks_per_batch
+        self._static = {
+            "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
+            "route": plan.route.value, "reason": self.reason, "transport": transport,
+            "blocks": len(self.item_lens), "bytes": self.row_bytes,
+        }
+        self._engine_route = plan.route is Route.engine
         self.peer: Optional[Peer] = None
         self._src_blocks: dict[int, list[int]] = {}
         self._dst_blocks: dict[int, list[int]] = {}
@@ -108,29 +122,23 @@ class AuxRouter:
         """Move the row; return the decision with its measured latency and outcome. Logging
         is left to the caller (log()), after the status is on its way, so the JSON encoding
         of the event stays off the handoff's critical path."""
-        assert self.peer is not None, "connect() first"
         error = None
-        t0 = time.perf_counter()
+        t0 = _now()
         try:
-            if self.route is Route.engine:
+            if self._engine_route:
                 srcs, dsts, lens = self.blocks(slot, dst_slot)
                 self.engine.batch_write(self.peer.session_id, srcs, dsts, lens)
             else:
                 self._send_frames(room, slot, dst_slot)
         except (EngineError, zmq.ZMQError) as exc:
             error = str(exc)
-        latency_us = (time.perf_counter() - t0) * 1e6
-        return Decision(
-            room=room, slot=slot, dst_slot=dst_slot,
-            mem_pool=self.plan.mem_pool.value, buffer_device=self.plan.buffer_device.value,
-            route=self.route.value, reason=self.reason, transport=self.transport,
-            blocks=len(self.item_lens), bytes=self.row_bytes, latency_us=round(latency_us, 2),
-            outcome="ok" if error is None else "error", error=error,
-        )
+        latency_us = (_now() - t0) * 1e6
+        return Decision(room, slot, dst_slot, latency_us, "ok" if error is None else "error",
+                        error, self._static)
 
     def log(self, decision: Decision) -> None:
-        """One `route_decision` JSON line in decisions.jsonl (stable keys: Decision's fields)."""
-        self._log.info("route_decision", **asdict(decision))
+        """One `route_decision` JSON line in decisions.jsonl (stable keys: Decision.event())."""
+        self._log.info("route_decision", **decision.event())
 
     def _send_frames(self, room: int, slot: int, dst_slot: int) -> None:
         rows: Sequence[bytes] = zmq_aux.read_rows(self.src_ptrs, self.item_lens, slot)

@@ -18,9 +18,10 @@ from pathlib import Path
 import zmq
 
 from .. import control
-from ..buffers import SlotAllocator
+from ..buffers import SlotAllocator, checksum
 from ..config import OrchestratorConfig
 from ..plan import Device, Plan
+from ..stats import percentile
 from ..transport import zmq_aux
 from .common import build_side, new_socket, start_process
 
@@ -41,7 +42,15 @@ class DecodeStats:
     dropped_data: int = 0
     dropped_control: int = 0
     unexpected: int = 0
+    gate_waits: int = 0  # status seen before the room landed (re-checked later)
     reasons: dict = field(default_factory=dict)
+    verify_us: list = field(default_factory=list)  # readiness gate + checksum, per slot
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if k != "verify_us"}
+        out["verify_us"] = {"p50": percentile(self.verify_us, 50),
+                            "p99": percentile(self.verify_us, 99)}
+        return out
 
     def count(self, outcome: str, detail: str) -> None:
         setattr(self, outcome, getattr(self, outcome) + 1)
@@ -55,6 +64,7 @@ class DecodeEndpoint:
         self.side = build_side(cfg, plan, "decode", run_dir, log)
         self.buffers = self.side.buffers
         self.ptrs, _, self.item_lens = self.buffers.get_buf_infos()
+        self.room_offset = self.buffers.room_offset
         self.slots = SlotAllocator(cfg.buffers.size)
         self.grants: dict[int, Grant] = {}
         self.waiting: deque[tuple[bytes, int]] = deque()  # grant requests without a free slot
@@ -134,15 +144,19 @@ class DecodeEndpoint:
         status = grant.status
         if status.status != "ok":
             return self._release(slot, grant, "failed", f"sender_{status.status}")
-        room = self.buffers.room(slot)
+        t0 = time.perf_counter()
+        snapshot = self.buffers.row_snapshot(slot)
+        room = self.buffers.snapshot_room(snapshot, self.room_offset)
         if room == 0:
             if time.monotonic() < grant.deadline:
+                self.stats.gate_waits += 1
                 return False  # not landed yet: re-check later
             return self._release(slot, grant, "failed", "room_never_landed")
         if room != grant.room:
             return self._release(slot, grant, "corrupted", "room_mismatch")
-        if self.buffers.row_checksum(slot) != status.checksum:
+        if checksum(snapshot) != status.checksum:
             return self._release(slot, grant, "corrupted", "checksum_mismatch")
+        self.stats.verify_us.append((time.perf_counter() - t0) * 1e6)
         return self._release(slot, grant, "verified", "")
 
     def _release(self, slot: int, grant: Grant, outcome: str, detail: str) -> bool:
@@ -229,7 +243,7 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
             info["bulk_ptr"] = bulk.data_ptr()
         conn.send(("ready", info))
         endpoint.serve(conn)
-        conn.send(("stats", vars(endpoint.stats)))
+        conn.send(("stats", endpoint.stats.summary()))
     except Exception as exc:  # reported to the runner, which owns the user-facing message
         log.error("decode_failed", error=str(exc), traceback=traceback.format_exc())
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -112,7 +112,7 @@ class PrefillEndpoint:
         h.dst_slot = dst_slot
         h.t_send = time.perf_counter()
         decision = self.router.send_aux(h.room, h.slot, dst_slot)
-        h.route, h.send_us = decision.route, decision.latency_us
+        h.route, h.send_us = decision.route, round(decision.latency_us, 2)
         status = "ok" if decision.outcome == "ok" else "error"
         try:
             self.push.send_multipart(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum))
