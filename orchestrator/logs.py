@@ -25,9 +25,18 @@ _SHARED = [
 ]
 
 
+_FIRST = ("event", "timestamp", "level", "logger", "role")
+
+
+def _event_first(_, __, event_dict: dict) -> dict:
+    """Stable, readable key order in JSON lines: event, timestamp, level, logger, role, rest."""
+    head = {k: event_dict.pop(k) for k in _FIRST if k in event_dict}
+    return {**head, **event_dict}
+
+
 def _json_formatter() -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _event_first,
                     structlog.processors.JSONRenderer(sort_keys=False)],
         foreign_pre_chain=_SHARED,
     )
