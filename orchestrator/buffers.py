@@ -128,6 +128,14 @@ class MetadataBuffers:
         self.item_lens = [t[0].nbytes for t in self.fields]
         self.row_bytes = sum(self.item_lens)
         self._field_ptrs = [t.data_ptr() for t in self.fields]
+        # Byte positions of row 0 of every field in the arena, and how far each moves per
+        # slot: a device row snapshot is then one add, one index_select and one copy.
+        base, step = [], []
+        for off, n in zip(offsets, self.item_lens):
+            base.append(torch.arange(shift + off, shift + off + n, dtype=torch.int64))
+            step.append(torch.full((n,), n, dtype=torch.int64))
+        self._gather_base = torch.cat(base).to(self.device)
+        self._gather_step = torch.cat(step).to(self.device)
 
     # ---- SGLang's surface -------------------------------------------------------------
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -177,7 +185,11 @@ class MetadataBuffers:
         if self.device.type == "cpu":
             return b"".join(ctypes.string_at(p + n * slot, n)
                             for p, n in zip(self._field_ptrs, self.item_lens))
-        row = torch.cat([t[slot].view(torch.uint8).reshape(-1) for t in self.fields]).cpu()
+        return self._gathered_snapshot(slot)
+
+    def _gathered_snapshot(self, slot: int) -> bytes:
+        index = torch.add(self._gather_base, self._gather_step, alpha=slot)
+        row = self._arena.index_select(0, index).cpu()
         return ctypes.string_at(row.data_ptr(), row.numel())
 
     @staticmethod

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 
 class MemPoolType(Enum):
@@ -201,9 +202,15 @@ def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
         if unknown:
             raise ConfigError(unknown, OmegaConf.select(cfg, unknown),
                               "no such key in the schema (see conf/ or --cfg job)")
-    obj: OrchestratorConfig = (
-        OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg  # type: ignore[assignment]
-    )
+        try:  # typed even when the source was a plain YAML (a saved run's config)
+            merged = OmegaConf.merge(OmegaConf.structured(OrchestratorConfig), cfg)
+        except ValidationError as exc:
+            key = str(exc.full_key)
+            raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
+                              exc.msg.split("\n")[0]) from None
+        obj: OrchestratorConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    else:
+        obj = cfg
     for key, allowed in _POSITIVE_INTS:
         value = _get(obj, key)
         if value <= 0:

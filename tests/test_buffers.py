@@ -104,3 +104,16 @@ def test_workload_is_deterministic():
     assert a.bootstrap_room == c.bootstrap_room != 0
     assert torch.equal(a.hidden_states_tensor, c.hidden_states_tensor)
     assert make_request(w, 12, 64).bootstrap_room != a.bootstrap_room
+
+
+def test_gathered_snapshot_equals_per_field_rows():
+    """The device path (one index_select) reads exactly the bytes of the per-field path."""
+    b = MetadataBuffers(5, 48, torch.bfloat16, output_dsa_topk_indices_dim=8)
+    for t in b.fields:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    for slot in range(5):
+        snap = b.row_snapshot(slot)
+        assert snap == b._gathered_snapshot(slot)
+        assert snap == b"".join(bytes(t[slot].view(torch.uint8).tolist()) for t in b.fields)
+        assert b.snapshot_room(snap, b.room_offset) == b.room(slot)
