@@ -3,11 +3,12 @@ Hydra, once per job (also inside launcher workers, hence logging is configured h
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from . import report
 from .config import ConfigError, validate
@@ -41,3 +42,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 def user_error(exc: ConfigError) -> None:
     print(f"error: {exc}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def failed_job(run_dir: Path, cfg: DictConfig, error: str) -> dict[str, Any]:
+    """results.json for a job that could not run (sweeps record it as a failed row)."""
+    requests = OmegaConf.select(cfg, "workload.requests", default=0)
+    results = {"requests": requests, "verified": 0, "corrupted": 0, "failed": requests,
+               "routes": {}, "error": error}
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"job failed: {error}", file=sys.stderr, flush=True)
+    return results
