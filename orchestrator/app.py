@@ -10,11 +10,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import report
+from . import fingerprint, report
 from .config import ConfigError, validate
 from .logs import configure
 from .plan import make_plan
 from .platform import detect
+from .progress import Progress
 from .runner import run_handoffs
 
 
@@ -27,10 +28,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     for event in plan.events:
         log.warning(event.event, reason=event.reason.value, detail=event.detail)
 
-    def progress(done: int) -> None:
-        log.info("progress", done=done, total=obj.workload.requests)
+    (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint.collect(obj, plan), indent=2) + "\n")
 
-    out = run_handoffs(obj, plan, run_dir, progress=progress)
+    progress = Progress(obj.workload.requests, log)
+    try:
+        out = run_handoffs(obj, plan, run_dir, progress=progress)
+    finally:
+        progress.close()
     results = report.build_results(obj.workload.requests, plan, out)
     report.write(run_dir, results, out)
     log.info("results", **{k: results[k] for k in ("requests", "verified", "corrupted", "failed",

@@ -1,0 +1,136 @@
+"""`python -m orchestrator.replay RUN_DIR [--out DIR]`: re-run a run dir and compare.
+
+The saved composed config (.hydra/config.yaml) is run again through the same entry point
+(`python -m orchestrator`), into RUN_DIR/replays/<time>/ unless --out is given. Then:
+- deterministic outputs must be identical: per request (by rid) the bootstrap room, the row
+  checksum and the outcome; per decision (by room) mem_pool, buffer_device, route, reason,
+  transport, blocks, bytes and outcome. Slots and timestamps are left out: which slot a
+  request lands in depends on completion order when several are in flight.
+- latencies are compared as ratios (replay / original) of p50, p99, p999;
+- the fingerprints (packages, git commit, GPUs, MC_* env) are diffed to explain changes.
+Exit 0 when the deterministic outputs are identical, 1 when they differ, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "blocks", "bytes",
+                 "outcome")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def deterministic(run_dir: Path) -> dict[str, Any]:
+    requests = {r["rid"]: (r["room"], r["checksum"], r["outcome"])
+                for r in _jsonl(run_dir / "requests.jsonl")}
+    decisions = {d["room"]: tuple(d[k] for k in DECISION_KEYS)
+                 for d in _jsonl(run_dir / "decisions.jsonl")}
+    return {"requests": requests, "decisions": decisions}
+
+
+def _diff(a: dict, b: dict, limit: int = 5) -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b), key=str):
+        if a.get(key) != b.get(key):
+            out.append(f"{key}: {a.get(key)} -> {b.get(key)}")
+            if len(out) >= limit:
+                break
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
+    return out
+
+
+def compare(original: Path, replay: Path) -> dict[str, Any]:
+    a, b = deterministic(original), deterministic(replay)
+    ra = json.loads((original / "results.json").read_text())
+    rb = json.loads((replay / "results.json").read_text())
+    latency = {}
+    for metric in ("send_aux", "handoff"):
+        for q in ("p50", "p99", "p999"):
+            x, y = ra["latency_us"][metric][q], rb["latency_us"][metric][q]
+            latency[f"{metric}.{q}"] = {"original_us": x, "replay_us": y,
+                                        "ratio": round(y / x, 3) if x and y else None}
+    fa = _flatten(json.loads((original / "fingerprint.json").read_text()))
+    fb = _flatten(json.loads((replay / "fingerprint.json").read_text()))
+    ignore = ("hostname",)
+    env_diff = {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb))
+                if fa.get(k) != fb.get(k) and not k.startswith(ignore)}
+    return {
+        "original": str(original), "replay": str(replay),
+        "requests_identical": a["requests"] == b["requests"],
+        "decisions_identical": a["decisions"] == b["decisions"],
+        "requests_compared": len(a["requests"]), "decisions_compared": len(a["decisions"]),
+        "request_differences": _diff(a["requests"], b["requests"]),
+        "decision_differences": _diff(a["decisions"], b["decisions"]),
+        "latency": latency,
+        "fingerprint_differences": env_diff,
+    }
+
+
+def render(rep: dict[str, Any]) -> str:
+    same = rep["requests_identical"] and rep["decisions_identical"]
+    lines = [
+        f"replay of {rep['original']}",
+        f"  into {rep['replay']}",
+        f"deterministic outputs: {'IDENTICAL' if same else 'DIFFERENT'} "
+        f"({rep['requests_compared']} request checksums, {rep['decisions_compared']} decisions)",
+    ]
+    for d in rep["request_differences"] + rep["decision_differences"]:
+        lines.append(f"  differs: {d}")
+    lines.append("latency (replay / original):")
+    for name, v in rep["latency"].items():
+        lines.append(f"  {name:<15} {v['original_us']} -> {v['replay_us']} us  x{v['ratio']}")
+    if rep["fingerprint_differences"]:
+        lines.append("environment differences:")
+        for k, (x, y) in rep["fingerprint_differences"].items():
+            lines.append(f"  {k}: {x} -> {y}")
+    else:
+        lines.append("environment: same fingerprint")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.replay", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="where the replay runs")
+    args = ap.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    needed = [".hydra/config.yaml", "results.json", "requests.jsonl", "decisions.jsonl",
+              "fingerprint.json"]
+    missing = [n for n in needed if not (run_dir / n).exists()]
+    if missing:
+        print(f"error: {run_dir} is not a complete run dir (missing {', '.join(missing)})",
+              file=sys.stderr)
+        return 2
+    out = (args.out or run_dir / "replays" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
+    cmd = [sys.executable, "-m", "orchestrator", "--config-path", str(run_dir / ".hydra"),
+           "--config-name", "config", f"hydra.run.dir={out}", "hydra.job.name=orchestrator"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if not (out / "results.json").exists():
+        print(f"error: the replay did not produce results (exit {proc.returncode}):\n"
+              f"{proc.stderr[-2000:]}", file=sys.stderr)
+        return 2
+    rep = compare(run_dir, out)
+    (out / "replay.json").write_text(json.dumps(rep, indent=2) + "\n")
+    print(render(rep))
+    return 0 if rep["requests_identical"] and rep["decisions_identical"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Every experiment profile composes through Hydra's compose API and plans as documented."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import MetadataBuffers
+from orchestrator.config import ConfigError, MemPoolType
+from orchestrator.plan import Device, EngineTransport, Platform, make_plan
+
+from .conftest import CONF
+
+PROFILES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+CPU = Platform()
+TWO_GPU = Platform(cuda_devices=2, mooncake_cuda=True)
+ROW_BYTES = {"cpu_smoke": 1600, "llama3_8b": 9728, "deepseek_v3_mtp": 15872}
+
+
+def test_profiles_exist():
+    assert {"cpu_smoke", "llama3_8b", "deepseek_v3_mtp"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_composes_validates_and_documents_itself(cfg_factory, name):
+    cfg = cfg_factory(f"experiment={name}")
+    text = (CONF / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_") and text.count("\n#") >= 2, "say what it models"
+    plan = make_plan(cfg, TWO_GPU)
+    if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
+        assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.nvlink_intra
+    b = cfg.buffers
+    rows = MetadataBuffers(2, b.hidden_size, b.hidden_states_dtype.value, b.max_top_logprobs_num,
+                           None, b.output_dsa_topk_indices_dim, device="cpu").row_bytes
+    if name in ROW_BYTES:
+        assert rows == ROW_BYTES[name]
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_on_cpu_box_runs_or_is_refused_clearly(cfg_factory, name):
+    cfg = cfg_factory(f"experiment={name}")
+    if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
+        with pytest.raises(ConfigError, match="transport.fallback=degrade"):
+            make_plan(cfg, CPU)
+        plan = make_plan(cfg_factory(f"experiment={name}", "transport.fallback=degrade"), CPU)
+        assert plan.buffer_device is Device.cpu and plan.events
+    else:
+        assert make_plan(cfg, CPU).buffer_device is Device.cpu
+
+
+def test_command_line_overrides_beat_the_profile(cfg_factory):
+    cfg = cfg_factory("experiment=llama3_8b", "workload.requests=7", "mem_pool=NVLINK")
+    assert cfg.workload.requests == 7 and cfg.mem_pool.type is MemPoolType.NVLINK
+    assert cfg.buffers.hidden_size == 4096 and cfg.buffers.hidden_states_dtype.value == "bfloat16"
