@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import fingerprint, report
+from . import auth, faults, fingerprint, report
 from .config import ConfigError, validate
 from .logs import configure
 from .plan import make_plan
@@ -24,6 +24,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     log = configure(run_dir, "orchestrator", keep_root_handlers=True)
     obj = validate(cfg)
     plan = make_plan(obj, detect())
+    faults.check(obj.faults, plan)
+    auth.from_env(obj.transport.secret_env)  # a named but unset secret is a config mistake
     log.info("plan", **plan.as_dict())
     for event in plan.events:
         log.warning(event.event, reason=event.reason.value, detail=event.detail)
@@ -36,7 +38,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     finally:
         progress.close()
     results = report.build_results(obj.workload.requests, plan, out)
-    report.write(run_dir, results, out)
+    report.write(run_dir, results)
     log.info("results", **{k: results[k] for k in ("requests", "verified", "corrupted", "failed",
                                                   "routes", "effective_transport")})
     print(report.summary(results, run_dir), flush=True)

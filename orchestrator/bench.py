@@ -58,12 +58,7 @@ def engine_driver(endpoint, conn, decode_info: dict) -> dict:
 
     cfg: OrchestratorConfig = endpoint.cfg
     out: dict[str, Any] = {}
-    wall = endpoint.run(conn)
-    recs = [h for h in endpoint.done if h.outcome == "verified"]
-    out["handoff_verified"] = len(recs)
-    out["handoff_total"] = len(endpoint.done)
-    out["deliver_us"] = [h.deliver_us for h in recs]
-    out["handoff_wall_s"] = wall
+    out.update(_handoffs(endpoint, conn))
 
     router = endpoint.router
     raw = endpoint.side.engine.raw
@@ -112,13 +107,20 @@ def engine_driver(endpoint, conn, decode_info: dict) -> dict:
     return out
 
 
-def tcp_route_driver(endpoint, conn, decode_info: dict) -> dict:
+def _handoffs(endpoint, conn) -> dict:
+    """The configured handoffs through the full protocol (one in flight in the bench)."""
     wall = endpoint.run(conn)
-    recs = [h for h in endpoint.done if h.outcome == "verified"]
-    return {"handoff_verified": len(recs), "handoff_total": len(endpoint.done),
-            "send_us": [h.send_us for h in recs], "deliver_us": [h.deliver_us for h in recs],
-            "handoff_wall_s": wall, "row_bytes": endpoint.buffers.row_bytes,
-            "blocks": len(endpoint.buffers.item_lens)}
+    t = endpoint.tally
+    return {"handoff_verified": t.outcomes.get("verified", 0), "handoff_total": t.count,
+            "deliver_us": t.deliver_us.tolist(), "handoff_wall_s": wall,
+            "row_bytes": endpoint.buffers.row_bytes}
+
+
+def tcp_route_driver(endpoint, conn, decode_info: dict) -> dict:
+    out = _handoffs(endpoint, conn)
+    out["send_us"] = endpoint.tally.send_us.tolist()
+    out["blocks"] = len(endpoint.buffers.item_lens)
+    return out
 
 
 # ---- phases -----------------------------------------------------------------------------
@@ -184,13 +186,14 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
             results["paths"].append({"path": ph.name, "error": out.error})
             log.error("bench_phase_failed", phase=ph.name, error=out.error)
             continue
-        x = out.extra
+        x = out.tally
         entry: dict[str, Any] = {
             "path": ph.name, "transport": out.transports.get("prefill"),
             "row_bytes": out.row_bytes, "blocks": x["blocks"],
             "handoffs_verified": x["handoff_verified"], "handoffs_total": x["handoff_total"],
             "handoff": _stats(x["deliver_us"], None),
             "handoff_protocol_per_s": round(x["handoff_verified"] / x["handoff_wall_s"], 1),
+            "decode_verify_us": out.decode_stats.get("verify_us"),
         }
         if "ours_us" in x:
             entry["ours_send_aux"] = _stats(x["ours_us"])

@@ -200,6 +200,10 @@ class MetadataBuffers:
         """Zero a freed slot's bootstrap_room, so a stale room never passes the readiness gate."""
         self.bootstrap_room[slot, 0] = 0
 
+    def flip_byte(self, slot: int, field_index: int, offset: int = 0) -> None:
+        """Fault injection (faults.kind=corrupt_byte): change one byte of one field's row."""
+        self.fields[field_index][slot].view(torch.uint8)[offset] ^= 0x5A
+
     def row_checksum(self, slot: int) -> str:
         """blake2b over row `slot` of every field, in field order."""
         return checksum(self.row_snapshot(slot))

@@ -58,6 +58,20 @@ class EngineTransportSetting(Enum):
     nvlink_intra = "nvlink_intra"
 
 
+class FaultKind(Enum):
+    """faults.kind: a failure injected on purpose, to show how the run ends (RELIABILITY.md)."""
+
+    none = "none"
+    decode_killed = "decode_killed"  # SIGKILL the decode process after `at_request` handoffs
+    decode_stopped = "decode_stopped"  # SIGSTOP it for `duration_s`, then SIGCONT
+    silent_control = "silent_control"  # prefill's control peer accepts TCP and never answers
+    silent_peer = "silent_peer"  # the engine session id points at a port that never answers
+    bad_destination = "bad_destination"  # one block of the batch aims outside the registration
+    wrong_session = "wrong_session"  # the batch goes to a session id nobody serves
+    stale_room = "stale_room"  # the room block is not sent and decode does not zero freed rooms
+    corrupt_byte = "corrupt_byte"  # one byte of the row changes after its checksum was taken
+
+
 class HiddenStatesDtype(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -96,6 +110,11 @@ class TransportConfig:
     route: RouteSetting = RouteSetting.auto
     fallback: FallbackPolicy = FallbackPolicy.strict
     host: str = "127.0.0.1"  # data and control planes bind here; loopback unless declared
+    allow_remote: bool = False  # a non-loopback host must be allowed explicitly
+    # Name of an environment variable holding a shared secret; when set, control and status
+    # messages carry an HMAC-SHA256 and unauthenticated ones are rejected (the secret itself
+    # never lands in the config or the run dir).
+    secret_env: Optional[str] = None
     timeout_s: float = 10.0  # a peer silent this long is declared lost
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
@@ -120,6 +139,14 @@ class EndpointsConfig:
 
 
 @dataclass
+class FaultsConfig:
+    kind: FaultKind = FaultKind.none
+    at_request: int = 50  # first request (or handoff count) the fault hits
+    every: int = 10  # per-request faults: then every Nth request
+    duration_s: float = 2.0  # decode_stopped: how long the process stays stopped
+
+
+@dataclass
 class BenchConfig:
     """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
 
@@ -137,10 +164,11 @@ class OrchestratorConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 _SCHEMAS = {c.__name__: c for c in (MemPoolConfig, BuffersConfig, MooncakeConfig, TransportConfig,
-                                    WorkloadConfig, EndpointsConfig, BenchConfig,
+                                    WorkloadConfig, EndpointsConfig, BenchConfig, FaultsConfig,
                                     OrchestratorConfig)}
 
 
@@ -235,10 +263,18 @@ def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
         if gpu is not None and gpu < 0:
             raise ConfigError(key, gpu, "null (auto) or a CUDA device index >= 0")
     try:
-        ipaddress.IPv4Address(obj.transport.host)
+        host = ipaddress.IPv4Address(obj.transport.host)
     except ValueError:
         raise ConfigError("transport.host", obj.transport.host,
                           "an IPv4 address to bind (127.0.0.1 by default)") from None
+    if not host.is_loopback and not obj.transport.allow_remote:
+        raise ConfigError("transport.host", obj.transport.host,
+                          "a loopback address (127.0.0.0/8), or set transport.allow_remote=true "
+                          "to expose the data and control planes on that address")
+    f = obj.faults
+    if f.at_request < 0 or f.every <= 0 or f.duration_s <= 0:
+        raise ConfigError("faults", f"at_request={f.at_request} every={f.every} duration_s={f.duration_s}",
+                          "at_request >= 0, every > 0, duration_s > 0")
     ms = obj.transport.mooncake.metadata_server
     if ms != "P2PHANDSHAKE" and not ms.startswith(("etcd://", "redis://", "http://", "https://")):
         raise ConfigError("transport.mooncake.metadata_server", ms,

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .endpoints.prefill import RECORD_FIELDS
 from .plan import Plan
 from .runner import RunOutput
 from .stats import latency_summary
 
-_I = {name: i for i, name in enumerate(RECORD_FIELDS)}
-
-
 def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
-    recs = out.records
-    outcomes = Counter(r[_I["outcome"]] for r in recs)
-    routes = Counter(r[_I["route"]] for r in recs if r[_I["route"]])
-    sent = [r for r in recs if r[_I["route"]]]
-    verified = outcomes.get("verified", 0)
+    t = out.tally
+    outcomes = t.get("outcomes", {})
+    verified, corrupted = outcomes.get("verified", 0), outcomes.get("corrupted", 0)
     wall = out.wall_s
     transports = set(out.transports.values())
     effective = transports.pop() if len(transports) == 1 else (
@@ -29,14 +22,14 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
     return {
         "requests": requests,
         "verified": verified,
-        "corrupted": outcomes.get("corrupted", 0),
-        "failed": requests - verified - outcomes.get("corrupted", 0),
-        "routes": dict(routes),
-        "failure_reasons": dict(Counter(r[_I["detail"]] for r in recs if r[_I["outcome"]] != "verified")),
+        "corrupted": corrupted,
+        "failed": requests - verified - corrupted,
+        "routes": t.get("routes", {}),
+        "failure_reasons": t.get("reasons", {}),
         "latency_us": {
-            "send_aux": latency_summary([r[_I["send_us"]] for r in sent]),
-            "deliver": latency_summary([r[_I["deliver_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
-            "handoff": latency_summary([r[_I["handoff_us"]] for r in sent if r[_I["outcome"]] == "verified"]),
+            "send_aux": latency_summary(t.get("send_us", [])),
+            "deliver": latency_summary(t.get("deliver_us", [])),
+            "handoff": latency_summary(t.get("handoff_us", [])),
         },
         "handoffs_per_s": round(verified / wall, 1) if wall > 0 else None,
         "mb_per_s": round(verified * out.row_bytes / wall / 1e6, 3) if wall > 0 else None,
@@ -45,17 +38,18 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "effective_transport": effective,
         "declared_transport": plan.declared_transport,
         "endpoint_transports": out.transports,
+        "memory_kb": {"prefill": t.get("memory", {}), "decode": out.decode_stats.get("memory", {})},
+        "rejected_auth": t.get("rejected_auth", 0) + out.decode_stats.get("rejected_auth", 0),
+        "faults_applied": out.faults_applied,
         "decode_stats": out.decode_stats,
         "plan": plan.as_dict(),
         "error": out.error,
     }
 
 
-def write(run_dir: Path, results: dict[str, Any], out: RunOutput) -> None:
+def write(run_dir: Path, results: dict[str, Any]) -> None:
+    """results.json (requests.jsonl was streamed by the prefill endpoint)."""
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    with open(run_dir / "requests.jsonl", "w") as fh:
-        for rec in out.records:
-            fh.write(json.dumps(dict(zip(RECORD_FIELDS, rec))) + "\n")
 
 
 def summary(results: dict[str, Any], run_dir: Path) -> str:
@@ -79,3 +73,29 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     if results["failure_reasons"]:
         lines.insert(-1, "failures: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m orchestrator.report <sweep_dir>`: rebuild summary.csv, .md and .png."""
+    import argparse
+    import sys
+
+    from .sweep import SweepError, summarize
+
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.report",
+        description="Rebuild summary.csv, summary.md and summary.png of a Hydra sweep dir.")
+    parser.add_argument("sweep_dir", type=Path, help="e.g. outputs/multirun/<date>/<time>")
+    args = parser.parse_args(argv)
+    try:
+        paths = summarize(args.sweep_dir)
+    except SweepError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    for path in paths:
+        print(path, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -118,16 +118,18 @@ class AuxRouter:
                 p + n * dst_slot for p, n in zip(self.peer.aux_ptrs, self.item_lens)]
         return srcs, dsts, self.item_lens
 
-    def send_aux(self, room: int, slot: int, dst_slot: int) -> Decision:
+    def send_aux(self, room: int, slot: int, dst_slot: int, blocks=None,
+                 session: Optional[str] = None) -> Decision:
         """Move the row; return the decision with its measured latency and outcome. Logging
         is left to the caller (log()), after the status is on its way, so the JSON encoding
-        of the event stays off the handoff's critical path."""
+        of the event stays off the handoff's critical path. `blocks` and `session` replace
+        the computed ones (fault injection only)."""
         error = None
         t0 = _now()
         try:
             if self._engine_route:
-                srcs, dsts, lens = self.blocks(slot, dst_slot)
-                self.engine.batch_write(self.peer.session_id, srcs, dsts, lens)
+                srcs, dsts, lens = blocks or self.blocks(slot, dst_slot)
+                self.engine.batch_write(session or self.peer.session_id, srcs, dsts, lens)
             else:
                 self._send_frames(room, slot, dst_slot)
         except (EngineError, zmq.ZMQError) as exc:

@@ -1,10 +1,13 @@
 """Run one handoff job: start decode, then prefill, as two spawned processes; watch them;
 collect what they measured. Every wait is bounded: a process that stops reporting is killed
-and its requests are counted as failed."""
+and its requests are counted as failed. Process-level faults (faults.kind) are applied here."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +15,10 @@ from typing import Any, Optional
 
 import structlog
 
-from .config import OrchestratorConfig
+from .config import FaultKind, OrchestratorConfig
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
+from .faults import silent_listener
 from .plan import Plan
 
 
@@ -24,12 +28,12 @@ class RunFailed(RuntimeError):
 
 @dataclass
 class RunOutput:
-    extra: dict[str, Any] = field(default_factory=dict)  # what a custom driver returned
-    records: list[tuple] = field(default_factory=list)
+    tally: dict[str, Any] = field(default_factory=dict)  # what the prefill driver returned
     wall_s: float = 0.0
     row_bytes: int = 0
     transports: dict[str, str] = field(default_factory=dict)
     decode_stats: dict[str, Any] = field(default_factory=dict)
+    faults_applied: list[dict] = field(default_factory=list)
     error: Optional[str] = None
 
 
@@ -50,6 +54,37 @@ def _stop(proc: mp.Process, grace_s: float = 5.0) -> None:
         proc.join(2)
 
 
+class ProcessFault:
+    """decode_killed / decode_stopped: act on the decode process once `at_request` handoffs
+    are done (checked at each progress report, about once a second)."""
+
+    def __init__(self, cfg: OrchestratorConfig, decode: mp.Process, out: RunOutput, log):
+        self.f, self.decode, self.out, self.log = cfg.faults, decode, out, log
+        self.fired = False
+
+    def __call__(self, done: int) -> None:
+        if self.fired or done < self.f.at_request:
+            return
+        self.fired = True
+        pid = self.decode.pid
+        t = time.time()
+        if self.f.kind is FaultKind.decode_killed:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(self.f.duration_s, self._resume, args=(pid,)).start()
+        self.out.faults_applied.append({"fault": self.f.kind.value, "after_handoffs": done,
+                                        "at": round(t, 3)})
+        self.log.warning("fault_injected", fault=self.f.kind.value, after_handoffs=done)
+
+    @staticmethod
+    def _resume(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                  progress=None, driver=None, bulk_bytes: int = 0) -> RunOutput:
     """Start decode, then prefill (running `driver`, default: the configured workload)."""
@@ -64,12 +99,19 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                          args=(cfg, plan, str(run_dir), d_child, bulk_bytes), daemon=True)
     decode.start()
     prefill = None
+    silent = None
+    fault = ProcessFault(cfg, decode, out, log) if cfg.faults.kind in (
+        FaultKind.decode_killed, FaultKind.decode_stopped) else None
     try:
         kind, info = _wait(d_conn, startup, decode)
         if kind != "ready":
             raise RunFailed(f"decode endpoint did not start: {info}")
         out.transports["decode"] = info["transport"]
         log.info("decode_ready", **info)
+        if cfg.faults.kind is FaultKind.silent_control:
+            silent = silent_listener(cfg.transport.host)
+            info = {**info, "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
+            out.faults_applied.append({"fault": "silent_control", "control_endpoint": info["control_endpoint"]})
 
         p_conn, p_child = ctx.Pipe()
         kwargs = {"driver": driver} if driver is not None else {}
@@ -84,14 +126,15 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         while True:
             kind, value = _wait(p_conn, watchdog, prefill)
             if kind == "progress":
+                if fault:
+                    fault(value)
                 if progress:
                     progress(value)
                 continue
             if kind == "result":
-                out.records = value.pop("records", [])
                 out.wall_s = value.pop("wall_s", 0.0)
                 out.row_bytes = value.pop("row_bytes", 0)
-                out.extra = value
+                out.tally = value
                 break
             raise RunFailed(f"prefill endpoint failed: {value}")
     except RunFailed as exc:
@@ -100,6 +143,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
     finally:
         if decode.is_alive():
             try:
+                os.kill(decode.pid, signal.SIGCONT)  # in case a stop fault is still in force
                 d_conn.send("stop")
                 kind, value = _wait(d_conn, 10.0, decode)
                 if kind == "stats":
@@ -111,4 +155,6 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         for proc in (prefill, decode):
             if proc is not None:
                 _stop(proc)
+        if silent is not None:
+            silent.close()
     return out

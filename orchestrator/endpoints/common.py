@@ -77,6 +77,12 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
     return Side(buffers, engine, transport, log)
 
 
+def rss_kb() -> int:
+    """Resident set size of this process in KiB (Linux /proc)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
 def new_socket(ctx, kind: int, timeout_s: float):
     """A socket that never blocks forever and never lingers at close."""
     import zmq

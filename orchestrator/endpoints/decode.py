@@ -18,12 +18,14 @@ from pathlib import Path
 import zmq
 
 from .. import control
+from ..auth import from_env
 from ..buffers import SlotAllocator, checksum
-from ..config import OrchestratorConfig
+from ..config import FaultKind, OrchestratorConfig
+from ..faults import FaultInjector, silent_listener
 from ..plan import Device, Plan
 from ..stats import percentile
 from ..transport import zmq_aux
-from .common import build_side, new_socket, start_process
+from .common import build_side, new_socket, rss_kb, start_process
 
 
 @dataclass
@@ -41,10 +43,12 @@ class DecodeStats:
     failed: int = 0
     dropped_data: int = 0
     dropped_control: int = 0
+    rejected_auth: int = 0  # control or status messages without a valid MAC
     unexpected: int = 0
     gate_waits: int = 0  # status seen before the room landed (re-checked later)
     reasons: dict = field(default_factory=dict)
     verify_us: list = field(default_factory=list)  # readiness gate + checksum, per slot
+    memory: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k != "verify_us"}
@@ -70,6 +74,12 @@ class DecodeEndpoint:
         self.waiting: deque[tuple[bytes, int]] = deque()  # grant requests without a free slot
         self.stats = DecodeStats()
         self.timeout_s = cfg.transport.timeout_s
+        self.auth = from_env(cfg.transport.secret_env)
+        self.faults = FaultInjector(cfg.faults)
+        self.warm = min(1000, cfg.workload.requests // 10)
+        self._silent = None
+        if cfg.faults.kind is FaultKind.silent_peer:
+            self._silent = silent_listener(cfg.transport.host)
         self.ctx = zmq.Context()
         host = cfg.transport.host
         self.control = new_socket(self.ctx, zmq.ROUTER, self.timeout_s)
@@ -78,9 +88,18 @@ class DecodeEndpoint:
         self.data_endpoint = _bind(self.data, host)
 
     # ---- control plane ------------------------------------------------------------------
-    def on_control(self, identity: bytes, raw: bytes) -> None:
+    def on_control(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats.dropped_control += 1
+            return
+        identity = frames[0]
+        body = self.auth.check(frames[1:], 1)
+        if body is None:
+            self.stats.rejected_auth += 1
+            self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames) - 1)
+            return
         try:
-            msg = control.decode(raw)
+            msg = control.decode(body[0])
         except control.ControlError as exc:
             self.stats.dropped_control += 1
             self.log.warning("control_dropped", error=str(exc))
@@ -91,9 +110,8 @@ class DecodeEndpoint:
                 self._reply(identity, control.encode(
                     "error", detail=f"layout mismatch: decode item_lens {self.item_lens}"))
                 return
-            engine = self.side.engine
             self._reply(identity, control.encode(
-                "bootstrap", session_id=engine.session_id if engine else None,
+                "bootstrap", session_id=self.session_id,
                 aux_ptrs=self.ptrs, item_lens=self.item_lens, slots=self.cfg.buffers.size))
         elif kind == "grant_request":
             self.waiting.append((identity, msg["room"]))
@@ -112,12 +130,19 @@ class DecodeEndpoint:
 
     def _reply(self, identity: bytes, payload: bytes) -> None:
         try:
-            self.control.send_multipart([identity, payload])
+            self.control.send_multipart([identity] + self.auth.sign([payload]))
         except zmq.ZMQError as exc:
             self.log.warning("reply_failed", error=str(exc))
 
     # ---- data plane ---------------------------------------------------------------------
     def on_data(self, frames: list[bytes]) -> None:
+        if frames and frames[0] == zmq_aux.AUX_STATUS:
+            body = self.auth.check(frames, 5)
+            if body is None:
+                self.stats.rejected_auth += 1
+                self.log.warning("status_rejected", reason="bad or missing MAC or frame count")
+                return
+            frames = body
         try:
             msg = zmq_aux.parse(frames, self.item_lens, self.cfg.buffers.size)
         except zmq_aux.FrameError as exc:
@@ -164,8 +189,11 @@ class DecodeEndpoint:
         if outcome != "verified":
             self.log.warning("handoff_rejected", slot=slot, room=grant.room, outcome=outcome,
                              detail=detail)
-        self.buffers.clear_room(slot)
+        if not self.faults.keep_stale_rooms:
+            self.buffers.clear_room(slot)
         del self.grants[slot]
+        if self.stats.verified + self.stats.corrupted + self.stats.failed == self.warm:
+            self.stats.memory["rss_kb_warm"] = rss_kb()
         self.slots.free(slot)
         self._reply(grant.identity, control.encode("result", room=grant.room, slot=slot,
                                                    outcome=outcome, detail=detail))
@@ -189,13 +217,10 @@ class DecodeEndpoint:
             if self.control in events:
                 for _ in range(256):
                     try:
-                        identity, raw = self.control.recv_multipart(zmq.NOBLOCK)[:2]
+                        frames = self.control.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    except ValueError:
-                        self.stats.dropped_control += 1
-                        continue
-                    self.on_control(identity, raw)
+                    self.on_control(frames)
             if self.data in events:
                 for _ in range(1024):
                     try:
@@ -207,9 +232,19 @@ class DecodeEndpoint:
                 self.recheck_pending()
             if conn.fileno() in events and conn.poll():
                 if conn.recv() == "stop":
+                    self.stats.memory["rss_kb_end"] = rss_kb()
                     return
 
+    @property
+    def session_id(self):
+        """The engine session advertised at bootstrap (silent_peer: a port that never answers)."""
+        if self._silent is not None:
+            return "%s:%d" % self._silent.getsockname()
+        return self.side.engine.session_id if self.side.engine else None
+
     def close(self) -> None:
+        if self._silent is not None:
+            self._silent.close()
         self.control.close(0)
         self.data.close(0)
         self.ctx.term()

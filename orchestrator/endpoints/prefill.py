@@ -3,14 +3,19 @@ sends the aux by the planned route, sends the status (with the row's checksum) o
 socket, and waits for decode's verdict. Keeps `workload.concurrency` handoffs in flight.
 
 A decode side silent for `transport.timeout_s` is declared lost: the requests in flight and
-those not yet sent are counted as failed, and the run ends instead of hanging.
+those not yet sent are counted as failed, and the run ends instead of hanging. Per-request
+records stream to requests.jsonl; only counters and latency arrays stay in memory, so a
+100,000-handoff soak runs in flat memory.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 import time
-import traceback
-from collections import deque
+from array import array
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,13 +23,18 @@ from typing import Optional
 import zmq
 
 from .. import control
+from ..auth import Authenticator, from_env
 from ..buffers import SlotAllocator
-from ..config import OrchestratorConfig
+from ..config import FaultKind, OrchestratorConfig
+from ..faults import BAD_OFFSET, UNSERVED_SESSION, FaultInjector
 from ..plan import Plan
 from ..router import AuxRouter, Peer
 from ..transport import zmq_aux
 from ..workload import make_request
-from .common import build_side, new_socket, start_process
+from .common import build_side, new_socket, rss_kb, start_process
+
+RECORD_FIELDS = ("rid", "room", "dst_slot", "route", "send_us", "deliver_us", "handoff_us",
+                 "outcome", "detail", "checksum", "fault")
 
 
 @dataclass
@@ -43,14 +53,49 @@ class Handoff:
     handoff_us: float = 0.0  # slot request -> decode's verdict received
     outcome: str = ""
     detail: str = ""
+    fault: Optional[str] = None
 
-    def record(self) -> tuple:
-        return (self.rid, self.room, self.dst_slot, self.route, self.send_us, self.deliver_us,
-                self.handoff_us, self.outcome, self.detail, self.checksum)
+    def record(self) -> dict:
+        return {name: getattr(self, name) for name in RECORD_FIELDS}
 
 
-RECORD_FIELDS = ("rid", "room", "dst_slot", "route", "send_us", "deliver_us", "handoff_us",
-                 "outcome", "detail", "checksum")
+class Tally:
+    """What the run keeps in memory: counters and latency arrays (8 bytes a value)."""
+
+    def __init__(self, sink_path: Optional[Path]):
+        self.outcomes: Counter = Counter()
+        self.routes: Counter = Counter()
+        self.reasons: Counter = Counter()
+        self.send_us = array("d")
+        self.deliver_us = array("d")
+        self.handoff_us = array("d")
+        self._sink = open(sink_path, "w", buffering=1 << 16) if sink_path else None
+
+    def add(self, h: Handoff) -> None:
+        self.outcomes[h.outcome] += 1
+        if h.route:
+            self.routes[h.route] += 1
+            self.send_us.append(h.send_us)
+        if h.outcome == "verified":
+            self.deliver_us.append(h.deliver_us)
+            self.handoff_us.append(h.handoff_us)
+        else:
+            self.reasons[h.detail] += 1
+        if self._sink is not None:
+            self._sink.write(json.dumps(h.record()) + "\n")
+
+    @property
+    def count(self) -> int:
+        return sum(self.outcomes.values())
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+    def result(self) -> dict:
+        return {"outcomes": dict(self.outcomes), "routes": dict(self.routes),
+                "reasons": dict(self.reasons), "send_us": self.send_us.tolist(),
+                "deliver_us": self.deliver_us.tolist(), "handoff_us": self.handoff_us.tolist()}
 
 
 class PrefillEndpoint:
@@ -61,6 +106,8 @@ class PrefillEndpoint:
         self.buffers = self.side.buffers
         self.slots = SlotAllocator(cfg.buffers.size)
         self.timeout_s = cfg.transport.timeout_s
+        self.auth: Authenticator = from_env(cfg.transport.secret_env)
+        self.faults = FaultInjector(cfg.faults)
         self.ctx = zmq.Context()
         self.control = new_socket(self.ctx, zmq.DEALER, self.timeout_s)
         self.control.connect(control_endpoint)
@@ -70,55 +117,105 @@ class PrefillEndpoint:
                                 push=self.push,
                                 max_blocks_per_batch=cfg.transport.mooncake.max_blocks_per_batch)
         self.in_flight: dict[int, Handoff] = {}
-        self.done: list[Handoff] = []
-        self.ready: deque[int] = deque()
+        self.tally = Tally(run_dir / "requests.jsonl")
+        self.rejected_auth = 0
+        self.memory: dict[str, int] = {}
+        self.stuck = False  # a Mooncake call that never returned: exit hard
+
+    # ---- control channel ----------------------------------------------------------------
+    def _send(self, payload: bytes) -> None:
+        self.control.send_multipart(self.auth.sign([payload]))
 
     def _recv(self, timeout_s: float) -> Optional[dict]:
+        """A decoded control message, {} for one that was dropped, None on timeout."""
         if not self.control.poll(int(timeout_s * 1000)):
             return None
+        frames = self.control.recv_multipart()
+        body = self.auth.check(frames, 1)
+        if body is None:
+            self.rejected_auth += 1
+            self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
+            return {}
         try:
-            return control.decode(self.control.recv())
+            return control.decode(body[0])
         except control.ControlError as exc:
             self.log.warning("control_dropped", error=str(exc))
             return {}
 
     def bootstrap(self) -> None:
-        self.control.send(control.encode("hello", item_lens=self.buffers.item_lens))
+        self._send(control.encode("hello", item_lens=self.buffers.item_lens))
         msg = self._recv(self.timeout_s)
         if msg is None:
-            raise TimeoutError(f"decode did not answer hello within transport.timeout_s={self.timeout_s}")
+            raise TimeoutError(f"decode did not answer hello within transport.timeout_s={self.timeout_s:g}")
         if msg.get("type") != "bootstrap":
             raise RuntimeError(f"bootstrap refused: {msg.get('detail', msg)}")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"])
         self.router.connect(peer)
-        if self.side.engine is not None and not self.side.engine.probe(peer.session_id):
-            raise RuntimeError(f"Mooncake probe of decode session {peer.session_id} failed")
+        if self.side.engine is not None:
+            self._probe_bounded(peer.session_id)
         self.log.info("bootstrapped", peer_session=peer.session_id, slots=peer.slots)
 
+    def _probe_bounded(self, session: str) -> None:
+        """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
+        ignores its timeout variables: run it on a watchdog of transport.timeout_s."""
+        result: dict[str, bool] = {}
+        t = threading.Thread(target=lambda: result.update(ok=self.side.engine.probe(session)),
+                             daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            self.stuck = True
+            raise TimeoutError(f"Mooncake handshake with decode session {session} did not finish "
+                               f"within transport.timeout_s={self.timeout_s:g}")
+        if not result.get("ok"):
+            raise RuntimeError(f"Mooncake probe of decode session {session} failed")
+
+    # ---- one handoff --------------------------------------------------------------------
     def _issue(self, rid: int) -> None:
         """A prefill finished: fill its row, checksum it, ask decode for a slot."""
-        w = self.cfg.workload
         slot = self.slots.alloc()
-        req = make_request(w, rid, self.cfg.buffers.hidden_size)
+        req = make_request(self.cfg.workload, rid, self.cfg.buffers.hidden_size)
         req.metadata_buffer_index = slot
         self.buffers.set_buf(req)
         now = time.perf_counter()
         h = Handoff(rid, req.bootstrap_room, slot, self.buffers.row_checksum(slot), now,
                     now + self.timeout_s)
         self.in_flight[h.room] = h
-        self.control.send(control.encode("grant_request", room=h.room, rid=rid))
+        self._send(control.encode("grant_request", room=h.room, rid=rid))
 
     def _on_grant(self, h: Handoff, dst_slot: int) -> None:
         h.dst_slot = dst_slot
+        fault = self.faults.for_request(h.rid)
         h.t_send = time.perf_counter()
-        decision = self.router.send_aux(h.room, h.slot, dst_slot)
+        if fault is None:
+            decision = self.router.send_aux(h.room, h.slot, dst_slot)
+        else:
+            decision = self._send_with_fault(fault, h, dst_slot)
         h.route, h.send_us = decision.route, round(decision.latency_us, 2)
         status = "ok" if decision.outcome == "ok" else "error"
         try:
-            self.push.send_multipart(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum))
+            self.push.send_multipart(
+                self.auth.sign(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum)))
         except zmq.ZMQError as exc:  # the data plane is stuck: the peer-lost timer ends it
             self.log.warning("status_send_failed", room=h.room, error=str(exc))
         self.router.log(decision)
+
+    def _send_with_fault(self, fault: FaultKind, h: Handoff, dst_slot: int):
+        h.fault = fault.value
+        self.log.info("fault_injected", fault=fault.value, rid=h.rid, room=h.room)
+        if fault is FaultKind.corrupt_byte:  # after the checksum was taken: "in transit"
+            self.buffers.flip_byte(h.slot, field_index=len(self.buffers.fields) // 2)
+            return self.router.send_aux(h.room, h.slot, dst_slot)
+        srcs, dsts, lens = self.router.blocks(h.slot, dst_slot)
+        if fault is FaultKind.bad_destination:
+            return self.router.send_aux(h.room, h.slot, dst_slot,
+                                        blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
+        if fault is FaultKind.wrong_session:
+            return self.router.send_aux(h.room, h.slot, dst_slot, session=UNSERVED_SESSION)
+        if fault is FaultKind.stale_room:
+            return self.router.send_aux(h.room, h.slot, dst_slot,
+                                        blocks=(srcs[:-1], dsts[:-1], lens[:-1]))
+        raise ValueError(f"{fault} is not a per-request fault")
 
     def _finish(self, h: Handoff, outcome: str, detail: str) -> None:
         h.outcome, h.detail = outcome, detail
@@ -128,16 +225,18 @@ class PrefillEndpoint:
             h.deliver_us = round((now - h.t_send) * 1e6, 2)
         self.buffers.clear_room(h.slot)
         self.slots.free(h.slot)
-        self.done.append(h)
+        self.tally.add(h)
 
+    # ---- the loop -----------------------------------------------------------------------
     def run(self, conn) -> float:
         """Run the workload; returns the wall time in seconds."""
         total = self.cfg.workload.requests
         window = min(self.cfg.workload.concurrency, self.cfg.buffers.size)
+        warm = min(1000, total // 10)  # memory is sampled after warm-up and at the end
         next_rid = 0
         last_progress = t0 = time.perf_counter()
         peer_lost: Optional[str] = None
-        while len(self.done) < total:
+        while self.tally.count < total:
             while next_rid < total and len(self.in_flight) < window and peer_lost is None:
                 self._issue(next_rid)
                 next_rid += 1
@@ -155,26 +254,30 @@ class PrefillEndpoint:
                 elif msg["type"] == "result":
                     del self.in_flight[h.room]
                     self._finish(h, msg["outcome"], msg["detail"])
+                    if self.tally.count == warm:
+                        self.memory["rss_kb_warm"] = rss_kb()
             oldest = min((h.deadline for h in self.in_flight.values()), default=now)
             if now > oldest:
-                peer_lost = f"decode silent for transport.timeout_s={self.timeout_s}"
+                peer_lost = f"decode silent for transport.timeout_s={self.timeout_s:g}"
                 self.log.error("peer_lost", detail=peer_lost, in_flight=len(self.in_flight))
             if now - last_progress >= 1.0:
-                conn.send(("progress", len(self.done)))
+                conn.send(("progress", self.tally.count))
                 last_progress = now
         wall = time.perf_counter() - t0
         for h in list(self.in_flight.values()):
             self._finish(h, "failed", "peer_lost")
         self.in_flight.clear()
         for rid in range(next_rid, total):
-            self.done.append(Handoff(rid, 0, -1, "", 0, 0, outcome="failed", detail="not_sent_peer_lost"))
+            self.tally.add(Handoff(rid, 0, -1, "", 0, 0, outcome="failed", detail="not_sent_peer_lost"))
+        self.memory["rss_kb_end"] = rss_kb()
         try:
-            self.control.send(control.encode("bye"), zmq.NOBLOCK)
+            self._send(control.encode("bye"))
         except zmq.ZMQError:
             pass
         return wall
 
     def close(self) -> None:
+        self.tally.close()
         self.control.close(0)
         self.push.close(0)
         self.ctx.term()
@@ -183,8 +286,8 @@ class PrefillEndpoint:
 def run_workload(endpoint: PrefillEndpoint, conn, decode_info: dict) -> dict:
     """The default driver: the configured workload through the full handoff protocol."""
     wall = endpoint.run(conn)
-    return {"wall_s": wall, "row_bytes": endpoint.buffers.row_bytes,
-            "records": [h.record() for h in endpoint.done]}
+    return {"wall_s": wall, "row_bytes": endpoint.buffers.row_bytes, **endpoint.tally.result(),
+            "memory": endpoint.memory, "rejected_auth": endpoint.rejected_auth}
 
 
 def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_info: dict, conn,
@@ -201,8 +304,10 @@ def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_info:
         endpoint.bootstrap()
         conn.send(("result", driver(endpoint, conn, decode_info)))
     except Exception as exc:
-        log.error("prefill_failed", error=str(exc), traceback=traceback.format_exc())
+        log.error("prefill_failed", error=f"{type(exc).__name__}: {exc}")
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
+        if endpoint is not None and endpoint.stuck:
+            os._exit(1)  # a Mooncake call is still blocked inside the engine: do not wait on it
         if endpoint is not None:
             endpoint.close()
