@@ -92,7 +92,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
     ctx = mp.get_context("spawn")
     out = RunOutput()
     startup = cfg.endpoints.startup_timeout_s
-    watchdog = cfg.transport.timeout_s + 5.0  # prefill reports at least once a second
+    watchdog = cfg.transport.timeout_s + 5.0  # prefill reports about four times a second
 
     d_conn, d_child = ctx.Pipe()
     decode = ctx.Process(target=decode_main, name="decode",

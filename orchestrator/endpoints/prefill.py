@@ -260,7 +260,7 @@ class PrefillEndpoint:
             if now > oldest:
                 peer_lost = f"decode silent for transport.timeout_s={self.timeout_s:g}"
                 self.log.error("peer_lost", detail=peer_lost, in_flight=len(self.in_flight))
-            if now - last_progress >= 1.0:
+            if now - last_progress >= 0.25:
                 conn.send(("progress", self.tally.count))
                 last_progress = now
         wall = time.perf_counter() - t0
