@@ -54,7 +54,7 @@ def decode(raw: bytes) -> dict[str, Any]:
         msg = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ControlError(f"not JSON: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("type") not in SCHEMA:
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str) or msg["type"] not in SCHEMA:
         raise ControlError("not a known message type")
     fields = SCHEMA[msg["type"]]
     extra = set(msg) - set(fields) - {"type"}

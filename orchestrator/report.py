@@ -41,6 +41,7 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "memory_kb": {"prefill": t.get("memory", {}), "decode": out.decode_stats.get("memory", {})},
         "rejected_auth": t.get("rejected_auth", 0) + out.decode_stats.get("rejected_auth", 0),
         "faults_applied": out.faults_applied,
+        "engine_listeners_beyond_loopback": out.engine_exposed,
         "decode_stats": out.decode_stats,
         "plan": plan.as_dict(),
         "error": out.error,
@@ -70,6 +71,10 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     ]
     if results["error"]:
         lines.insert(0, f"ERROR: {results['error']}")
+    if results.get("engine_listeners_beyond_loopback"):
+        lines.insert(-1, "note: Mooncake's own listeners are not on loopback: "
+                     + ", ".join(results["engine_listeners_beyond_loopback"])
+                     + " (its handshake/TCP ports bind all interfaces; see RELIABILITY.md)")
     if results["failure_reasons"]:
         lines.insert(-1, "failures: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
     return "\n".join(lines)

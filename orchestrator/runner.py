@@ -34,6 +34,7 @@ class RunOutput:
     transports: dict[str, str] = field(default_factory=dict)
     decode_stats: dict[str, Any] = field(default_factory=dict)
     faults_applied: list[dict] = field(default_factory=list)
+    engine_exposed: list[str] = field(default_factory=list)  # decode engine listeners off loopback
     error: Optional[str] = None
 
 
@@ -107,6 +108,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         if kind != "ready":
             raise RunFailed(f"decode endpoint did not start: {info}")
         out.transports["decode"] = info["transport"]
+        out.engine_exposed = info.get("engine_exposed", [])
         log.info("decode_ready", **info)
         if cfg.faults.kind is FaultKind.silent_control:
             silent = silent_listener(cfg.transport.host)

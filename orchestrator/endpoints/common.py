@@ -3,6 +3,7 @@ engine, and the check that the transport Mooncake brought up is the one the plan
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ..buffers import MetadataBuffers
 from ..config import FallbackPolicy, OrchestratorConfig
 from ..logs import configure
 from ..plan import Device, Plan, Route
-from ..transport.engine import MooncakeEngine
+from ..transport.engine import MooncakeEngine, exposed, listening_sockets
 
 
 class TransportMismatch(RuntimeError):
@@ -63,9 +64,14 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
         engine.register(buffers.arena_ptr, buffers.arena_bytes)
         effective = engine.effective_transport
         transport = f"mooncake-{effective.value if effective else 'unknown'}"
+        listeners = listening_sockets()
         log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
                  mc_env=engine.applied_env, declared=plan.declared_transport,
-                 effective=transport)
+                 effective=transport, listeners=listeners)
+        if exposed(listeners) and ipaddress.IPv4Address(cfg.transport.host).is_loopback:
+            log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
+                     detail="Mooncake binds its handshake and TCP listeners on all "
+                            "interfaces; firewall them or run in a network namespace")
         if transport != plan.declared_transport:
             msg = (f"{role}: Mooncake came up on {transport}, declared {plan.declared_transport} "
                    f"(MC env {engine.applied_env})")

@@ -25,6 +25,7 @@ from ..faults import FaultInjector, silent_listener
 from ..plan import Device, Plan
 from ..stats import percentile
 from ..transport import zmq_aux
+from ..transport.engine import exposed, listening_sockets
 from .common import build_side, new_socket, rss_kb, start_process
 
 
@@ -55,6 +56,14 @@ class DecodeStats:
         out["verify_us"] = {"p50": percentile(self.verify_us, 50),
                             "p99": percentile(self.verify_us, 99)}
         return out
+
+    def drop(self, counter: str, log, event: str, **kw) -> None:
+        """Count a rejected message; log the first few of each kind, then every 1000th, so
+        a flood of garbage cannot flood the console."""
+        n = getattr(self, counter) + 1
+        setattr(self, counter, n)
+        if n <= 5 or n % 1000 == 0:
+            log.warning(event, count=n, **kw)
 
     def count(self, outcome: str, detail: str) -> None:
         setattr(self, outcome, getattr(self, outcome) + 1)
@@ -90,19 +99,18 @@ class DecodeEndpoint:
     # ---- control plane ------------------------------------------------------------------
     def on_control(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
-            self.stats.dropped_control += 1
+            self.stats.drop("dropped_control", self.log, "control_dropped", error="no payload frame")
             return
         identity = frames[0]
         body = self.auth.check(frames[1:], 1)
         if body is None:
-            self.stats.rejected_auth += 1
-            self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames) - 1)
+            self.stats.drop("rejected_auth", self.log, "control_rejected",
+                            reason="bad or missing MAC, or wrong frame count")
             return
         try:
             msg = control.decode(body[0])
         except control.ControlError as exc:
-            self.stats.dropped_control += 1
-            self.log.warning("control_dropped", error=str(exc))
+            self.stats.drop("dropped_control", self.log, "control_dropped", error=str(exc))
             return
         kind = msg["type"]
         if kind == "hello":
@@ -119,7 +127,8 @@ class DecodeEndpoint:
         elif kind == "bye":
             pass
         else:
-            self.stats.dropped_control += 1
+            self.stats.drop("dropped_control", self.log, "control_dropped",
+                            error=f"{kind} is not a message decode accepts")
 
     def _grant_waiting(self) -> None:
         while self.waiting and self.slots.available:
@@ -139,24 +148,24 @@ class DecodeEndpoint:
         if frames and frames[0] == zmq_aux.AUX_STATUS:
             body = self.auth.check(frames, 5)
             if body is None:
-                self.stats.rejected_auth += 1
-                self.log.warning("status_rejected", reason="bad or missing MAC or frame count")
+                self.stats.drop("rejected_auth", self.log, "status_rejected",
+                                reason="bad or missing MAC, or wrong frame count")
                 return
             frames = body
         try:
             msg = zmq_aux.parse(frames, self.item_lens, self.cfg.buffers.size)
         except zmq_aux.FrameError as exc:
-            self.stats.dropped_data += 1
-            self.log.warning("frame_dropped", error=str(exc))
+            self.stats.drop("dropped_data", self.log, "frame_dropped", error=str(exc))
             return
         grant = self.grants.get(msg.slot)
         if grant is None or grant.room != msg.room:
-            self.stats.unexpected += 1
-            self.log.warning("frame_for_ungranted_slot", slot=msg.slot, room=msg.room)
+            self.stats.drop("unexpected", self.log, "frame_for_ungranted_slot", slot=msg.slot,
+                            room=msg.room)
             return
         if isinstance(msg, zmq_aux.AuxData):
             if self.buffers.device.type != Device.cpu.value:
-                self.stats.dropped_data += 1
+                self.stats.drop("dropped_data", self.log, "frame_dropped",
+                                error="AUX_DATA for device-resident buffers")
                 return
             zmq_aux.write_row(self.ptrs, self.item_lens, msg)
             return
@@ -269,6 +278,7 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
             "data_endpoint": endpoint.data_endpoint,
             "transport": endpoint.side.transport,
             "session_id": endpoint.side.engine.session_id if endpoint.side.engine else None,
+            "engine_exposed": exposed(listening_sockets()) if endpoint.side.engine else [],
         }
         if bulk_bytes and endpoint.side.engine is not None:
             import torch

@@ -9,6 +9,7 @@ compares with the declared one.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tempfile
@@ -67,6 +68,49 @@ def captured_stderr(log_path: Optional[str]) -> Iterator[list[str]]:
             if log_path:
                 with open(log_path, "a") as fh:
                     fh.write(text)
+
+
+def listening_sockets() -> list[str]:
+    """"addr:port" of every TCP socket this process listens on (Linux /proc). Mooncake binds
+    its handshake and TCP-transport listeners on all interfaces whatever host it is given;
+    this is how a run finds out and says so."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, v6 in (("/proc/self/net/tcp", False), ("/proc/self/net/tcp6", True)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A = LISTEN
+                continue
+            addr_hex, port_hex = cols[1].split(":")
+            if v6:
+                words = [addr_hex[i:i + 8] for i in range(0, 32, 8)]
+                raw = b"".join(bytes.fromhex(w)[::-1] for w in words)
+                addr = "[" + ipaddress.IPv6Address(raw).compressed + "]"
+            else:
+                addr = str(ipaddress.IPv4Address(bytes.fromhex(addr_hex)[::-1]))
+            found.append(f"{addr}:{int(port_hex, 16)}")
+    return sorted(found)
+
+
+def exposed(listeners: list[str]) -> list[str]:
+    """The listeners not bound to a loopback address."""
+    out = []
+    for item in listeners:
+        addr = item.rsplit(":", 1)[0].strip("[]")
+        if not ipaddress.ip_address(addr).is_loopback:
+            out.append(item)
+    return out
 
 
 def apply_env(env: Mapping[str, Optional[str]]) -> dict[str, str]:
