@@ -13,14 +13,19 @@ export PYTHONPATH="$site:$PWD"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nvidia-smi topo -m
   python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
-  pip list 2>/dev/null | grep -i mooncake || ls "$site" | grep -i mooncake
+  ls "$site" | grep -i mooncake
+  nproc
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 echo "== GPU tests"
-timeout 300 python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu-tests.txt"
+timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu-tests.txt"
 echo "== default INTRA_NODE_NVLINK profile"
 timeout 300 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK hydra.run.dir="$out/run-intra-node-nvlink" 2>&1 \
   | grep -v '\[info' | tail -12
-echo "== bench: 10 blocks / 15,872 B per request (hidden 7168 bf16)"
-timeout 400 python3 -m orchestrator.bench mem_pool=INTRA_NODE_NVLINK buffers.hidden_size=7168 \
-  buffers.hidden_states_dtype=bfloat16 hydra.run.dir="$out/bench-intra-node-nvlink" 2>&1 | grep -v '\[info' | tail -30
+echo "== experiment=deepseek_v3_mtp (2000 handoffs, 16 in flight)"
+timeout 300 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek-v3-mtp" 2>&1 \
+  | grep -v '\[info' | tail -12
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('decode verify_us', r['decode_stats'].get('verify_us'), 'gate_waits', r['decode_stats'].get('gate_waits'))" "$out/run-deepseek-v3-mtp/results.json"
+echo "== bench: experiment=deepseek_v3_mtp shape (10 blocks / 15,872 B per request)"
+timeout 400 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench-deepseek-v3-mtp" 2>&1 | grep -v '\[info' | tail -30
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['path'], 'decode verify_us', p.get('decode_verify_us')) for p in r['paths']]" "$out/bench-deepseek-v3-mtp/bench.json"
