@@ -90,6 +90,10 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                  progress=None, driver=None, bulk_bytes: int = 0) -> RunOutput:
     """Start decode, then prefill (running `driver`, default: the configured workload)."""
     log = structlog.get_logger("orchestrator.runner")
+    if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+        # Inside a joblib/loky launcher worker the default start method is "loky"; spawned
+        # children inherit that name and cannot resolve it. Endpoints always use spawn.
+        mp.set_start_method("spawn", force=True)
     ctx = mp.get_context("spawn")
     out = RunOutput()
     startup = cfg.endpoints.startup_timeout_s

@@ -4,24 +4,281 @@ Every job writes its own results.json (a failed job too, marked with its error),
 summary is built by scanning the sweep dir, not from Hydra's callback arguments (the basic
 sweeper skips on_multirun_end when a job raised). `python -m orchestrator.report <dir>`
 rebuilds the same files.
+
+A job dir is a subdir whose name is a whole number (Hydra's `hydra.job.num`). Its row
+carries the swept values (from `.hydra/overrides.yaml`, `hydra.*` keys left out) and a
+status: `ok` (every request verified, no error), `failed` (ran, but not every request was
+verified), `error` (results.json carries an error, or cannot be read) or `missing` (no
+results.json: the job crashed before writing one).
 """
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+CSV_NAME = "summary.csv"
+MD_NAME = "summary.md"
+PNG_NAME = "summary.png"
+
+# Columns after `job` and the swept keys, in order.
+RESULT_COLUMNS = [
+    "status", "requests", "verified", "corrupted", "failed", "routes", "mem_pool", "route",
+    "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
+    "handoff_p50_us", "handoff_p99_us", "handoff_p999_us",
+    "handoffs_per_s", "mb_per_s", "bytes_per_request", "effective_transport", "error",
+]
+
+
+class SweepError(ValueError):
+    """The directory is not a sweep dir (missing, or without any job subdir)."""
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """The job subdirs (named by hydra.job.num), sorted by job number."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        return []
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    return sorted(jobs, key=lambda p: int(p.name))
+
+
+def _overrides(job_dir: Path) -> dict[str, str]:
+    """`.hydra/overrides.yaml` as {key: value}; hydra.* keys and unreadable files skipped."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    try:
+        items = yaml.safe_load(path.read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return {}
+    out: dict[str, str] = {}
+    if not isinstance(items, list):
+        return out
+    for item in items:
+        key, _, value = str(item).partition("=")
+        key = key.lstrip("+~").strip()
+        if not key or key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            continue
+        out[key] = value.strip()
+    return out
+
+
+def _get(d: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def _row(job_dir: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"job": int(job_dir.name)}
+    path = job_dir / "results.json"
+    if not path.is_file():
+        row.update(status="missing", error="no results.json")
+        return row
+    try:
+        res = json.loads(path.read_text())
+        if not isinstance(res, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        row.update(status="error", error=f"unreadable results.json: {exc}")
+        return row
+    error = res.get("error")
+    requests, verified = res.get("requests"), res.get("verified")
+    if error is not None:
+        status = "error"
+    elif requests is not None and verified == requests:
+        status = "ok"
+    else:
+        status = "failed"
+    routes = res.get("routes") or {}
+    row.update(
+        status=status,
+        requests=requests,
+        verified=verified,
+        corrupted=res.get("corrupted"),
+        failed=res.get("failed"),
+        routes=";".join(f"{k}={v}" for k, v in sorted(routes.items())) if isinstance(routes, dict) else str(routes),
+        mem_pool=_get(res, "plan", "mem_pool"),
+        route=_get(res, "plan", "route"),
+        handoffs_per_s=res.get("handoffs_per_s"),
+        mb_per_s=res.get("mb_per_s"),
+        bytes_per_request=res.get("bytes_per_request"),
+        effective_transport=res.get("effective_transport"),
+        error=error,
+    )
+    for kind in ("send_aux", "handoff"):
+        for q in ("p50", "p99", "p999"):
+            row[f"{kind}_{q}_us"] = _get(res, "latency_us", kind, q)
+    return row
+
+
+def _number(value: Any) -> Optional[float]:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def swept_column(key: str) -> str:
+    """The column of a swept key: the key itself, or `override:KEY` where the key is also a
+    result column (`mem_pool=NONE,NVLINK` gives `override:mem_pool` next to the plan's
+    `mem_pool`)."""
+    return f"override:{key}" if key in RESULT_COLUMNS or key == "job" else key
+
+
+def collect(sweep_dir: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """(columns, rows) for a sweep dir, one row per job dir sorted by job number. Columns:
+    job, the swept keys (in order of first appearance), then RESULT_COLUMNS."""
+    rows, swept = [], []
+    for job_dir in job_dirs(sweep_dir):
+        overrides = _overrides(job_dir)
+        for key in overrides:
+            if key not in swept:
+                swept.append(key)
+        rows.append((_row(job_dir), overrides))
+    out = []
+    for row, ov in rows:
+        for key in swept:
+            row[swept_column(key)] = ov.get(key)
+        out.append(row)
+    return ["job", *(swept_column(k) for k in swept), *RESULT_COLUMNS], out
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(columns)
+        for row in rows:
+            w.writerow([_cell(row.get(c)) for c in columns])
+
+
+def _md_cell(value: Any) -> str:
+    return _cell(value).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
+
+
+def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    ok = sum(r["status"] == "ok" for r in rows)
+    lines = [f"# Sweep summary: {sweep_dir}", "",
+             f"{len(rows)} jobs, {ok} ok.", "",
+             "| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_md_cell(row.get(c)) for c in columns) + " |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _x_axis(swept: list[str], rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(row key, axis label): the first swept key whose values are all numeric and not all
+    the same (a key given one value, e.g. workload.requests=200, is not swept), else
+    bytes_per_request."""
+    for key in swept:
+        values = [row.get(key) for row in rows if row.get(key) not in (None, "")]
+        numbers = [_number(v) for v in values]
+        if numbers and None not in numbers and len(set(numbers)) > 1:
+            return key, key
+    return "bytes_per_request", "bytes per request"
+
+
+def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = [("send_aux_p50_us", "send_aux p50 latency (us)"), ("handoffs_per_s", "handoffs/s")]
+    ok = [r for r in rows if r["status"] == "ok"]
+    x_key, x_label = _x_axis(swept, rows)
+    # One line per (mem_pool, route); other swept keys that vary among the plotted rows (not
+    # the x axis, not mem_pool, which the plan already names) split lines further, so that a
+    # line never zig-zags between two configurations at the same x.
+    extra = [k for k in swept if k not in (x_key, swept_column("mem_pool"))
+             and len({r.get(k) for r in ok}) > 1]
+    series: dict[tuple, list[tuple[float, dict[str, Any]]]] = {}
+    for row in ok:
+        x = _number(row.get(x_key))
+        if x is None:
+            continue
+        label = (row.get("mem_pool") or "?", row.get("route") or "?",
+                 *(f"{k}={row.get(k)}" for k in extra))
+        series.setdefault(label, []).append((x, row))
+    xs = [x for pts in series.values() for x, _ in pts]
+    log_x = bool(xs) and min(xs) > 0 and max(xs) / min(xs) > 10
+    for ax, (key, title) in zip(axes, panels):
+        for label, pts in sorted(series.items()):
+            pts.sort(key=lambda p: p[0])
+            px = [x for x, r in pts if _number(r.get(key)) is not None]
+            py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
+            name = f"{label[0]} / {label[1]}" + "".join(f", {e}" for e in label[2:])
+            ax.plot(px, py, marker="o", label=name)
+        ax.set_title(title)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(title)
+        ax.grid(True, which="both", alpha=0.3)
+        if log_x:
+            ax.set_xscale("log")
+        ticks = sorted(set(xs))
+        if 0 < len(ticks) <= 8:  # label the swept values themselves
+            ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+            ax.minorticks_off()
+        if series:
+            ax.set_ylim(bottom=0)
+            ax.legend(title="mem_pool / route", fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no successful jobs", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=14, color="gray")
+    fig.suptitle(f"{sweep_dir}  ({len(ok)}/{len(rows)} jobs ok)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 
 def summarize(sweep_dir: Path) -> list[Path]:
-    """Write summary.csv, summary.md and summary.png into sweep_dir; return their paths."""
-    raise NotImplementedError("sweep summaries are being written")
+    """Write summary.csv, summary.md and summary.png into sweep_dir; return their paths.
+
+    Raises SweepError when sweep_dir is not a directory or holds no job subdir. Never
+    raises because jobs failed: failed, errored and missing jobs are rows too (left out of
+    the plot only)."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise SweepError(f"{sweep_dir} is not a directory")
+    columns, rows = collect(sweep_dir)
+    if not rows:
+        raise SweepError(f"{sweep_dir} holds no job subdirs (0, 1, ...): not a sweep dir")
+    swept = columns[1:len(columns) - len(RESULT_COLUMNS)]
+    csv_path, md_path, png_path = (sweep_dir / CSV_NAME, sweep_dir / MD_NAME,
+                                   sweep_dir / PNG_NAME)
+    _write_csv(csv_path, columns, rows)
+    _write_md(md_path, sweep_dir, columns, rows)
+    _write_png(png_path, sweep_dir, swept, rows)
+    return [csv_path, md_path, png_path]
 
 
 class SweepSummary(Callback):
+    """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)."""
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        for path in summarize(sweep_dir):
+        try:
+            paths = summarize(sweep_dir)
+        except SweepError as exc:
+            print(f"sweep summary skipped: {exc}", file=sys.stderr, flush=True)
+            return
+        for path in paths:
             print(f"sweep summary: {path}", flush=True)
