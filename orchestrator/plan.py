@@ -261,13 +261,15 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
                 "use mem_pool=INTRA_NODE_NVLINK)",
             )
         if transport is EngineTransport.nvlink_intra:
-            alloc_conf = platform.env.get("PYTORCH_CUDA_ALLOC_CONF", "")
-            if _alloc_options(alloc_conf).get("expandable_segments") == "True":
-                raise ConfigError(
-                    "PYTORCH_CUDA_ALLOC_CONF", alloc_conf,
-                    "no expandable_segments:True with nvlink_intra (cuMemCreate memory has no "
-                    "CUDA IPC handle and fails to register)",
-                )
+            # torch reads both names (PYTORCH_ALLOC_CONF is the newer one)
+            for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+                alloc_conf = platform.env.get(var, "")
+                if _alloc_options(alloc_conf).get("expandable_segments") == "True":
+                    raise ConfigError(
+                        var, alloc_conf,
+                        "no expandable_segments:True with nvlink_intra (cuMemCreate memory has "
+                        "no CUDA IPC handle and fails to register)",
+                    )
         env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
 
     prefill_gpu = decode_gpu = None

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from orchestrator.config import (ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType,
+from orchestrator.config import (ConfigError, FallbackPolicy, MemPoolType,
                                  RouteSetting)
 from orchestrator.plan import (MANAGED_MC_VARS, Device, EngineTransport, Platform, Reason, Route,
                                buffer_device, engine_env, make_plan, route_rule)

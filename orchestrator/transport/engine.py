@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ..plan import EngineTransport
+from .ports import any_free_port
 
 
 class EngineError(RuntimeError):
@@ -136,6 +137,12 @@ class MooncakeEngine:
         log_path: Optional[str] = None,
     ):
         self.applied_env = apply_env(env or {})
+        try:
+            port_ok = any_free_port(os.environ, host)
+        except ValueError as exc:
+            raise EngineError("initialize", -1, reason=str(exc)) from None
+        if not port_ok:  # Mooncake would segfault in initialize
+            raise EngineError("initialize", -1, reason="no free port in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT")
         from mooncake.engine import TransferEngine  # imported late: env must be in place
 
         self._engine = TransferEngine()
