@@ -32,12 +32,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint.collect(obj, plan), indent=2) + "\n")
 
-    progress = Progress(obj.workload.requests, log)
+    total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
+    progress = Progress(total, log)
     try:
         out = run_handoffs(obj, plan, run_dir, progress=progress)
     finally:
         progress.close()
-    results = report.build_results(obj.workload.requests, plan, out)
+    results = report.build_results(total, plan, out)
     report.write(run_dir, results)
     log.info("results", **{k: results[k] for k in ("requests", "verified", "corrupted", "failed",
                                                   "routes", "effective_transport")})

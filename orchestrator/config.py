@@ -14,7 +14,7 @@ import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -131,10 +131,15 @@ class WorkloadConfig:
 
 @dataclass
 class EndpointsConfig:
-    # CUDA device index of each endpoint when buffers live on CUDA; null = auto
-    # (prefill 0, decode 1 when there are two GPUs, else 0).
-    prefill_gpu: Optional[int] = None
-    decode_gpu: Optional[int] = None
+    # How many prefill and decode processes; every prefill rank hands off to every decode
+    # rank (round-robin over its requests). workload.requests is per prefill rank.
+    prefill_ranks: int = 1
+    decode_ranks: int = 1
+    # CUDA device of each rank when buffers live on CUDA (one entry per rank); null = auto:
+    # prefill ranks on the first GPUs, decode ranks on the next ones, wrapping around when
+    # there are fewer GPUs than ranks (1x1 on two GPUs: prefill 0, decode 1).
+    prefill_gpus: Optional[List[int]] = None
+    decode_gpus: Optional[List[int]] = None
     startup_timeout_s: float = 60.0
 
 
@@ -190,6 +195,8 @@ _POSITIVE_INTS = (
     ("buffers.hidden_size", "a whole number > 0"),
     ("buffers.max_top_logprobs_num", "a whole number > 0"),
     ("workload.concurrency", "a whole number > 0"),
+    ("endpoints.prefill_ranks", "a whole number of processes > 0"),
+    ("endpoints.decode_ranks", "a whole number of processes > 0"),
     ("transport.mooncake.tcp_progress_timeout_s", "a whole number of seconds > 0"),
     ("transport.mooncake.max_blocks_per_batch", "a whole number > 0"),
     ("bench.iters", "a whole number > 0"),
@@ -258,10 +265,12 @@ def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
         raise ConfigError("transport.timeout_s", obj.transport.timeout_s, "seconds > 0")
     if obj.endpoints.startup_timeout_s <= 0:
         raise ConfigError("endpoints.startup_timeout_s", obj.endpoints.startup_timeout_s, "seconds > 0")
-    for key in ("endpoints.prefill_gpu", "endpoints.decode_gpu"):
-        gpu = _get(obj, key)
-        if gpu is not None and gpu < 0:
-            raise ConfigError(key, gpu, "null (auto) or a CUDA device index >= 0")
+    for role in ("prefill", "decode"):
+        key, ranks = f"endpoints.{role}_gpus", _get(obj, f"endpoints.{role}_ranks")
+        gpus = _get(obj, key)
+        if gpus is not None and (len(gpus) != ranks or min(gpus) < 0):
+            raise ConfigError(key, gpus, f"null (auto) or {ranks} CUDA device indices >= 0, one per "
+                                         f"rank (endpoints.{role}_ranks={ranks})")
     try:
         host = ipaddress.IPv4Address(obj.transport.host)
     except ValueError:

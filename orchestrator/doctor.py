@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from .config import ConfigError, MemPoolType, OrchestratorConfig, register_configs, validate
 from .transport.ports import port_is_free, rpc_port_range
 from .plan import (Device, EngineTransport, Plan, Platform, Route, buffer_device,
-                   engine_transport_rule, make_plan, route_rule)
+                   engine_transport_rule, gpu_placement, make_plan, route_rule)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -158,8 +158,8 @@ class Intent:
     device: Device
     uses_engine: bool
     engine_transport: Optional[EngineTransport]
-    prefill_gpu: Optional[int]
-    decode_gpu: Optional[int]
+    prefill_gpu: Optional[int]  # the first prefill rank's GPU (the pair the cuda check probes)
+    decode_gpu: Optional[int]  # the first decode rank's GPU
 
     @property
     def wants_nvlink(self) -> bool:
@@ -168,18 +168,20 @@ class Intent:
 
 def intent_of(cfg: OrchestratorConfig, plan: Optional[Plan], cuda_devices: int = 2) -> Intent:
     if plan is not None:
+        first = (plan.prefill_gpus[0], plan.decode_gpus[0]) if plan.prefill_gpus else (None, None)
         return Intent(plan.mem_pool, plan.buffer_device, plan.route is Route.engine,
-                      plan.engine_transport, plan.prefill_gpu, plan.decode_gpu)
+                      plan.engine_transport, *first)
     pool = cfg.mem_pool.type
     device = buffer_device(pool, Platform())
     route, _ = route_rule(pool, cfg.transport.route)
     transport = (engine_transport_rule(cfg.transport.mooncake.transport, device)
                  if route is Route.engine else None)
     prefill = decode = None
-    if device is Device.cuda:  # the placement make_plan picks (auto: 0 and 1, or 0 and 0)
-        prefill = 0 if cfg.endpoints.prefill_gpu is None else cfg.endpoints.prefill_gpu
-        decode = ((1 if cuda_devices >= 2 else 0) if cfg.endpoints.decode_gpu is None
-                  else cfg.endpoints.decode_gpu)
+    if device is Device.cuda:  # the placement make_plan picks
+        e = cfg.endpoints
+        p_gpus, d_gpus = gpu_placement(e.prefill_ranks, e.decode_ranks, e.prefill_gpus,
+                                       e.decode_gpus, cuda_devices)
+        prefill, decode = p_gpus[0], d_gpus[0]
     return Intent(pool, device, route is Route.engine, transport, prefill, decode)
 
 
@@ -301,8 +303,8 @@ def check_plan(plan: Optional[Plan], error: Optional[ConfigError]) -> Check:
     text = (f"mem_pool={plan.mem_pool.value}: buffers on {plan.buffer_device.value}, route "
             f"{plan.route.value} ({plan.route_reason.value}), declared transport "
             f"{plan.declared_transport}, fallback={plan.fallback.value}")
-    if plan.prefill_gpu is not None:
-        text += f", GPUs prefill {plan.prefill_gpu} / decode {plan.decode_gpu}"
+    if plan.prefill_gpus is not None:
+        text += f", GPUs prefill {list(plan.prefill_gpus)} / decode {list(plan.decode_gpus)}"
     findings = [(Status.OK, text + ".")]
     for event in plan.events:
         findings.append((Status.WARN, f"Degraded ({event.reason.value}): {event.detail}; the run "
@@ -354,7 +356,7 @@ def check_cuda(device: Device, prefill_gpu: Optional[int], decode_gpu: Optional[
     devices = ", ".join(f"{i}: {n}" for i, n in enumerate(probe.names)) or "?"
     findings: list[tuple[Status, str]] = [
         (Status.OK, f"{probe.device_count} CUDA device(s) ({devices}).")]
-    for key, idx in (("endpoints.prefill_gpu", prefill_gpu), ("endpoints.decode_gpu", decode_gpu)):
+    for key, idx in (("endpoints.prefill_gpus", prefill_gpu), ("endpoints.decode_gpus", decode_gpu)):
         if idx is not None and idx >= probe.device_count:
             findings.append((Status.FAIL, f"{key}={idx} does not exist here "
                                           f"(devices 0..{probe.device_count - 1})."))
@@ -368,7 +370,7 @@ def check_cuda(device: Device, prefill_gpu: Optional[int], decode_gpu: Optional[
         findings.append((Status.WARN, f"GPU {prefill_gpu} cannot access GPU {decode_gpu} as a peer: "
                                       "copies between them will not go over NVLink P2P; check "
                                       "`nvidia-smi topo -m` or pick GPUs joined by NVLink "
-                                      "(endpoints.prefill_gpu / endpoints.decode_gpu)."))
+                                      "(endpoints.prefill_gpus / endpoints.decode_gpus)."))
     return _verdict("cuda", findings)
 
 

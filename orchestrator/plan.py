@@ -154,8 +154,8 @@ class Plan:
     engine_transport: Optional[EngineTransport]  # None when no request uses the engine
     mc_env: dict[str, Optional[str]]
     protocol: Optional[str]
-    prefill_gpu: Optional[int]
-    decode_gpu: Optional[int]
+    prefill_gpus: Optional[tuple[int, ...]]  # one per prefill rank (None: host buffers)
+    decode_gpus: Optional[tuple[int, ...]]
     fallback: FallbackPolicy
     events: tuple[PlanEvent, ...] = ()
 
@@ -177,8 +177,8 @@ class Plan:
             "declared_transport": self.declared_transport,
             "mc_env": dict(self.mc_env),
             "protocol": self.protocol,
-            "prefill_gpu": self.prefill_gpu,
-            "decode_gpu": self.decode_gpu,
+            "prefill_gpus": list(self.prefill_gpus) if self.prefill_gpus else None,
+            "decode_gpus": list(self.decode_gpus) if self.decode_gpus else None,
             "fallback": self.fallback.value,
             "events": [
                 {"event": e.event, "reason": e.reason.value, "detail": e.detail} for e in self.events
@@ -192,13 +192,23 @@ def _alloc_options(conf: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def _gpu_placement(cfg: OrchestratorConfig, platform: Platform) -> tuple[int, int]:
-    n = platform.cuda_devices
-    prefill = 0 if cfg.endpoints.prefill_gpu is None else cfg.endpoints.prefill_gpu
-    decode = (1 if n >= 2 else 0) if cfg.endpoints.decode_gpu is None else cfg.endpoints.decode_gpu
-    for key, idx in (("endpoints.prefill_gpu", prefill), ("endpoints.decode_gpu", decode)):
-        if idx >= n:
-            raise ConfigError(key, idx, f"a CUDA device index below {n} (this machine has {n})")
+def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gpus,
+                  cuda_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Declared GPUs, or auto: prefill ranks on GPUs 0.., decode ranks on the next ones,
+    wrapping modulo the GPU count (4+4 ranks on 8 GPUs: prefill 0-3, decode 4-7)."""
+    n = max(cuda_devices, 1)
+    prefill = tuple(prefill_gpus) if prefill_gpus else tuple(i % n for i in range(prefill_ranks))
+    decode = tuple(decode_gpus) if decode_gpus else tuple(
+        (prefill_ranks + j) % n for j in range(decode_ranks))
+    return prefill, decode
+
+
+def _gpu_placement(cfg: OrchestratorConfig, platform: Platform) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    e, n = cfg.endpoints, platform.cuda_devices
+    prefill, decode = gpu_placement(e.prefill_ranks, e.decode_ranks, e.prefill_gpus, e.decode_gpus, n)
+    for key, gpus in (("endpoints.prefill_gpus", prefill), ("endpoints.decode_gpus", decode)):
+        if max(gpus) >= n:
+            raise ConfigError(key, list(gpus), f"CUDA device indices below {n} (this machine has {n})")
     return prefill, decode
 
 
@@ -272,9 +282,9 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
                     )
         env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
 
-    prefill_gpu = decode_gpu = None
+    prefill_gpus = decode_gpus = None
     if device is Device.cuda:
-        prefill_gpu, decode_gpu = _gpu_placement(cfg, platform)
+        prefill_gpus, decode_gpus = _gpu_placement(cfg, platform)
 
     return Plan(
         mem_pool=pool,
@@ -284,8 +294,8 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         engine_transport=transport,
         mc_env=env,
         protocol=mooncake_protocol(transport) if transport else None,
-        prefill_gpu=prefill_gpu,
-        decode_gpu=decode_gpu,
+        prefill_gpus=prefill_gpus,
+        decode_gpus=decode_gpus,
         fallback=policy,
         events=tuple(events),
     )

@@ -31,7 +31,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def deterministic(run_dir: Path) -> dict[str, Any]:
     requests = {r["rid"]: (r["room"], r["checksum"], r["outcome"])
-                for r in _jsonl(run_dir / "requests.jsonl")}
+                for path in sorted(run_dir.glob("requests*.jsonl")) for r in _jsonl(path)}
     decisions = {d["room"]: tuple(d[k] for k in DECISION_KEYS)
                  for d in _jsonl(run_dir / "decisions.jsonl")}
     return {"requests": requests, "decisions": decisions}
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="where the replay runs")
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
-    needed = [".hydra/config.yaml", "results.json", "requests.jsonl", "decisions.jsonl",
-              "fingerprint.json"]
+    needed = [".hydra/config.yaml", "results.json", "decisions.jsonl", "fingerprint.json"]
     missing = [n for n in needed if not (run_dir / n).exists()]
+    if not list(run_dir.glob("requests*.jsonl")):
+        missing.append("requests.jsonl")
     if missing:
         print(f"error: {run_dir} is not a complete run dir (missing {', '.join(missing)})",
               file=sys.stderr)

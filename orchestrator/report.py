@@ -10,6 +10,26 @@ from .plan import Plan
 from .runner import RunOutput
 from .stats import latency_summary
 
+def _pairs(t: dict, wall: float) -> dict[str, dict]:
+    """Per prefill->decode pair: counts, deliver latency, handoffs/s over the rank's wall time."""
+    out = {}
+    for name, p in sorted(t.get("pairs", {}).items()):
+        verified = p["outcomes"].get("verified", 0)
+        pair_wall = p.get("wall_s") or wall
+        out[name] = {"requests": sum(p["outcomes"].values()), "verified": verified,
+                     "deliver_us": latency_summary(p["deliver_us"]),
+                     "handoffs_per_s": round(verified / pair_wall, 1) if pair_wall else None}
+    return out
+
+
+def _per_decode(stats: dict, key: str) -> Any:
+    """decode_stats is flat for one decode rank, keyed by rank name for several."""
+    if "verified" in stats:
+        return stats.get(key, {} if key == "memory" else 0)
+    values = {name: s.get(key) for name, s in stats.items()}
+    return values if key == "memory" else sum(v or 0 for v in values.values())
+
+
 def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
     t = out.tally
     outcomes = t.get("outcomes", {})
@@ -38,8 +58,9 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "effective_transport": effective,
         "declared_transport": plan.declared_transport,
         "endpoint_transports": out.transports,
-        "memory_kb": {"prefill": t.get("memory", {}), "decode": out.decode_stats.get("memory", {})},
-        "rejected_auth": t.get("rejected_auth", 0) + out.decode_stats.get("rejected_auth", 0),
+        "pairs": _pairs(t, wall),
+        "memory_kb": {"prefill": t.get("memory", {}), "decode": _per_decode(out.decode_stats, "memory")},
+        "rejected_auth": t.get("rejected_auth", 0) + _per_decode(out.decode_stats, "rejected_auth"),
         "faults_applied": out.faults_applied,
         "engine_listeners_beyond_loopback": out.engine_exposed,
         "decode_stats": out.decode_stats,
@@ -71,6 +92,10 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     ]
     if results["error"]:
         lines.insert(0, f"ERROR: {results['error']}")
+    if len(results.get("pairs", {})) > 1:
+        for name, p in results["pairs"].items():
+            lines.insert(-1, f"  pair {name}: verified {p['verified']}/{p['requests']}, deliver p50/p99 us "
+                             f"{p['deliver_us']['p50']} / {p['deliver_us']['p99']}, {p['handoffs_per_s']} handoffs/s")
     if results.get("engine_listeners_beyond_loopback"):
         lines.insert(-1, "note: Mooncake's own listeners are not on loopback: "
                      + ", ".join(results["engine_listeners_beyond_loopback"])

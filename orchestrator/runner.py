@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import structlog
 
 from .config import FaultKind, OrchestratorConfig
+from .endpoints.common import role_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import silent_listener
@@ -86,9 +88,34 @@ class ProcessFault:
             pass
 
 
+def merge_tallies(results: list[dict]) -> dict[str, Any]:
+    """One tally from several prefill ranks: counters summed, latency arrays concatenated,
+    per-pair stats keyed "p<prefill>->d<decode>", memory per rank."""
+    if len(results) == 1:
+        only = dict(results[0])
+        only["pairs"] = {f"p0->d{j}": v for j, v in only.get("pairs", {}).items()}
+        return only
+    merged: dict[str, Any] = {"outcomes": Counter(), "routes": Counter(), "reasons": Counter(),
+                              "send_us": [], "deliver_us": [], "handoff_us": [], "pairs": {},
+                              "memory": {}, "rejected_auth": 0}
+    for r, res in enumerate(results):
+        for key in ("outcomes", "routes", "reasons"):
+            merged[key].update(res.get(key, {}))
+        for key in ("send_us", "deliver_us", "handoff_us"):
+            merged[key].extend(res.get(key, []))
+        for j, pair in res.get("pairs", {}).items():
+            merged["pairs"][f"p{r}->d{j}"] = {**pair, "wall_s": res.get("wall_s")}
+        merged["memory"][f"prefill{r}"] = res.get("memory", {})
+        merged["rejected_auth"] += res.get("rejected_auth", 0)
+    for key in ("outcomes", "routes", "reasons"):
+        merged[key] = dict(merged[key])
+    return merged
+
+
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                  progress=None, driver=None, bulk_bytes: int = 0) -> RunOutput:
-    """Start decode, then prefill (running `driver`, default: the configured workload)."""
+    """Start every decode rank, then every prefill rank (each running `driver`, default: the
+    configured workload, handing off to all decode ranks); watch them; merge what they report."""
     log = structlog.get_logger("orchestrator.runner")
     if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
         # Inside a joblib/loky launcher worker the default start method is "loky"; spawned
@@ -98,69 +125,97 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
     out = RunOutput()
     startup = cfg.endpoints.startup_timeout_s
     watchdog = cfg.transport.timeout_s + 5.0  # prefill reports about four times a second
+    n_decode, n_prefill = cfg.endpoints.decode_ranks, cfg.endpoints.prefill_ranks
 
-    d_conn, d_child = ctx.Pipe()
-    decode = ctx.Process(target=decode_main, name="decode",
-                         args=(cfg, plan, str(run_dir), d_child, bulk_bytes), daemon=True)
-    decode.start()
-    prefill = None
+    decodes: list[tuple[mp.Process, Any]] = []
+    for j in range(n_decode):
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=decode_main, name=role_name("decode", j, n_decode),
+                           args=(cfg, plan, str(run_dir), child, bulk_bytes, j), daemon=True)
+        proc.start()
+        decodes.append((proc, conn))
+    prefills: list[tuple[mp.Process, Any]] = []
     silent = None
-    fault = ProcessFault(cfg, decode, out, log) if cfg.faults.kind in (
+    fault = ProcessFault(cfg, decodes[0][0], out, log) if cfg.faults.kind in (
         FaultKind.decode_killed, FaultKind.decode_stopped) else None
     try:
-        kind, info = _wait(d_conn, startup, decode)
-        if kind != "ready":
-            raise RunFailed(f"decode endpoint did not start: {info}")
-        out.transports["decode"] = info["transport"]
-        out.engine_exposed = info.get("engine_exposed", [])
-        log.info("decode_ready", **info)
+        infos = []
+        for proc, conn in decodes:
+            kind, info = _wait(conn, startup, proc)
+            if kind != "ready":
+                raise RunFailed(f"{proc.name} endpoint did not start: {info}")
+            out.transports[proc.name] = info["transport"]
+            out.engine_exposed = sorted(set(out.engine_exposed) | set(info.get("engine_exposed", [])))
+            log.info("decode_ready", rank=proc.name, **info)
+            infos.append(info)
         if cfg.faults.kind is FaultKind.silent_control:
             silent = silent_listener(cfg.transport.host)
-            info = {**info, "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-            out.faults_applied.append({"fault": "silent_control", "control_endpoint": info["control_endpoint"]})
+            infos[0] = {**infos[0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
+            out.faults_applied.append({"fault": "silent_control",
+                                       "control_endpoint": infos[0]["control_endpoint"]})
 
-        p_conn, p_child = ctx.Pipe()
         kwargs = {"driver": driver} if driver is not None else {}
-        prefill = ctx.Process(target=prefill_main, name="prefill",
-                              args=(cfg, plan, str(run_dir), info, p_child), kwargs=kwargs,
-                              daemon=True)
-        prefill.start()
-        kind, value = _wait(p_conn, startup, prefill)
-        if kind != "transport":
-            raise RunFailed(f"prefill endpoint did not start: {value}")
-        out.transports["prefill"] = value
-        while True:
-            kind, value = _wait(p_conn, watchdog, prefill)
-            if kind == "progress":
-                if fault:
-                    fault(value)
-                if progress:
-                    progress(value)
-                continue
-            if kind == "result":
-                out.wall_s = value.pop("wall_s", 0.0)
-                out.row_bytes = value.pop("row_bytes", 0)
-                out.tally = value
-                break
-            raise RunFailed(f"prefill endpoint failed: {value}")
+        for r in range(n_prefill):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=prefill_main, name=role_name("prefill", r, n_prefill),
+                               args=(cfg, plan, str(run_dir), infos, child),
+                               kwargs={**kwargs, "rank": r}, daemon=True)
+            proc.start()
+            prefills.append((proc, conn))
+        for proc, conn in prefills:
+            kind, value = _wait(conn, startup, proc)
+            if kind != "transport":
+                raise RunFailed(f"{proc.name} endpoint did not start: {value}")
+            out.transports[proc.name] = value
+        results: dict[int, dict] = {}
+        done = [0] * n_prefill
+        last_seen = [time.monotonic()] * n_prefill
+        while len(results) < n_prefill:
+            for r, (proc, conn) in enumerate(prefills):
+                if r in results:
+                    continue
+                if conn.poll(0.05 / n_prefill):
+                    kind, value = conn.recv()
+                    last_seen[r] = time.monotonic()
+                    if kind == "progress":
+                        done[r] = value
+                        total = sum(done)
+                        if fault:
+                            fault(total)
+                        if progress:
+                            progress(total)
+                    elif kind == "result":
+                        results[r] = value
+                    else:
+                        raise RunFailed(f"{proc.name} endpoint failed: {value}")
+                elif not proc.is_alive() and not conn.poll(0):
+                    raise RunFailed(f"{proc.name} exited with code {proc.exitcode}")
+                elif time.monotonic() - last_seen[r] > watchdog:
+                    raise RunFailed(f"{proc.name} sent nothing for {watchdog:g} s")
+        ordered = [results[r] for r in range(n_prefill)]
+        out.wall_s = max(res.pop("wall_s", 0.0) for res in ordered)
+        out.row_bytes = ordered[0].pop("row_bytes", 0)
+        out.tally = merge_tallies(ordered)
     except RunFailed as exc:
         out.error = str(exc)
         log.error("run_failed", error=out.error)
     finally:
-        if decode.is_alive():
+        for j, (proc, conn) in enumerate(decodes):
+            if not proc.is_alive():
+                continue
             try:
-                os.kill(decode.pid, signal.SIGCONT)  # in case a stop fault is still in force
-                d_conn.send("stop")
-                kind, value = _wait(d_conn, 10.0, decode)
+                os.kill(proc.pid, signal.SIGCONT)  # in case a stop fault is still in force
+                conn.send("stop")
+                kind, value = _wait(conn, 10.0, proc)
                 if kind == "stats":
-                    out.decode_stats = value
+                    out.decode_stats = value if n_decode == 1 else {
+                        **out.decode_stats, proc.name: value}
                 elif kind == "error" and out.error is None:
-                    out.error = f"decode endpoint failed: {value}"
+                    out.error = f"{proc.name} endpoint failed: {value}"
             except (BrokenPipeError, EOFError, OSError):
                 pass
-        for proc in (prefill, decode):
-            if proc is not None:
-                _stop(proc)
+        for proc, _ in prefills + decodes:
+            _stop(proc)
         if silent is not None:
             silent.close()
     return out

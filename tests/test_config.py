@@ -49,7 +49,8 @@ def test_hydra_rejects(override):
     ("transport.mooncake.metadata_server=nowhere", "transport.mooncake.metadata_server"),
     ("workload.top_logprobs_num=500", "workload.top_logprobs_num"),
     ("+buffers.extra=1", "buffers.extra"),
-    ("endpoints.decode_gpu=-2", "endpoints.decode_gpu"),
+    ("endpoints.decode_gpus=[-2]", "endpoints.decode_gpus"),
+    ("endpoints.prefill_gpus=[0,1]", "endpoints.prefill_gpus"),
 ])
 def test_validate_names_key(override, key):
     with pytest.raises(ConfigError) as info:

@@ -13,7 +13,8 @@ from .conftest import CONF
 PROFILES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CPU = Platform()
 TWO_GPU = Platform(cuda_devices=2, mooncake_cuda=True)
-ROW_BYTES = {"cpu_smoke": 1600, "llama3_8b": 9728, "deepseek_v3_mtp": 15872}
+ROW_BYTES = {"cpu_smoke": 1600, "llama3_8b": 9728, "deepseek_v3_mtp": 15872,
+             "pd_8gpu_nvlink": 15872, "pd_8gpu_tcp": 15872}
 
 
 def test_profiles_exist():
@@ -45,6 +46,14 @@ def test_profile_on_cpu_box_runs_or_is_refused_clearly(cfg_factory, name):
         assert plan.buffer_device is Device.cpu and plan.events
     else:
         assert make_plan(cfg, CPU).buffer_device is Device.cpu
+
+
+def test_pd_8gpu_places_prefill_on_0_3_and_decode_on_4_7(cfg_factory):
+    plan = make_plan(cfg_factory("experiment=pd_8gpu_nvlink"), Platform(cuda_devices=8, mooncake_cuda=True))
+    assert plan.prefill_gpus == (0, 1, 2, 3) and plan.decode_gpus == (4, 5, 6, 7)
+    assert plan.engine_transport is EngineTransport.nvlink_intra
+    tcp = make_plan(cfg_factory("experiment=pd_8gpu_tcp"), CPU)
+    assert tcp.route.value == "tcp" and tcp.buffer_device is Device.cpu
 
 
 def test_command_line_overrides_beat_the_profile(cfg_factory):

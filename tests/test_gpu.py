@@ -67,3 +67,16 @@ def test_presence_trap_is_detected_as_effective_transport():
     proc.join(30)
     print("effective transport without MC_INTRANODE_NVLINK:", effective)
     assert effective != "nvlink_intra"
+
+
+def test_all_pairs_four_by_four_over_nvlink(cfg_factory, tmp_path):
+    """experiment=pd_8gpu_nvlink (4 prefill x 4 decode ranks, all pairs) on the GPUs there
+    are: GPUs 0-3 -> 4-7 on eight, ranks alternating between GPU 0 and 1 on two."""
+    cfg = cfg_factory("experiment=pd_8gpu_nvlink", "workload.requests=200")
+    plan = make_plan(cfg, detect())
+    out = run_handoffs(cfg, plan, tmp_path)
+    res = build_results(800, plan, out)
+    print(json.dumps({"pairs": res["pairs"], "effective_transport": res["effective_transport"]}))
+    assert (res["verified"], res["failed"], res["corrupted"]) == (800, 0, 0), res
+    assert res["effective_transport"] == "mooncake-nvlink_intra"
+    assert len(res["pairs"]) == 16

@@ -278,3 +278,15 @@ def test_cli_run_writes_run_dir(tmp_path):
         assert key in res
     assert set(res["latency_us"]["send_aux"]) == {"p50", "p99", "p999"}
     assert len((run_dir / "decisions.jsonl").read_text().splitlines()) == 100
+
+
+def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
+    cfg = cfg_factory("endpoints.prefill_ranks=2", "endpoints.decode_ranks=2", "workload.requests=100")
+    plan = make_plan(cfg, CPU)
+    res = build_results(200, plan, run_handoffs(cfg, plan, tmp_path))
+    assert (res["verified"], res["failed"], res["corrupted"]) == (200, 0, 0), res
+    assert set(res["pairs"]) == {"p0->d0", "p0->d1", "p1->d0", "p1->d1"}
+    assert all(p["verified"] == 50 for p in res["pairs"].values())
+    rids = [json.loads(x)["rid"] for f in ("requests-prefill0.jsonl", "requests-prefill1.jsonl")
+            for x in (tmp_path / f).read_text().splitlines()]
+    assert sorted(rids) == list(range(200))  # unique across prefill ranks

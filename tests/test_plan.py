@@ -9,7 +9,8 @@ import pytest
 from orchestrator.config import (ConfigError, FallbackPolicy, MemPoolType,
                                  RouteSetting)
 from orchestrator.plan import (MANAGED_MC_VARS, Device, EngineTransport, Platform, Reason, Route,
-                               buffer_device, engine_env, make_plan, route_rule)
+                               buffer_device, engine_env, gpu_placement, make_plan,
+                               route_rule)
 
 CPU = Platform(cuda_devices=0, mooncake_cuda=False)
 ONE_GPU = Platform(cuda_devices=1, mooncake_cuda=True)
@@ -112,7 +113,8 @@ def test_make_plan_every_combination(cfg_factory, pool, setting, platform, fallb
         assert plan.buffer_device is Device.cuda
         assert plan.engine_transport is EngineTransport.nvlink_intra
         assert plan.mc_env["MC_INTRANODE_NVLINK"] == "1" and plan.mc_env["MC_FORCE_TCP"] is None
-        assert plan.decode_gpu == (1 if p.cuda_devices >= 2 else 0)
+        assert plan.prefill_gpus == (0,)
+        assert plan.decode_gpus == ((1,) if p.cuda_devices >= 2 else (0,))
     elif pool is MemPoolType.INTRA_NODE_NVLINK:
         # degrade: host buffers, logged fallback, engine over TCP
         assert plan.buffer_device is Device.cpu and plan.events
@@ -140,8 +142,19 @@ def test_expandable_segments_refused_for_nvlink(cfg_factory):
 
 
 def test_gpu_index_out_of_range(cfg_factory):
-    with pytest.raises(ConfigError, match="endpoints.decode_gpu"):
-        _plan(cfg_factory, ONE_GPU, "mem_pool=INTRA_NODE_NVLINK", "endpoints.decode_gpu=1")
+    with pytest.raises(ConfigError, match="endpoints.decode_gpus"):
+        _plan(cfg_factory, ONE_GPU, "mem_pool=INTRA_NODE_NVLINK", "endpoints.decode_gpus=[1]")
+
+
+@pytest.mark.parametrize("ranks,gpus,expected", [
+    ((1, 1), 2, ((0,), (1,))),
+    ((1, 1), 1, ((0,), (0,))),
+    ((4, 4), 8, ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ((2, 2), 2, ((0, 1), (0, 1))),
+    ((3, 1), 8, ((0, 1, 2), (3,))),
+])
+def test_auto_gpu_placement(ranks, gpus, expected):
+    assert gpu_placement(*ranks, None, None, gpus) == expected
 
 
 def test_engine_tcp_on_gpu_buffers_allowed(cfg_factory):

@@ -42,9 +42,19 @@ def start_process(role: str, run_dir: Path) -> structlog.stdlib.BoundLogger:
     return configure(run_dir, role, console_level=30)
 
 
+def role_name(kind: str, rank: int, ranks: int) -> str:
+    """"prefill"/"decode" for a single rank, "prefill0", "decode3", ... otherwise; names the
+    process's log files."""
+    return kind if ranks == 1 else f"{kind}{rank}"
+
+
+def rank_gpu(plan: Plan, kind: str, rank: int) -> Optional[int]:
+    gpus = plan.prefill_gpus if kind == "prefill" else plan.decode_gpus
+    return gpus[rank] if gpus else None
+
+
 def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
-               log: structlog.stdlib.BoundLogger) -> Side:
-    gpu = plan.prefill_gpu if role == "prefill" else plan.decode_gpu
+               log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
     if plan.buffer_device is Device.cuda:
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)

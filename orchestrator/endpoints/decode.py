@@ -26,7 +26,7 @@ from ..plan import Device, Plan
 from ..stats import percentile
 from ..transport import zmq_aux
 from ..transport.engine import exposed, listening_sockets
-from .common import build_side, new_socket, rss_kb, start_process
+from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
 
 
 @dataclass
@@ -72,9 +72,10 @@ class DecodeStats:
 
 
 class DecodeEndpoint:
-    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log):
+    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log, rank: int = 0):
         self.cfg, self.plan, self.log = cfg, plan, log
-        self.side = build_side(cfg, plan, "decode", run_dir, log)
+        role = role_name("decode", rank, cfg.endpoints.decode_ranks)
+        self.side = build_side(cfg, plan, role, run_dir, log, rank_gpu(plan, "decode", rank))
         self.buffers = self.side.buffers
         self.ptrs, _, self.item_lens = self.buffers.get_buf_infos()
         self.room_offset = self.buffers.room_offset
@@ -265,14 +266,15 @@ def _bind(sock, host: str) -> str:
 
 
 def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
-                bulk_bytes: int = 0) -> None:
-    """Process entry (multiprocessing spawn). `bulk_bytes` > 0 also registers a bulk target
-    region of that size on the buffers' device (the benchmark's bandwidth point)."""
+                bulk_bytes: int = 0, rank: int = 0) -> None:
+    """Process entry (multiprocessing spawn) of decode rank `rank`. `bulk_bytes` > 0 also
+    registers a bulk target region of that size on the buffers' device (the benchmark's
+    bandwidth point)."""
     run_path = Path(run_dir)
-    log = start_process("decode", run_path)
+    log = start_process(role_name("decode", rank, cfg.endpoints.decode_ranks), run_path)
     endpoint = None
     try:
-        endpoint = DecodeEndpoint(cfg, plan, run_path, log)
+        endpoint = DecodeEndpoint(cfg, plan, run_path, log, rank)
         info = {
             "control_endpoint": endpoint.control_endpoint,
             "data_endpoint": endpoint.data_endpoint,

@@ -31,10 +31,10 @@ from ..plan import Plan
 from ..router import AuxRouter, Peer
 from ..transport import zmq_aux
 from ..workload import make_request
-from .common import build_side, new_socket, rss_kb, start_process
+from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
 
-RECORD_FIELDS = ("rid", "room", "dst_slot", "route", "send_us", "deliver_us", "handoff_us",
-                 "outcome", "detail", "checksum", "fault")
+RECORD_FIELDS = ("rid", "room", "decode_rank", "dst_slot", "route", "send_us", "deliver_us",
+                 "handoff_us", "outcome", "detail", "checksum", "fault")
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Handoff:
     checksum: str
     t_start: float
     deadline: float
+    decode_rank: int = 0
     dst_slot: int = -1
     route: str = ""
     send_us: float = 0.0
@@ -69,6 +70,7 @@ class Tally:
         self.send_us = array("d")
         self.deliver_us = array("d")
         self.handoff_us = array("d")
+        self.pairs: dict[int, dict] = {}  # decode rank -> outcomes and deliver latencies
         self._sink = open(sink_path, "w", buffering=1 << 16) if sink_path else None
 
     def add(self, h: Handoff) -> None:
@@ -76,9 +78,12 @@ class Tally:
         if h.route:
             self.routes[h.route] += 1
             self.send_us.append(h.send_us)
+        pair = self.pairs.setdefault(h.decode_rank, {"outcomes": Counter(), "deliver_us": array("d")})
+        pair["outcomes"][h.outcome] += 1
         if h.outcome == "verified":
             self.deliver_us.append(h.deliver_us)
             self.handoff_us.append(h.handoff_us)
+            pair["deliver_us"].append(h.deliver_us)
         else:
             self.reasons[h.detail] += 1
         if self._sink is not None:
@@ -95,42 +100,75 @@ class Tally:
     def result(self) -> dict:
         return {"outcomes": dict(self.outcomes), "routes": dict(self.routes),
                 "reasons": dict(self.reasons), "send_us": self.send_us.tolist(),
-                "deliver_us": self.deliver_us.tolist(), "handoff_us": self.handoff_us.tolist()}
+                "deliver_us": self.deliver_us.tolist(), "handoff_us": self.handoff_us.tolist(),
+                "pairs": {j: {"outcomes": dict(p["outcomes"]), "deliver_us": p["deliver_us"].tolist()}
+                          for j, p in self.pairs.items()}}
+
+
+@dataclass
+class Link:
+    """One decode rank as this prefill rank sees it: control channel, data socket, router."""
+
+    rank: int
+    control: zmq.Socket
+    push: zmq.Socket
+    router: AuxRouter
 
 
 class PrefillEndpoint:
+    """Prefill rank `rank`: hands its requests round-robin to every decode rank in
+    `decode_infos` (all-pairs when several prefill ranks run)."""
+
     def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log,
-                 control_endpoint: str, data_endpoint: str):
+                 decode_infos: list[dict], rank: int = 0):
         self.cfg, self.plan, self.log = cfg, plan, log
-        self.side = build_side(cfg, plan, "prefill", run_dir, log)
+        ranks = cfg.endpoints.prefill_ranks
+        role = role_name("prefill", rank, ranks)
+        self.rid_base = rank * cfg.workload.requests
+        self.side = build_side(cfg, plan, role, run_dir, log, rank_gpu(plan, "prefill", rank))
         self.buffers = self.side.buffers
         self.slots = SlotAllocator(cfg.buffers.size)
         self.timeout_s = cfg.transport.timeout_s
         self.auth: Authenticator = from_env(cfg.transport.secret_env)
         self.faults = FaultInjector(cfg.faults)
         self.ctx = zmq.Context()
-        self.control = new_socket(self.ctx, zmq.DEALER, self.timeout_s)
-        self.control.connect(control_endpoint)
-        self.push = new_socket(self.ctx, zmq.PUSH, self.timeout_s)
-        self.push.connect(data_endpoint)
-        self.router = AuxRouter(plan, self.buffers, self.side.transport, engine=self.side.engine,
-                                push=self.push,
-                                max_blocks_per_batch=cfg.transport.mooncake.max_blocks_per_batch)
+        self.links: list[Link] = []
+        self.poller = zmq.Poller()
+        for j, info in enumerate(decode_infos):
+            ctl = new_socket(self.ctx, zmq.DEALER, self.timeout_s)
+            ctl.connect(info["control_endpoint"])
+            push = new_socket(self.ctx, zmq.PUSH, self.timeout_s)
+            push.connect(info["data_endpoint"])
+            router = AuxRouter(plan, self.buffers, self.side.transport, engine=self.side.engine,
+                               push=push,
+                               max_blocks_per_batch=cfg.transport.mooncake.max_blocks_per_batch)
+            self.links.append(Link(j, ctl, push, router))
+            self.poller.register(ctl, zmq.POLLIN)
+        self.router = self.links[0].router  # the benchmark drives one pair
         self.in_flight: dict[int, Handoff] = {}
-        self.tally = Tally(run_dir / "requests.jsonl")
+        records = "requests.jsonl" if ranks == 1 else f"requests-{role}.jsonl"
+        self.tally = Tally(run_dir / records)
         self.rejected_auth = 0
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
 
     # ---- control channel ----------------------------------------------------------------
-    def _send(self, payload: bytes) -> None:
-        self.control.send_multipart(self.auth.sign([payload]))
+    def _send(self, link: Link, payload: bytes) -> None:
+        link.control.send_multipart(self.auth.sign([payload]))
 
-    def _recv(self, timeout_s: float) -> Optional[dict]:
-        """A decoded control message, {} for one that was dropped, None on timeout."""
-        if not self.control.poll(int(timeout_s * 1000)):
+    def _recv(self, timeout_s: float, link: Link) -> Optional[dict]:
+        """A decoded control message from `link`, {} for one that was dropped, None on timeout."""
+        if not link.control.poll(int(timeout_s * 1000)):
             return None
-        frames = self.control.recv_multipart()
+        return self._decode(link.control.recv_multipart())
+
+    def _recv_any(self, timeout_s: float) -> list[dict]:
+        """One message from EVERY decode rank that has one (fair: no rank starves another)."""
+        ready = self.poller.poll(int(timeout_s * 1000))
+        return [msg for sock, _ in ready if (msg := self._decode(sock.recv_multipart()))]
+
+    def _decode(self, frames: list[bytes]) -> dict:
+        """The decoded message, or {} for one that was dropped."""
         body = self.auth.check(frames, 1)
         if body is None:
             self.rejected_auth += 1
@@ -143,17 +181,21 @@ class PrefillEndpoint:
             return {}
 
     def bootstrap(self) -> None:
-        self._send(control.encode("hello", item_lens=self.buffers.item_lens))
-        msg = self._recv(self.timeout_s)
-        if msg is None:
-            raise TimeoutError(f"decode did not answer hello within transport.timeout_s={self.timeout_s:g}")
-        if msg.get("type") != "bootstrap":
-            raise RuntimeError(f"bootstrap refused: {msg.get('detail', msg)}")
-        peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"])
-        self.router.connect(peer)
-        if self.side.engine is not None:
-            self._probe_bounded(peer.session_id)
-        self.log.info("bootstrapped", peer_session=peer.session_id, slots=peer.slots)
+        for link in self.links:
+            self._send(link, control.encode("hello", item_lens=self.buffers.item_lens))
+            msg = self._recv(self.timeout_s, link)
+            if msg is None:
+                raise TimeoutError(f"decode rank {link.rank} did not answer hello within "
+                                   f"transport.timeout_s={self.timeout_s:g}")
+            if msg.get("type") != "bootstrap":
+                raise RuntimeError(f"bootstrap refused by decode rank {link.rank}: "
+                                   f"{msg.get('detail', msg)}")
+            peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"])
+            link.router.connect(peer)
+            if self.side.engine is not None:
+                self._probe_bounded(peer.session_id)
+            self.log.info("bootstrapped", decode_rank=link.rank, peer_session=peer.session_id,
+                          slots=peer.slots)
 
     def _probe_bounded(self, session: str) -> None:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
@@ -172,49 +214,51 @@ class PrefillEndpoint:
 
     # ---- one handoff --------------------------------------------------------------------
     def _issue(self, rid: int) -> None:
-        """A prefill finished: fill its row, checksum it, ask decode for a slot."""
+        """A prefill finished: fill its row, checksum it, ask a decode rank for a slot."""
+        gid = self.rid_base + rid  # unique across prefill ranks
+        link = self.links[rid % len(self.links)]
         slot = self.slots.alloc()
-        req = make_request(self.cfg.workload, rid, self.cfg.buffers.hidden_size)
+        req = make_request(self.cfg.workload, gid, self.cfg.buffers.hidden_size)
         req.metadata_buffer_index = slot
         self.buffers.set_buf(req)
         now = time.perf_counter()
-        h = Handoff(rid, req.bootstrap_room, slot, self.buffers.row_checksum(slot), now,
-                    now + self.timeout_s)
+        h = Handoff(gid, req.bootstrap_room, slot, self.buffers.row_checksum(slot), now,
+                    now + self.timeout_s, decode_rank=link.rank)
         self.in_flight[h.room] = h
-        self._send(control.encode("grant_request", room=h.room, rid=rid))
+        self._send(link, control.encode("grant_request", room=h.room, rid=gid))
 
     def _on_grant(self, h: Handoff, dst_slot: int) -> None:
+        link = self.links[h.decode_rank]
         h.dst_slot = dst_slot
         fault = self.faults.for_request(h.rid)
         h.t_send = time.perf_counter()
         if fault is None:
-            decision = self.router.send_aux(h.room, h.slot, dst_slot)
+            decision = link.router.send_aux(h.room, h.slot, dst_slot)
         else:
-            decision = self._send_with_fault(fault, h, dst_slot)
+            decision = self._send_with_fault(fault, link.router, h, dst_slot)
         h.route, h.send_us = decision.route, round(decision.latency_us, 2)
         status = "ok" if decision.outcome == "ok" else "error"
         try:
-            self.push.send_multipart(
+            link.push.send_multipart(
                 self.auth.sign(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum)))
         except zmq.ZMQError as exc:  # the data plane is stuck: the peer-lost timer ends it
             self.log.warning("status_send_failed", room=h.room, error=str(exc))
-        self.router.log(decision)
+        link.router.log(decision)
 
-    def _send_with_fault(self, fault: FaultKind, h: Handoff, dst_slot: int):
+    def _send_with_fault(self, fault: FaultKind, router: AuxRouter, h: Handoff, dst_slot: int):
         h.fault = fault.value
         self.log.info("fault_injected", fault=fault.value, rid=h.rid, room=h.room)
         if fault is FaultKind.corrupt_byte:  # after the checksum was taken: "in transit"
             self.buffers.flip_byte(h.slot, field_index=len(self.buffers.fields) // 2)
-            return self.router.send_aux(h.room, h.slot, dst_slot)
-        srcs, dsts, lens = self.router.blocks(h.slot, dst_slot)
+            return router.send_aux(h.room, h.slot, dst_slot)
+        srcs, dsts, lens = router.blocks(h.slot, dst_slot)
         if fault is FaultKind.bad_destination:
-            return self.router.send_aux(h.room, h.slot, dst_slot,
-                                        blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
+            return router.send_aux(h.room, h.slot, dst_slot,
+                                   blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
         if fault is FaultKind.wrong_session:
-            return self.router.send_aux(h.room, h.slot, dst_slot, session=UNSERVED_SESSION)
+            return router.send_aux(h.room, h.slot, dst_slot, session=UNSERVED_SESSION)
         if fault is FaultKind.stale_room:
-            return self.router.send_aux(h.room, h.slot, dst_slot,
-                                        blocks=(srcs[:-1], dsts[:-1], lens[:-1]))
+            return router.send_aux(h.room, h.slot, dst_slot, blocks=(srcs[:-1], dsts[:-1], lens[:-1]))
         raise ValueError(f"{fault} is not a per-request fault")
 
     def _finish(self, h: Handoff, outcome: str, detail: str) -> None:
@@ -242,9 +286,9 @@ class PrefillEndpoint:
                 next_rid += 1
             if peer_lost is not None or not self.in_flight:
                 break
-            msg = self._recv(min(0.2, self.timeout_s))
+            msgs = self._recv_any(min(0.2, self.timeout_s))
             now = time.perf_counter()
-            if msg:
+            for msg in msgs:
                 h = self.in_flight.get(msg.get("room", -1))
                 if h is None:
                     self.log.warning("unexpected_control", msg_type=msg["type"])
@@ -268,18 +312,21 @@ class PrefillEndpoint:
             self._finish(h, "failed", "peer_lost")
         self.in_flight.clear()
         for rid in range(next_rid, total):
-            self.tally.add(Handoff(rid, 0, -1, "", 0, 0, outcome="failed", detail="not_sent_peer_lost"))
+            self.tally.add(Handoff(self.rid_base + rid, 0, -1, "", 0, 0, decode_rank=rid % len(self.links),
+                                   outcome="failed", detail="not_sent_peer_lost"))
         self.memory["rss_kb_end"] = rss_kb()
-        try:
-            self._send(control.encode("bye"))
-        except zmq.ZMQError:
-            pass
+        for link in self.links:
+            try:
+                self._send(link, control.encode("bye"))
+            except zmq.ZMQError:
+                pass
         return wall
 
     def close(self) -> None:
         self.tally.close()
-        self.control.close(0)
-        self.push.close(0)
+        for link in self.links:
+            link.control.close(0)
+            link.push.close(0)
         self.ctx.term()
 
 
@@ -290,19 +337,19 @@ def run_workload(endpoint: PrefillEndpoint, conn, decode_info: dict) -> dict:
             "memory": endpoint.memory, "rejected_auth": endpoint.rejected_auth}
 
 
-def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_info: dict, conn,
-                 driver=run_workload) -> None:
-    """Process entry (multiprocessing spawn). `driver(endpoint, conn, decode_info)` does the
-    work once bootstrapped and returns the result dict (the benchmark passes its own)."""
+def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_infos: list[dict],
+                 conn, driver=run_workload, rank: int = 0) -> None:
+    """Process entry (multiprocessing spawn) of prefill rank `rank`. `driver(endpoint, conn,
+    decode_info)` does the work once bootstrapped and returns the result dict (the benchmark
+    passes its own; it gets the first decode rank's info)."""
     run_path = Path(run_dir)
-    log = start_process("prefill", run_path)
+    log = start_process(role_name("prefill", rank, cfg.endpoints.prefill_ranks), run_path)
     endpoint = None
     try:
-        endpoint = PrefillEndpoint(cfg, plan, run_path, log, decode_info["control_endpoint"],
-                                   decode_info["data_endpoint"])
+        endpoint = PrefillEndpoint(cfg, plan, run_path, log, decode_infos, rank)
         conn.send(("transport", endpoint.side.transport))
         endpoint.bootstrap()
-        conn.send(("result", driver(endpoint, conn, decode_info)))
+        conn.send(("result", driver(endpoint, conn, decode_infos[0])))
     except Exception as exc:
         log.error("prefill_failed", error=f"{type(exc).__name__}: {exc}")
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
