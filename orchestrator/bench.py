@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -33,22 +33,30 @@ from .config import (ConfigError, EngineTransportSetting, MemPoolType, Orchestra
 from .logs import configure
 from .plan import Device, Plan, Route, make_plan
 from .platform import detect
-from .stats import percentile
+from .stats import LatencyHistogram, percentile
 from .runner import run_handoffs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CHUNK = 100
 
 
-def _stats(samples_us: list[float], wall_s: Optional[float] = None) -> dict[str, Any]:
-    """Percentiles, plus handoffs/s: completed / wall time when given, else back-to-back
-    (one in flight): n / sum of latencies."""
+def _stats(samples_us: list[float]) -> dict[str, Any]:
+    """Exact percentiles of back-to-back calls (one in flight); handoffs/s = n / sum."""
     if not samples_us:
         return {"n": 0}
-    rate = len(samples_us) / wall_s if wall_s else len(samples_us) / (sum(samples_us) / 1e6)
     return {"n": len(samples_us), "p50": percentile(samples_us, 50),
             "p99": percentile(samples_us, 99), "p999": percentile(samples_us, 99.9),
-            "mean": round(statistics.fmean(samples_us), 2), "handoffs_per_s": round(rate, 1)}
+            "mean": round(statistics.fmean(samples_us), 2),
+            "handoffs_per_s": round(len(samples_us) / (sum(samples_us) / 1e6), 1)}
+
+
+def _hist_stats(hist: dict) -> dict[str, Any]:
+    """The same from a run's latency histogram (percentiles within 0.25%)."""
+    h = LatencyHistogram.from_dict(hist)
+    if not h.n:
+        return {"n": 0}
+    return {"n": h.n, **h.summary(), "mean": h.mean,
+            "handoffs_per_s": round(h.n / (h.total / 1e6), 1)}
 
 
 # ---- drivers: run inside the prefill process, after bootstrap ---------------------------------
@@ -112,13 +120,13 @@ def _handoffs(endpoint, conn) -> dict:
     wall = endpoint.run(conn)
     t = endpoint.tally
     return {"handoff_verified": t.outcomes.get("verified", 0), "handoff_total": t.count,
-            "deliver_us": t.deliver_us.tolist(), "handoff_wall_s": wall,
+            "deliver_us": t.deliver_us.to_dict(), "handoff_wall_s": wall,
             "row_bytes": endpoint.buffers.row_bytes}
 
 
 def tcp_route_driver(endpoint, conn, decode_info: dict) -> dict:
     out = _handoffs(endpoint, conn)
-    out["send_us"] = endpoint.tally.send_us.tolist()
+    out["send_us"] = endpoint.tally.send_us.to_dict()
     out["blocks"] = len(endpoint.buffers.item_lens)
     return out
 
@@ -191,7 +199,7 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
             "path": ph.name, "transport": out.transports.get("prefill"),
             "row_bytes": out.row_bytes, "blocks": x["blocks"],
             "handoffs_verified": x["handoff_verified"], "handoffs_total": x["handoff_total"],
-            "handoff": _stats(x["deliver_us"], None),
+            "handoff": _hist_stats(x["deliver_us"]),
             "handoff_protocol_per_s": round(x["handoff_verified"] / x["handoff_wall_s"], 1),
             "decode_verify_us": out.decode_stats.get("verify_us"),
         }
@@ -200,7 +208,7 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
             entry["raw_batch_write"] = _stats(x["raw_us"])
             entry["ours_over_raw_p50"] = round(entry["ours_send_aux"]["p50"] / entry["raw_batch_write"]["p50"], 3)
         if "send_us" in x:
-            entry["ours_send_aux"] = _stats(x["send_us"])
+            entry["ours_send_aux"] = _hist_stats(x["send_us"])
         if "bulk" in x:
             entry["bulk"] = x["bulk"]
         results["paths"].append(entry)

@@ -8,7 +8,7 @@ from typing import Any
 
 from .plan import Plan
 from .runner import RunOutput
-from .stats import latency_summary
+from .stats import LatencyHistogram
 
 def _pairs(t: dict, wall: float) -> dict[str, dict]:
     """Per prefill->decode pair: counts, deliver latency, handoffs/s over the rank's wall time."""
@@ -17,7 +17,7 @@ def _pairs(t: dict, wall: float) -> dict[str, dict]:
         verified = p["outcomes"].get("verified", 0)
         pair_wall = p.get("wall_s") or wall
         out[name] = {"requests": sum(p["outcomes"].values()), "verified": verified,
-                     "deliver_us": latency_summary(p["deliver_us"]),
+                     "deliver_us": LatencyHistogram.from_dict(p["deliver_us"]).summary(),
                      "handoffs_per_s": round(verified / pair_wall, 1) if pair_wall else None}
     return out
 
@@ -47,9 +47,9 @@ def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
         "routes": t.get("routes", {}),
         "failure_reasons": t.get("reasons", {}),
         "latency_us": {
-            "send_aux": latency_summary(t.get("send_us", [])),
-            "deliver": latency_summary(t.get("deliver_us", [])),
-            "handoff": latency_summary(t.get("handoff_us", [])),
+            key: LatencyHistogram.from_dict(t.get(field)).summary()
+            for key, field in (("send_aux", "send_us"), ("deliver", "deliver_us"),
+                               ("handoff", "handoff_us"))
         },
         "handoffs_per_s": round(verified / wall, 1) if wall > 0 else None,
         "mb_per_s": round(verified * out.row_bytes / wall / 1e6, 3) if wall > 0 else None,

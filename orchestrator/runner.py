@@ -22,6 +22,7 @@ from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import silent_listener
 from .plan import Plan
+from .stats import LatencyHistogram
 
 
 class RunFailed(RuntimeError):
@@ -95,20 +96,23 @@ def merge_tallies(results: list[dict]) -> dict[str, Any]:
         only = dict(results[0])
         only["pairs"] = {f"p0->d{j}": v for j, v in only.get("pairs", {}).items()}
         return only
+    latency = ("send_us", "deliver_us", "handoff_us")
     merged: dict[str, Any] = {"outcomes": Counter(), "routes": Counter(), "reasons": Counter(),
-                              "send_us": [], "deliver_us": [], "handoff_us": [], "pairs": {},
-                              "memory": {}, "rejected_auth": 0}
+                              "pairs": {}, "memory": {}, "rejected_auth": 0,
+                              **{key: LatencyHistogram() for key in latency}}
     for r, res in enumerate(results):
         for key in ("outcomes", "routes", "reasons"):
             merged[key].update(res.get(key, {}))
-        for key in ("send_us", "deliver_us", "handoff_us"):
-            merged[key].extend(res.get(key, []))
+        for key in latency:
+            merged[key].merge(LatencyHistogram.from_dict(res.get(key)))
         for j, pair in res.get("pairs", {}).items():
             merged["pairs"][f"p{r}->d{j}"] = {**pair, "wall_s": res.get("wall_s")}
         merged["memory"][f"prefill{r}"] = res.get("memory", {})
         merged["rejected_auth"] += res.get("rejected_auth", 0)
     for key in ("outcomes", "routes", "reasons"):
         merged[key] = dict(merged[key])
+    for key in latency:
+        merged[key] = merged[key].to_dict()
     return merged
 
 

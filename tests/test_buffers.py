@@ -117,3 +117,20 @@ def test_gathered_snapshot_equals_per_field_rows():
         assert snap == b._gathered_snapshot(slot)
         assert snap == b"".join(bytes(t[slot].view(torch.uint8).tolist()) for t in b.fields)
         assert b.snapshot_room(snap, b.room_offset) == b.room(slot)
+
+
+def test_latency_histogram_percentiles_within_a_quarter_percent():
+    import random
+
+    from orchestrator.stats import LatencyHistogram, percentile
+
+    rng = random.Random(3)
+    values = [rng.lognormvariate(5, 1.2) for _ in range(20000)] + [0.01, 3e7]
+    h = LatencyHistogram(values)
+    for q in (1, 50, 90, 99, 99.9):
+        exact = percentile(values, q)
+        assert abs(h.percentile(q) - exact) / exact < 0.0026
+    half = LatencyHistogram(values[:7000]).merge(LatencyHistogram(values[7000:]))
+    assert half.summary() == h.summary() and half.n == len(values)
+    assert LatencyHistogram.from_dict(h.to_dict()).summary() == h.summary()
+    assert len(h.counts) < 4200  # bounded, whatever the number of samples

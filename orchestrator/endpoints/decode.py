@@ -23,7 +23,7 @@ from ..buffers import SlotAllocator, checksum
 from ..config import FaultKind, OrchestratorConfig
 from ..faults import FaultInjector, silent_listener
 from ..plan import Device, Plan
-from ..stats import percentile
+from ..stats import LatencyHistogram
 from ..transport import zmq_aux
 from ..transport.engine import exposed, listening_sockets
 from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
@@ -48,13 +48,12 @@ class DecodeStats:
     unexpected: int = 0
     gate_waits: int = 0  # status seen before the room landed (re-checked later)
     reasons: dict = field(default_factory=dict)
-    verify_us: list = field(default_factory=list)  # readiness gate + checksum, per slot
+    verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # gate + checksum
     memory: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k != "verify_us"}
-        out["verify_us"] = {"p50": percentile(self.verify_us, 50),
-                            "p99": percentile(self.verify_us, 99)}
+        out["verify_us"] = self.verify_us.summary()
         return out
 
     def drop(self, counter: str, log, event: str, **kw) -> None:
@@ -191,7 +190,7 @@ class DecodeEndpoint:
             return self._release(slot, grant, "corrupted", "room_mismatch")
         if checksum(snapshot) != status.checksum:
             return self._release(slot, grant, "corrupted", "checksum_mismatch")
-        self.stats.verify_us.append((time.perf_counter() - t0) * 1e6)
+        self.stats.verify_us.add((time.perf_counter() - t0) * 1e6)
         return self._release(slot, grant, "verified", "")
 
     def _release(self, slot: int, grant: Grant, outcome: str, detail: str) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import threading
 import time
-from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..config import FaultKind, OrchestratorConfig
 from ..faults import BAD_OFFSET, UNSERVED_SESSION, FaultInjector
 from ..plan import Plan
 from ..router import AuxRouter, Peer
+from ..stats import LatencyHistogram
 from ..transport import zmq_aux
 from ..workload import make_request
 from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
@@ -61,15 +61,15 @@ class Handoff:
 
 
 class Tally:
-    """What the run keeps in memory: counters and latency arrays (8 bytes a value)."""
+    """What the run keeps in memory: counters and fixed-size latency histograms."""
 
     def __init__(self, sink_path: Optional[Path]):
         self.outcomes: Counter = Counter()
         self.routes: Counter = Counter()
         self.reasons: Counter = Counter()
-        self.send_us = array("d")
-        self.deliver_us = array("d")
-        self.handoff_us = array("d")
+        self.send_us = LatencyHistogram()
+        self.deliver_us = LatencyHistogram()
+        self.handoff_us = LatencyHistogram()
         self.pairs: dict[int, dict] = {}  # decode rank -> outcomes and deliver latencies
         self._sink = open(sink_path, "w", buffering=1 << 16) if sink_path else None
 
@@ -77,13 +77,14 @@ class Tally:
         self.outcomes[h.outcome] += 1
         if h.route:
             self.routes[h.route] += 1
-            self.send_us.append(h.send_us)
-        pair = self.pairs.setdefault(h.decode_rank, {"outcomes": Counter(), "deliver_us": array("d")})
+            self.send_us.add(h.send_us)
+        pair = self.pairs.setdefault(h.decode_rank, {"outcomes": Counter(),
+                                                     "deliver_us": LatencyHistogram()})
         pair["outcomes"][h.outcome] += 1
         if h.outcome == "verified":
-            self.deliver_us.append(h.deliver_us)
-            self.handoff_us.append(h.handoff_us)
-            pair["deliver_us"].append(h.deliver_us)
+            self.deliver_us.add(h.deliver_us)
+            self.handoff_us.add(h.handoff_us)
+            pair["deliver_us"].add(h.deliver_us)
         else:
             self.reasons[h.detail] += 1
         if self._sink is not None:
@@ -99,9 +100,9 @@ class Tally:
 
     def result(self) -> dict:
         return {"outcomes": dict(self.outcomes), "routes": dict(self.routes),
-                "reasons": dict(self.reasons), "send_us": self.send_us.tolist(),
-                "deliver_us": self.deliver_us.tolist(), "handoff_us": self.handoff_us.tolist(),
-                "pairs": {j: {"outcomes": dict(p["outcomes"]), "deliver_us": p["deliver_us"].tolist()}
+                "reasons": dict(self.reasons), "send_us": self.send_us.to_dict(),
+                "deliver_us": self.deliver_us.to_dict(), "handoff_us": self.handoff_us.to_dict(),
+                "pairs": {j: {"outcomes": dict(p["outcomes"]), "deliver_us": p["deliver_us"].to_dict()}
                           for j, p in self.pairs.items()}}
 
 
