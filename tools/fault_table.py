@@ -1,0 +1,52 @@
+"""Run every configured fault through the real command line and print RELIABILITY.md's table:
+python tools/fault_table.py [outdir]. Timeouts are short (transport.timeout_s=2) so the whole
+table takes about a minute on a 2-core box."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAST = ["transport.timeout_s=2", "transport.mooncake.tcp_progress_timeout_s=2"]
+CASES = [
+    ("corrupt_byte (engine route)", ["faults=corrupt_byte", "workload.requests=300"]),
+    ("corrupt_byte (tcp route)", ["faults=corrupt_byte", "transport.route=tcp", "workload.requests=300"]),
+    ("bad_destination", ["faults=bad_destination", "faults.every=20", "workload.requests=300"]),
+    ("wrong_session", ["faults=wrong_session", "faults.every=20", "workload.requests=300"]),
+    ("stale_room", ["faults=stale_room", "faults.every=15", "buffers.size=8", "workload.concurrency=4",
+                    "workload.requests=300"]),
+    ("decode_killed", ["faults=decode_killed", "faults.at_request=500", "workload.requests=3000"]),
+    ("decode_stopped 0.5 s (< timeout)", ["faults=decode_stopped", "faults.at_request=500",
+                                          "faults.duration_s=0.5", "transport.timeout_s=4", "workload.requests=3000"]),
+    ("decode_stopped 6 s (> timeout)", ["faults=decode_stopped", "faults.at_request=500",
+                                        "faults.duration_s=6", "workload.requests=3000"]),
+    ("silent_control", ["faults=silent_control", "workload.requests=300"]),
+    ("silent_peer (Mooncake handshake)", ["faults=silent_peer", "workload.requests=300"]),
+]
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/faults")
+    print("| fault | requests | verified | corrupted | failed | why (counts) | wall s | traceback |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, overrides in CASES:
+        run_dir = out / name.split()[0] / str(len(list((out / name.split()[0]).glob("*"))) if (out / name.split()[0]).exists() else 0)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "orchestrator", *FAST, *overrides,
+                               f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+        wall = time.monotonic() - t0
+        r = json.loads((run_dir / "results.json").read_text())
+        why = ", ".join(f"{k}={v}" for k, v in sorted(r["failure_reasons"].items())) or "-"
+        if r.get("error"):
+            why += f"; run error: {r['error'][:90]}"
+        tb = "yes" if "Traceback" in proc.stdout + proc.stderr else "no"
+        print(f"| {name} | {r['requests']} | {r['verified']} | {r['corrupted']} | {r['failed']} | "
+              f"{why} | {wall:.1f} | {tb} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
