@@ -44,3 +44,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class DecodeProcess:
+    """The real decode endpoint in its own (spawned) process, for tests that play prefill
+    themselves with raw sockets. `info` holds its endpoints; stop() returns its stats."""
+
+    def __init__(self, cfg, run_dir, platform=None):
+        import multiprocessing as mp
+
+        from orchestrator.endpoints.decode import decode_main
+        from orchestrator.plan import Platform, make_plan
+
+        self.plan = make_plan(cfg, platform or Platform())
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(run_dir), child),
+                                daemon=True)
+        self.proc.start()
+        assert self.conn.poll(60), "decode did not start"
+        kind, self.info = self.conn.recv()
+        assert kind == "ready", self.info
+
+    def stop(self) -> dict:
+        self.conn.send("stop")
+        assert self.conn.poll(20), "decode did not stop"
+        kind, stats = self.conn.recv()
+        self.proc.join(10)
+        assert kind == "stats", stats
+        return stats

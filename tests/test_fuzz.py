@@ -5,7 +5,6 @@ nothing is written outside the addressed row."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import random
 import struct
 
@@ -17,10 +16,10 @@ from hypothesis import strategies as st
 
 from orchestrator import MetadataBuffers, control
 from orchestrator.auth import Authenticator
-from orchestrator.endpoints.decode import decode_main
-from orchestrator.plan import Platform, make_plan
 from orchestrator.transport import zmq_aux
 from orchestrator.workload import make_request
+
+from .conftest import DecodeProcess
 
 BUF = MetadataBuffers(4, 16, torch.float32)
 PTRS, _, LENS = BUF.get_buf_infos()
@@ -103,14 +102,8 @@ def test_mac_rejects_missing_wrong_and_foreign():
 # ---- the live receiver keeps serving ----------------------------------------------------------
 def test_live_decode_survives_garbage_and_stays_correct(cfg_factory, tmp_path):
     cfg = cfg_factory("mem_pool=NVLINK", "transport.timeout_s=2")
-    plan = make_plan(cfg, Platform())
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_main, args=(cfg, plan, str(tmp_path), child), daemon=True)
-    proc.start()
-    assert conn.poll(60)
-    kind, info = conn.recv()
-    assert kind == "ready"
+    decode = DecodeProcess(cfg, tmp_path)
+    info = decode.info
     z = zmq.Context()
     dealer, push = z.socket(zmq.DEALER), z.socket(zmq.PUSH)
     dealer.connect(info["control_endpoint"])
@@ -147,14 +140,11 @@ def test_live_decode_survives_garbage_and_stays_correct(cfg_factory, tmp_path):
     assert dealer.poll(20000)
     result = control.decode(dealer.recv())
     assert result["outcome"] == "verified"
-    conn.send("stop")
-    assert conn.poll(20)
-    _, stats = conn.recv()
-    proc.join(10)
+    stats = decode.stop()
     dealer.close(0)
     push.close(0)
     z.term()
-    assert proc.exitcode == 0
+    assert decode.proc.exitcode == 0
     dropped = (stats["dropped_data"] + stats["unexpected"] + stats["dropped_control"]
                + stats["rejected_auth"])
     assert dropped == len(bad_data) + len(bad_control) + 1  # every bad message counted once

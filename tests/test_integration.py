@@ -17,7 +17,6 @@ import torch
 import zmq
 
 from orchestrator import MetadataBuffers, control
-from orchestrator.endpoints.decode import decode_main
 from orchestrator.plan import Platform, make_plan
 from orchestrator.runner import run_handoffs
 from orchestrator.report import build_results
@@ -25,7 +24,7 @@ from orchestrator.transport import zmq_aux
 from orchestrator.transport.engine import EngineError, MooncakeEngine
 from orchestrator.workload import make_request
 
-from .conftest import ROOT
+from .conftest import ROOT, DecodeProcess
 
 pytestmark = pytest.mark.integration
 CPU = Platform(cuda_devices=0)
@@ -120,15 +119,9 @@ class DecodePeer:
     """Starts the real decode endpoint; the test plays prefill with raw sockets."""
 
     def __init__(self, cfg, tmp_path):
-        self.cfg, self.plan = cfg, make_plan(cfg, CPU)
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(tmp_path), child),
-                                daemon=True)
-        self.proc.start()
-        assert self.conn.poll(60)
-        kind, self.info = self.conn.recv()
-        assert kind == "ready", self.info
+        self.cfg = cfg
+        self.decode = DecodeProcess(cfg, tmp_path)
+        self.plan, self.info = self.decode.plan, self.decode.info
         self.zctx = zmq.Context()
         self.control = self.zctx.socket(zmq.DEALER)
         self.control.connect(self.info["control_endpoint"])
@@ -165,13 +158,10 @@ class DecodePeer:
         return self.recv()
 
     def close(self):
-        self.conn.send("stop")
-        assert self.conn.poll(20)
-        kind, stats = self.conn.recv()
+        stats = self.decode.stop()
         self.control.close(0)
         self.push.close(0)
         self.zctx.term()
-        self.proc.join(10)
         return stats
 
 

@@ -3,7 +3,6 @@ and no code-executing decoder anywhere near network input."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import re
 from pathlib import Path
 
@@ -13,12 +12,11 @@ import zmq
 from orchestrator import control
 from orchestrator.auth import Authenticator, from_env
 from orchestrator.config import ConfigError, validate
-from orchestrator.endpoints.decode import decode_main
 from orchestrator.plan import Platform, make_plan
 from orchestrator.report import build_results
 from orchestrator.runner import run_handoffs
 
-from .conftest import compose_cfg
+from .conftest import DecodeProcess, compose_cfg
 
 PKG = Path(__file__).resolve().parent.parent / "orchestrator"
 
@@ -57,15 +55,9 @@ def test_authenticated_run_verifies_everything(cfg_factory, tmp_path, monkeypatc
 @pytest.mark.integration
 def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_SECRET_REJ", "s3cret")
-    cfg = cfg_factory("transport.secret_env=ORCH_SECRET_REJ", "mem_pool=NVLINK")
-    plan = make_plan(cfg, Platform())
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_main, args=(cfg, plan, str(tmp_path), child), daemon=True)
-    proc.start()
-    assert conn.poll(60)
-    kind, info = conn.recv()
-    assert kind == "ready"
+    decode = DecodeProcess(cfg_factory("transport.secret_env=ORCH_SECRET_REJ", "mem_pool=NVLINK"),
+                           tmp_path)
+    info = decode.info
     assert info["control_endpoint"].startswith("tcp://127.0.0.1:")
     assert info["data_endpoint"].startswith("tcp://127.0.0.1:")
     z = zmq.Context()
@@ -82,10 +74,7 @@ def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path, 
     body = good.check(dealer.recv_multipart(), 1)
     assert body is not None  # the reply is signed too
     assert control.decode(body[0])["type"] in ("bootstrap", "error")
-    conn.send("stop")
-    assert conn.poll(20)
-    _, stats = conn.recv()
-    proc.join(10)
+    stats = decode.stop()
     dealer.close(0)
     z.term()
     assert stats["rejected_auth"] == 2
