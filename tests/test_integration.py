@@ -280,3 +280,20 @@ def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
     rids = [json.loads(x)["rid"] for f in ("requests-prefill0.jsonl", "requests-prefill1.jsonl")
             for x in (tmp_path / f).read_text().splitlines()]
     assert sorted(rids) == list(range(200))  # unique across prefill ranks
+
+
+def test_grant_without_status_expires_and_frees_the_slot(cfg_factory, tmp_path):
+    """A sender that takes a slot and vanishes cannot hold it past transport.timeout_s."""
+    peer = DecodePeer(cfg_factory("mem_pool=NVLINK", "transport.timeout_s=1", "buffers.size=1"), tmp_path)
+    try:
+        slot = peer.grant(111)  # the only slot, never followed by data or status
+        res = peer.recv(5000)
+        assert (res["type"], res["outcome"], res["detail"]) == ("result", "failed", "grant_expired")
+        room, checksum = peer.filled_row(1)
+        again = peer.grant(room)  # the slot is back in the pool
+        assert again == slot
+        peer.send_frames(room, again, _rows(peer))
+        assert peer.status(room, again, checksum)["outcome"] == "verified"
+    finally:
+        stats = peer.close()
+    assert stats["reasons"] == {"grant_expired": 1} and stats["verified"] == 1

@@ -33,6 +33,7 @@ from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_p
 class Grant:
     room: int
     identity: bytes
+    granted_at: float
     status: zmq_aux.AuxStatus | None = None
     deadline: float = 0.0
 
@@ -81,6 +82,8 @@ class DecodeEndpoint:
         self.slots = SlotAllocator(cfg.buffers.size)
         self.grants: dict[int, Grant] = {}
         self.waiting: deque[tuple[bytes, int]] = deque()  # grant requests without a free slot
+        self.waiting_cap = max(4 * cfg.buffers.size, 1024)
+        self.settling: set[int] = set()  # slots whose status arrived before their room landed
         self.stats = DecodeStats()
         self.timeout_s = cfg.transport.timeout_s
         self.auth = from_env(cfg.transport.secret_env)
@@ -122,6 +125,10 @@ class DecodeEndpoint:
                 "bootstrap", session_id=self.session_id,
                 aux_ptrs=self.ptrs, item_lens=self.item_lens, slots=self.cfg.buffers.size))
         elif kind == "grant_request":
+            if len(self.waiting) >= self.waiting_cap:
+                self.stats.drop("dropped_control", self.log, "grant_request_dropped",
+                                error=f"{len(self.waiting)} requests already wait for a slot")
+                return
             self.waiting.append((identity, msg["room"]))
             self._grant_waiting()
         elif kind == "bye":
@@ -134,7 +141,7 @@ class DecodeEndpoint:
         while self.waiting and self.slots.available:
             identity, room = self.waiting.popleft()
             slot = self.slots.alloc()
-            self.grants[slot] = Grant(room, identity)
+            self.grants[slot] = Grant(room, identity, time.monotonic())
             self._reply(identity, control.encode("grant", room=room, slot=slot))
 
     def _reply(self, identity: bytes, payload: bytes) -> None:
@@ -171,7 +178,8 @@ class DecodeEndpoint:
             return
         grant.status = msg
         grant.deadline = time.monotonic() + self.timeout_s
-        self._settle(msg.slot, grant)
+        if not self._settle(msg.slot, grant):
+            self.settling.add(msg.slot)
 
     def _settle(self, slot: int, grant: Grant) -> bool:
         """Apply the readiness gate and verification; True when the slot was released."""
@@ -194,6 +202,7 @@ class DecodeEndpoint:
         return self._release(slot, grant, "verified", "")
 
     def _release(self, slot: int, grant: Grant, outcome: str, detail: str) -> bool:
+        self.settling.discard(slot)
         self.stats.count(outcome, detail)
         if outcome != "verified":
             self.log.warning("handoff_rejected", slot=slot, room=grant.room, outcome=outcome,
@@ -210,9 +219,17 @@ class DecodeEndpoint:
         return True
 
     def recheck_pending(self) -> None:
+        for slot in list(self.settling):
+            self._settle(slot, self.grants[slot])
+
+    def expire_grants(self) -> None:
+        """A slot granted but never followed by a status within transport.timeout_s goes
+        back to the pool (failed, grant_expired): a sender that vanished, or one that only
+        asks for slots, cannot hold them forever."""
+        limit = time.monotonic() - self.timeout_s
         for slot, grant in list(self.grants.items()):
-            if grant.status is not None:
-                self._settle(slot, grant)
+            if grant.status is None and grant.granted_at < limit:
+                self._release(slot, grant, "failed", "grant_expired")
 
     # ---- loop ---------------------------------------------------------------------------
     def serve(self, conn) -> None:
@@ -220,9 +237,9 @@ class DecodeEndpoint:
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         poller.register(conn.fileno(), zmq.POLLIN)
+        next_expiry = time.monotonic()
         while True:
-            pending = any(g.status is not None for g in self.grants.values())
-            events = dict(poller.poll(1 if pending else 200))
+            events = dict(poller.poll(1 if self.settling else 200))
             if self.control in events:
                 for _ in range(256):
                     try:
@@ -237,8 +254,11 @@ class DecodeEndpoint:
                     except zmq.Again:
                         break
                     self.on_data(frames)
-            if pending:
+            if self.settling:
                 self.recheck_pending()
+            if time.monotonic() >= next_expiry:
+                self.expire_grants()
+                next_expiry = time.monotonic() + 0.25
             if conn.fileno() in events and conn.poll():
                 if conn.recv() == "stop":
                     self.stats.memory["rss_kb_end"] = rss_kb()
