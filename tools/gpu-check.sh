@@ -26,12 +26,15 @@ echo "== experiment=deepseek_v3_mtp (2000 handoffs, 16 in flight)"
 timeout 300 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek-v3-mtp" 2>&1 \
   | grep -v '\[info' | tail -12
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('decode verify_us', r['decode_stats'].get('verify_us'), 'gate_waits', r['decode_stats'].get('gate_waits'))" "$out/run-deepseek-v3-mtp/results.json"
-for rep in 1 2; do
+for rep in 1 2 3; do
   echo "== bench #$rep: experiment=deepseek_v3_mtp shape (10 blocks / 15,872 B per request)"
-  timeout 200 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench-deepseek-v3-mtp-$rep" 2>&1 | grep -v '\[info' | tail -22
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['path'], 'decode verify_us', p.get('decode_verify_us')) for p in r['paths']]" "$out/bench-deepseek-v3-mtp-$rep/bench.json"
+  timeout 200 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench-$rep" > "$out/bench-$rep.log" 2>&1
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['path'], 'decode verify_us', p.get('decode_verify_us')) for p in r['paths']]" "$out/bench-$rep/bench.json"
+  cp "$out/bench-$rep/bench.md" "$out/bench-$rep.md"
 done
 echo "== where a GPU-side verification goes"
 timeout 60 python3 tools/profile_verify.py 7168 bfloat16
 echo "== all pairs: 4 prefill x 4 decode ranks (on 2 GPUs they alternate), NVLink vs tcp route"
-timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp hydra.sweep.dir="$out/pd-4x4" 2>&1 | grep -v '\[info' | grep -E "mem_pool=|requests|send_aux|handoffs/s|pair|ERROR" | head -40
+timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp hydra.sweep.dir="$out/pd-4x4" 2>&1 | grep -v '\[info' | grep -E "mem_pool=|requests|send_aux|handoffs/s|pair|ERROR" | head -44
+cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
+for rep in 1 2 3; do echo "== bench #$rep table"; cat "$out/bench-$rep.md"; done
