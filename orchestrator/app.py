@@ -53,7 +53,8 @@ def user_error(exc: ConfigError) -> None:
 
 def failed_job(run_dir: Path, cfg: DictConfig, error: str) -> dict[str, Any]:
     """results.json for a job that could not run (sweeps record it as a failed row)."""
-    requests = OmegaConf.select(cfg, "workload.requests", default=0)
+    requests = (OmegaConf.select(cfg, "workload.requests", default=0)
+                * OmegaConf.select(cfg, "endpoints.prefill_ranks", default=1))
     results = {"requests": requests, "verified": 0, "corrupted": 0, "failed": requests,
                "routes": {}, "error": error}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
