@@ -186,7 +186,7 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     platform = detect()
     results: dict[str, Any] = {"profile": make_plan(cfg, platform).as_dict(), "paths": []}
     for ph in phases(cfg, platform):
-        phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", ph.name).strip("_")
+        phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
         phase_dir.mkdir(parents=True, exist_ok=True)
         log.info("bench_phase", phase=ph.name, plan=ph.plan.as_dict())
         bulk = (cfg.bench.bulk_mib << 20) if ph.driver is engine_driver else 0

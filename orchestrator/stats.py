@@ -24,11 +24,6 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return round(ordered[rank - 1], 2)
 
 
-def latency_summary(values: Sequence[float]) -> dict[str, Optional[float]]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99),
-            "p999": percentile(values, 99.9)}
-
-
 class LatencyHistogram:
     """Log-bucketed counts of latencies in microseconds (at most ~4,200 buckets from 0.1 us
     to 100 s)."""

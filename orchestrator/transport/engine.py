@@ -157,18 +157,11 @@ class MooncakeEngine:
         self.rpc_port = self._engine.get_rpc_port()
         self.session_id = f"{host}:{self.rpc_port}"
         self.effective_transport = transport_from_log(self.init_log)
-        self._registered: list[tuple[int, int]] = []
 
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self._engine.register_memory(ptr, nbytes)
         if rc != 0:
             raise EngineError("register_memory", rc, ptr=hex(ptr), nbytes=nbytes)
-        self._registered.append((ptr, nbytes))
-
-    def unregister_all(self) -> None:
-        for ptr, _ in self._registered:
-            self._engine.unregister_memory(ptr)
-        self._registered.clear()
 
     def probe(self, session: str) -> bool:
         return self._engine.send_probe(session) == 0
