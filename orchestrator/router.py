@@ -84,6 +84,9 @@ class AuxRouter:
             "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
             "route": plan.route.value, "reason": self.reason, "transport": transport,
             "blocks": len(self.item_lens), "bytes": self.row_bytes,
+            # a plan-time fallback (e.g. INTRA_NODE_NVLINK degraded to host buffers over TCP)
+            # travels with every decision it shaped; null when the plan ran as declared
+            "fallback": plan.events[0].reason.value if plan.events else None,
         }
         self._engine_route = plan.route is Route.engine
         self.peer: Optional[Peer] = None

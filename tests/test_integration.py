@@ -51,7 +51,7 @@ def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
     required = {"event", "room", "slot", "mem_pool", "buffer_device", "route", "reason",
                 "transport", "blocks", "bytes", "latency_us", "outcome"}
     for d in decisions:
-        assert required <= set(d)
+        assert required <= set(d) and d["fallback"] is None
         assert (d["event"], d["route"], d["transport"], d["blocks"], d["bytes"], d["outcome"]) == \
             ("route_decision", "engine", "mooncake-tcp", 10, 1600, "ok")
     assert "MC_FORCE_TCP is set" in (run_dir / "decode.mooncake.log").read_text()
@@ -74,9 +74,12 @@ def test_forced_tcp_route(cfg_factory, tmp_path):
 
 
 def test_degraded_intra_node_nvlink_runs_on_host_over_engine_tcp(cfg_factory, tmp_path):
-    res, _ = _run(cfg_factory, tmp_path, "mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
+    res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
     assert res["verified"] == 200 and res["effective_transport"] == "mooncake-tcp"
     assert res["plan"]["events"][0]["event"] == "fallback"
+    decisions = _decisions(run_dir)
+    assert {(d["mem_pool"], d["buffer_device"], d["fallback"]) for d in decisions} == {
+        ("INTRA_NODE_NVLINK", "cpu", "degraded_no_cuda")}
 
 
 # ---- the Mooncake wrapper between two processes ---------------------------------------------
