@@ -126,6 +126,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         # children inherit that name and cannot resolve it. Endpoints always use spawn.
         mp.set_start_method("spawn", force=True)
     ctx = mp.get_context("spawn")
+    run_dir.mkdir(parents=True, exist_ok=True)
     out = RunOutput()
     startup = cfg.endpoints.startup_timeout_s
     watchdog = cfg.transport.timeout_s + 5.0  # prefill reports about four times a second

@@ -300,3 +300,21 @@ def test_grant_without_status_expires_and_frees_the_slot(cfg_factory, tmp_path):
     finally:
         stats = peer.close()
     assert stats["reasons"] == {"grant_expired": 1} and stats["verified"] == 1
+
+
+def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
+    """Declaring rdma on a box without an HCA: Mooncake quietly comes up on TCP. Under strict
+    the run stops and says so; under degrade it runs and logs the fallback."""
+    cfg = cfg_factory("transport.mooncake.transport=rdma", "workload.requests=50")
+    plan = make_plan(cfg, CPU)
+    assert plan.mc_env["MC_FORCE_TCP"] is None and plan.declared_transport == "mooncake-rdma"
+    res = build_results(50, plan, run_handoffs(cfg, plan, tmp_path / "strict"))
+    assert res["verified"] == 0
+    assert "came up on mooncake-tcp, declared mooncake-rdma" in res["error"]
+
+    cfg = cfg_factory("transport.mooncake.transport=rdma", "transport.fallback=degrade",
+                      "workload.requests=50")
+    plan = make_plan(cfg, CPU)
+    res = build_results(50, plan, run_handoffs(cfg, plan, tmp_path / "degrade"))
+    assert res["verified"] == 50 and res["effective_transport"] == "mooncake-tcp"
+    assert "effective_transport_differs" in (tmp_path / "degrade" / "decode.log").read_text()
