@@ -128,14 +128,7 @@ class MetadataBuffers:
         self.item_lens = [t[0].nbytes for t in self.fields]
         self.row_bytes = sum(self.item_lens)
         self._field_ptrs = [t.data_ptr() for t in self.fields]
-        # Byte positions of row 0 of every field in the arena, and how far each moves per
-        # slot: a device row snapshot is then one add, one index_select and one copy.
-        base, step = [], []
-        for off, n in zip(offsets, self.item_lens):
-            base.append(torch.arange(shift + off, shift + off + n, dtype=torch.int64))
-            step.append(torch.full((n,), n, dtype=torch.int64))
-        self._gather_base = torch.cat(base).to(self.device)
-        self._gather_step = torch.cat(step).to(self.device)
+        self._gather: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # built on first use
 
     # ---- SGLang's surface -------------------------------------------------------------
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -188,7 +181,18 @@ class MetadataBuffers:
         return self._gathered_snapshot(slot)
 
     def _gathered_snapshot(self, slot: int) -> bytes:
-        index = torch.add(self._gather_base, self._gather_step, alpha=slot)
+        if self._gather is None:
+            # Byte positions of row 0 of every field in the arena, and how far each moves
+            # per slot: a device row snapshot is then one add, one index_select, one copy.
+            arena0 = self.arena_ptr - self._arena.data_ptr()
+            base, step = [], []
+            for t, n in zip(self.fields, self.item_lens):
+                start = arena0 + t.data_ptr() - self.arena_ptr
+                base.append(torch.arange(start, start + n, dtype=torch.int64))
+                step.append(torch.full((n,), n, dtype=torch.int64))
+            self._gather = (torch.cat(base).to(self.device), torch.cat(step).to(self.device))
+        gather_base, gather_step = self._gather
+        index = torch.add(gather_base, gather_step, alpha=slot)
         row = self._arena.index_select(0, index).cpu()
         return ctypes.string_at(row.data_ptr(), row.numel())
 

@@ -33,14 +33,16 @@ def timed(fn):
     return round(statistics.median(out), 2)
 
 
-idx = torch.add(b._gather_base, b._gather_step, alpha=3)
+b.row_snapshot(0)  # builds the gather index
+gather_base, gather_step = b._gather
+idx = torch.add(gather_base, gather_step, alpha=3)
 row = b._arena.index_select(0, idx)
 host = row.cpu()
 pinned = torch.empty(b.row_bytes, dtype=torch.uint8, pin_memory=True)
 snap = ctypes.string_at(host.data_ptr(), host.numel())
 steps = {
     "row_snapshot (total)": lambda s=0: b.row_snapshot(s),
-    "  torch.add (gather index)": lambda s=0: torch.add(b._gather_base, b._gather_step, alpha=s),
+    "  torch.add (gather index)": lambda s=0: torch.add(gather_base, gather_step, alpha=s),
     "  index_select (+add)": lambda s=0: b._arena.index_select(0, idx),
     "  .cpu() of the row (sync copy)": lambda s=0: row.cpu(),
     "  string_at": lambda s=0: ctypes.string_at(host.data_ptr(), host.numel()),
