@@ -1,16 +1,23 @@
-"""`python -m orchestrator.bench [overrides]`: the aux paths side by side, in one run.
+"""`python -m orchestrator.bench [overrides]`: every aux route side by side, in one run.
 
-For the selected profile it measures, on the same buffer shapes:
-  (a) our send_aux on the engine route (AuxRouter.send_aux, the call the endpoints make),
-  (b) the raw Mooncake batch_transfer_sync_write of exactly the same blocks, interleaved with
-      (a) in chunks so drift hits both alike,
-  (c) our tcp route (ZMQ AUX_DATA frames) on host buffers,
-  (d) the engine over Mooncake's TCP transport (same buffers' device; plus host->host when
-      the profile's buffers live on a GPU),
-each with p50/p99/p999 and handoffs/s, the full-protocol handoff (send_aux -> status ->
-decode verifies -> verdict back) per path, and a one-block bulk bandwidth point per engine
-path. Every path runs in its own pair of processes, because Mooncake picks its transport
-once per process from the MC_* environment. Results: bench.json and bench.md in the run dir.
+For the selected profile, each route (the profile's own; the engine over Mooncake's TCP
+transport on the same device and host->host; the tcp route over ZMQ) gets its own pair of
+processes (Mooncake picks its transport once per process), and a driver in the prefill
+process runs these phases over the same bootstrapped pair:
+
+  handoff 1-in-flight  full handoffs (row ready -> decode verified), one at a time, fill ahead
+  per-request          fill ahead, batch 1, one batch write per request (SGLang's send_aux)
+  batched              fill ahead, batch B, per-request sends, one status per step
+  coalesced            fill ahead, batch B, one block per field per run of slots
+  inline               the default shape: SGLang's set_buf in the loop, per-request sends
+  send_aux vs raw      our send (start + finish) against Mooncake's batch_transfer_sync_write
+                       on the same blocks, interleaved in chunks of 100
+  raw back-to-back     raw sync writes of one request's blocks, and of B-slot runs
+  bulk                 one large block (bandwidth)
+
+Rates are verified handoffs per second over each phase's own first arrival to last verdict;
+latencies are exact per request (one way: prefill's row ready -> decode's verdict, on the
+shared monotonic clock). Results: bench.json and bench.md in the run dir.
 """
 
 from __future__ import annotations
@@ -20,133 +27,184 @@ import json
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from .app import user_error
-from .config import (ConfigError, EngineTransportSetting, MemPoolType, OrchestratorConfig,
-                     RouteSetting, register_configs, validate)
+from .config import (ConfigError, EngineTransportSetting, FillMode, MemPoolType,
+                     OrchestratorConfig, RouteSetting, StatusMode, register_configs, validate)
+from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
-from .plan import Device, Plan, Route, make_plan
+from .plan import Device, Plan, Route
 from .platform import detect
-from .stats import LatencyHistogram, percentile
+from .results import RankResult
+from .router import Send, Transfer
+from .rules import check_profile
 from .runner import run_handoffs
+from .stats import percentile
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CHUNK = 100
 
 
 def _stats(samples_us: list[float]) -> dict[str, Any]:
-    """Exact percentiles of back-to-back calls (one in flight); handoffs/s = n / sum."""
+    """Exact percentiles of back-to-back calls (one in flight); per_s = n / sum."""
     if not samples_us:
         return {"n": 0}
     return {"n": len(samples_us), "p50": percentile(samples_us, 50),
             "p99": percentile(samples_us, 99), "p999": percentile(samples_us, 99.9),
             "mean": round(statistics.fmean(samples_us), 2),
-            "handoffs_per_s": round(len(samples_us) / (sum(samples_us) / 1e6), 1)}
+            "per_s": round(len(samples_us) / (sum(samples_us) / 1e6), 1)}
 
 
-def _hist_stats(hist: dict) -> dict[str, Any]:
-    """The same from a run's latency histogram (percentiles within 0.25%)."""
-    h = LatencyHistogram.from_dict(hist)
-    if not h.n:
-        return {"n": 0}
-    return {"n": h.n, **h.summary(), "mean": h.mean,
-            "handoffs_per_s": round(h.n / (h.total / 1e6), 1)}
+@dataclass
+class PhaseResult:
+    name: str
+    requests: int
+    verified: int
+    batch_size: int
+    concurrency: int
+    handoffs_per_s: Optional[float]
+    handoff_us: dict
+    set_buf_us: dict
+    send_us: dict
+    blocks_per_send: Optional[float]
 
 
-# ---- drivers: run inside the prefill process, after bootstrap ---------------------------------
-def engine_driver(endpoint, conn, decode_info: dict) -> dict:
-    """Protocol handoffs, then ours vs raw interleaved, then the bulk point."""
-    import torch
+@dataclass
+class PathResult:
+    """Everything measured on one route."""
 
-    cfg: OrchestratorConfig = endpoint.cfg
-    out: dict[str, Any] = {}
-    out.update(_handoffs(endpoint, conn))
+    path: str
+    transport: str = ""
+    row_bytes: int = 0
+    blocks: int = 0
+    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    ours_us: list[float] = field(default_factory=list)
+    raw_us: list[float] = field(default_factory=list)
+    raw_run_us: list[float] = field(default_factory=list)  # one B-slot run per write
+    bulk: Optional[dict] = None
+    error: Optional[str] = None
 
-    router = endpoint.router
-    raw = endpoint.side.engine.raw
-    session = router.peer.session_id
-    size = cfg.buffers.size
-    for slot in range(size):  # rows hold real request data (from the run above or fresh)
-        router.blocks(slot, slot)
-    ours, rawt = [], []
-    pc = time.perf_counter
-    for start in range(0, cfg.bench.iters, CHUNK):
-        n = min(CHUNK, cfg.bench.iters - start)
-        for i in range(start, start + n):
-            slot = i % size
-            t0 = pc()
-            d = router.send_aux(0, slot, slot)
-            ours.append((pc() - t0) * 1e6)
-            if d.outcome != "ok":
-                raise RuntimeError(f"send_aux failed: {d.error}")
-        for i in range(start, start + n):
-            slot = i % size
-            srcs, dsts, lens = router.blocks(slot, slot)
+
+def _phase_result(name: str, res: RankResult, phase: Phase) -> PhaseResult:
+    rate = res.verified / res.wall_s if res.wall_s else None
+    return PhaseResult(name, res.requests, res.verified, phase.batch_size, phase.concurrency,
+                       round(rate, 1) if rate else None, res.latency["handoff_us"].summary(),
+                       res.latency["set_buf_us"].summary(), res.latency["send_us"].summary(),
+                       round(res.send_blocks / res.sends, 2) if res.sends else None)
+
+
+@dataclass
+class BenchDriver:
+    """Runs in the prefill process once it is bootstrapped (runner's `driver`)."""
+
+    name: str
+    handoffs: int
+    requests: int
+    batch: int
+    iters: int
+    raw: bool  # engine route: compare with raw Mooncake calls
+    bulk_bytes: int
+
+    def __call__(self, ep: PrefillEndpoint, conn) -> PathResult:
+        out = PathResult(self.name, ep.side.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
+        base = 0
+        B, n = self.batch, self.requests
+        plan = [
+            ("handoff 1-in-flight", Phase(self.handoffs, 1, None, 1, FillMode.ahead)),
+            ("per-request", Phase(n, 4 * B, None, 1, FillMode.ahead)),
+            ("batched", Phase(n, 4 * B, None, B, FillMode.ahead, False, StatusMode.per_step)),
+            ("coalesced", Phase(n, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
+            ("inline", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline)),
+        ]
+        for name, phase in plan:
+            phase.rid_base = base
+            base += phase.requests
+            res = ep.run(phase, conn)
+            out.phases[name] = _phase_result(name, res, phase)
+        if self.raw:
+            self._raw(ep, out)
+        return out
+
+    def _raw(self, ep: PrefillEndpoint, out: PathResult) -> None:
+        """Our send vs the raw call on the same blocks, then raw rates and the bulk point
+        (after the handoff phases: these writes leave rows in decode slots)."""
+        router = ep.instances[0].links[0].router
+        raw = ep.side.engine.raw
+        session = router.peer.session_id
+        size = ep.buffers.size
+        pc = time.perf_counter
+        for start in range(0, self.iters, CHUNK):
+            k = min(CHUNK, self.iters - start)
+            for i in range(start, start + k):
+                send = Send([Transfer(i, 0, i % size, i % size)])
+                t0 = pc()
+                router.start(send)
+                router.finish(send)
+                out.ours_us.append((pc() - t0) * 1e6)
+                if send.error:
+                    raise RuntimeError(f"send_aux failed: {send.error}")
+            for i in range(start, start + k):
+                srcs, dsts, lens = router.blocks(Send([Transfer(i, 0, i % size, i % size)]))
+                t0 = pc()
+                rc = raw.batch_transfer_sync_write(session, srcs, dsts, lens)
+                out.raw_us.append((pc() - t0) * 1e6)
+                if rc != 0:
+                    raise RuntimeError(f"raw batch write returned {rc}")
+        B = min(self.batch, size)
+        for i in range(max(1, self.iters // B)):
+            first = (i * B) % (size - B + 1)
+            srcs, dsts, lens = router.blocks(Send([Transfer(j, 0, first + j, first + j) for j in range(B)]))
             t0 = pc()
             rc = raw.batch_transfer_sync_write(session, srcs, dsts, lens)
-            rawt.append((pc() - t0) * 1e6)
+            out.raw_run_us.append((pc() - t0) * 1e6)
             if rc != 0:
-                raise RuntimeError(f"raw batch write returned {rc}")
-    out["ours_us"], out["raw_us"] = ours, rawt
+                raise RuntimeError(f"raw run write returned {rc}")
+        if self.bulk_bytes and ep.bulk_ptr:
+            import torch
 
-    bulk_ptr = decode_info.get("bulk_ptr")
-    if bulk_ptr and cfg.bench.bulk_mib:
-        nbytes = cfg.bench.bulk_mib << 20
-        src = torch.ones(nbytes, dtype=torch.uint8, device=endpoint.buffers.device)
-        endpoint.side.engine.register(src.data_ptr(), nbytes)
-        raw.transfer_sync_write(session, src.data_ptr(), bulk_ptr, nbytes)  # warm-up
-        times = []
-        for _ in range(cfg.bench.bulk_reps):
-            t0 = pc()
-            rc = raw.transfer_sync_write(session, src.data_ptr(), bulk_ptr, nbytes)
-            times.append(pc() - t0)
-            if rc != 0:
-                raise RuntimeError(f"bulk write returned {rc}")
-        out["bulk"] = {"bytes": nbytes, "median_s": statistics.median(times),
-                       "gb_per_s": round(nbytes / statistics.median(times) / 1e9, 2)}
-    out["row_bytes"] = endpoint.buffers.row_bytes
-    out["blocks"] = len(endpoint.buffers.item_lens)
-    return out
+            src = torch.ones(self.bulk_bytes, dtype=torch.uint8, device=ep.buffers.device)
+            ep.side.engine.register(src.data_ptr(), self.bulk_bytes)
+            raw.transfer_sync_write(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)  # warm-up
+            times = []
+            for _ in range(20):
+                t0 = pc()
+                rc = raw.transfer_sync_write(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)
+                times.append(pc() - t0)
+                if rc != 0:
+                    raise RuntimeError(f"bulk write returned {rc}")
+            med = statistics.median(times)
+            out.bulk = {"bytes": self.bulk_bytes, "median_s": med, "gb_per_s": round(self.bulk_bytes / med / 1e9, 2)}
 
 
-def _handoffs(endpoint, conn) -> dict:
-    """The configured handoffs through the full protocol (one in flight in the bench)."""
-    wall = endpoint.run(conn)
-    t = endpoint.tally
-    return {"handoff_verified": t.outcomes.get("verified", 0), "handoff_total": t.count,
-            "deliver_us": t.deliver_us.to_dict(), "handoff_wall_s": wall,
-            "row_bytes": endpoint.buffers.row_bytes}
-
-
-def tcp_route_driver(endpoint, conn, decode_info: dict) -> dict:
-    out = _handoffs(endpoint, conn)
-    out["send_us"] = endpoint.tally.send_us.to_dict()
-    out["blocks"] = len(endpoint.buffers.item_lens)
-    return out
-
-
-# ---- phases -----------------------------------------------------------------------------
+# ---- paths -------------------------------------------------------------------------------
 @dataclass
-class Phase:
+class Path_:
     name: str
     cfg: OrchestratorConfig
     plan: Plan
-    driver: Any
 
 
-def phases(cfg: OrchestratorConfig, platform) -> list[Phase]:
+def _label(p: Plan) -> str:
+    where = p.buffer_device.value
+    if p.route is Route.tcp:
+        return f"tcp route (ZMQ), {where}->{where}"
+    return f"engine {p.engine_transport.value}, {where}->{where}"
+
+
+def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
     base = copy.deepcopy(cfg)
-    base.workload.requests = cfg.bench.handoffs
-    base.workload.concurrency = 1
-    plan = make_plan(base, platform)
-    out: list[Phase] = []
+    b = cfg.bench
+    base.buffers.size = max(cfg.buffers.size, 4 * b.batch_size + b.batch_size)
+    base.workload.requests = b.handoffs + 4 * b.requests
+    base.transport.timeout_s = max(cfg.transport.timeout_s, 10.0)
+    plan = check_profile(base, platform)
+    out: list[Path_] = []
 
     def variant(**changes) -> OrchestratorConfig:
         c = copy.deepcopy(base)
@@ -158,61 +216,39 @@ def phases(cfg: OrchestratorConfig, platform) -> list[Phase]:
             setattr(obj, leaf, value)
         return c
 
-    def label(p: Plan) -> str:
-        where = p.buffer_device.value
-        if p.route is Route.tcp:
-            return f"tcp route (ZMQ), {where}->{where}"
-        return f"engine {p.engine_transport.value}, {where}->{where}"
+    def add(c: OrchestratorConfig) -> None:
+        p = check_profile(c, platform)
+        out.append(Path_(_label(p), c, p))
 
     if plan.route is Route.engine:
-        out.append(Phase(label(plan), base, plan, engine_driver))
+        add(base)
         if plan.engine_transport.value != "tcp":
-            c = variant(transport__mooncake__transport=EngineTransportSetting.tcp)
-            p = make_plan(c, platform)
-            out.append(Phase(label(p), c, p, engine_driver))
+            add(variant(transport__mooncake__transport=EngineTransportSetting.tcp))
         if plan.buffer_device is not Device.cpu:
-            c = variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.auto,
-                        transport__mooncake__transport=EngineTransportSetting.tcp)
-            p = make_plan(c, platform)
-            out.append(Phase(label(p), c, p, engine_driver))
-    c = variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.tcp)
-    p = make_plan(c, platform)
-    out.append(Phase(label(p), c, p, tcp_route_driver))
+            add(variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.auto,
+                        transport__mooncake__transport=EngineTransportSetting.tcp))
+    add(variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.tcp))
     return out
 
 
 def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
-    log = configure(run_dir, "bench", keep_root_handlers=True)
+    configure(run_dir, "bench", keep_root_handlers=True)
     platform = detect()
-    results: dict[str, Any] = {"profile": make_plan(cfg, platform).as_dict(), "paths": []}
-    for ph in phases(cfg, platform):
+    b = cfg.bench
+    results: dict[str, Any] = {"profile": check_profile(cfg, platform).as_dict(),
+                               "batch_size": b.batch_size, "paths": []}
+    for ph in paths(cfg, platform):
         phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
-        phase_dir.mkdir(parents=True, exist_ok=True)
-        log.info("bench_phase", phase=ph.name, plan=ph.plan.as_dict())
-        bulk = (cfg.bench.bulk_mib << 20) if ph.driver is engine_driver else 0
-        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=ph.driver, bulk_bytes=bulk)
-        if out.error:
-            results["paths"].append({"path": ph.name, "error": out.error})
-            log.error("bench_phase_failed", phase=ph.name, error=out.error)
+        engine = ph.plan.route is Route.engine
+        bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
+        driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk)
+        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk)
+        res = next(iter(out.ranks.values()), None)
+        if not isinstance(res, PathResult):
+            err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
+            results["paths"].append({"path": ph.name, "error": err})
             continue
-        x = out.tally
-        entry: dict[str, Any] = {
-            "path": ph.name, "transport": out.transports.get("prefill"),
-            "row_bytes": out.row_bytes, "blocks": x["blocks"],
-            "handoffs_verified": x["handoff_verified"], "handoffs_total": x["handoff_total"],
-            "handoff": _hist_stats(x["deliver_us"]),
-            "handoff_protocol_per_s": round(x["handoff_verified"] / x["handoff_wall_s"], 1),
-            "decode_verify_us": out.decode_stats.get("verify_us"),
-        }
-        if "ours_us" in x:
-            entry["ours_send_aux"] = _stats(x["ours_us"])
-            entry["raw_batch_write"] = _stats(x["raw_us"])
-            entry["ours_over_raw_p50"] = round(entry["ours_send_aux"]["p50"] / entry["raw_batch_write"]["p50"], 3)
-        if "send_us" in x:
-            entry["ours_send_aux"] = _hist_stats(x["send_us"])
-        if "bulk" in x:
-            entry["bulk"] = x["bulk"]
-        results["paths"].append(entry)
+        results["paths"].append(_path_dict(res, ph.plan))
     results["ratios"] = ratios(results["paths"])
     (run_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
@@ -221,45 +257,86 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     return results
 
 
-def ratios(paths: list[dict]) -> dict[str, float]:
+def _path_dict(res: PathResult, plan: Plan) -> dict[str, Any]:
+    d: dict[str, Any] = {"path": res.path, "transport": res.transport, "row_bytes": res.row_bytes,
+                         "blocks": res.blocks, "buffer_device": plan.buffer_device.value,
+                         "completion": plan.completion.value,
+                         "phases": {k: asdict(v) for k, v in res.phases.items()}}
+    if res.ours_us:
+        ours, raw = _stats(res.ours_us), _stats(res.raw_us)
+        d.update(ours_send_aux=ours, raw_batch_write=raw,
+                 ours_over_raw_p50=round(ours["p50"] / raw["p50"], 3),
+                 raw_run=_stats(res.raw_run_us))
+        d["raw_rows_per_s"] = raw["per_s"]
+        d["raw_run_rows_per_s"] = round(d["raw_run"]["per_s"] * max(1, _batch(res)), 1)
+    if res.bulk:
+        d["bulk"] = res.bulk
+    if res.error:
+        d["error"] = res.error
+    return d
+
+
+def _batch(res: PathResult) -> int:
+    ph = res.phases.get("coalesced")
+    return ph.batch_size if ph else 1
+
+
+def _rate(p: dict, phase: str) -> Optional[float]:
+    return (p.get("phases", {}).get(phase) or {}).get("handoffs_per_s")
+
+
+def ratios(paths: list[dict]) -> dict[str, Any]:
     ok = [p for p in paths if "error" not in p]
-    first_engine = next((p for p in ok if "raw_batch_write" in p), None)
-    tcp_route = next((p for p in ok if p["path"].startswith("tcp route")), None)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    tcp = next((p for p in ok if p["path"].startswith("tcp route")), None)
+    first = ok[0] if ok else None
     for p in ok:
+        name = p["path"]
         if "ours_over_raw_p50" in p:
-            out[f"ours/raw p50, {p['path']}"] = p["ours_over_raw_p50"]
-    if first_engine and tcp_route:
-        out[f"tcp route handoff p50 / {first_engine['path']} send_aux p50"] = round(
-            tcp_route["handoff"]["p50"] / first_engine["ours_send_aux"]["p50"], 2)
-        out[f"tcp route handoff p50 / {first_engine['path']} handoff p50"] = round(
-            tcp_route["handoff"]["p50"] / first_engine["handoff"]["p50"], 2)
+            out[f"ours/raw send_aux p50, {name}"] = p["ours_over_raw_p50"]
+        per, co, inl = _rate(p, "per-request"), _rate(p, "coalesced"), _rate(p, "inline")
+        if per and co:
+            out[f"coalesced / per-request handoffs/s, {name}"] = round(co / per, 2)
+        sb = p["phases"].get("inline", {}).get("set_buf_us", {}).get("p50")
+        if inl and sb:
+            out[f"inline handoffs/s / set_buf ceiling (1e6/{sb} us), {name}"] = round(inl / (1e6 / sb), 3)
+        if inl and p.get("raw_rows_per_s"):
+            out[f"inline handoffs/s / raw back-to-back writes/s, {name}"] = round(inl / p["raw_rows_per_s"], 3)
+    if first and tcp and first is not tcp:
+        h1 = first["phases"].get("handoff 1-in-flight", {}).get("handoff_us", {}).get("p50")
+        h2 = tcp["phases"].get("handoff 1-in-flight", {}).get("handoff_us", {}).get("p50")
+        if h1 and h2:
+            out[f"tcp route handoff p50 / {first['path']} handoff p50"] = round(h2 / h1, 2)
+        for phase in ("per-request", "batched", "coalesced"):
+            a, t = _rate(first, phase), _rate(tcp, phase)
+            if a and t:
+                out[f"{first['path']} / tcp route handoffs/s, {phase}"] = round(a / t, 2)
     return out
 
 
 def markdown(results: dict) -> str:
-    rows = ["| path | what is timed | p50 us | p99 us | p999 us | handoffs/s |",
-            "|---|---|---|---|---|---|"]
-
-    def row(path, what, s):
-        rows.append(f"| {path} | {what} | {s.get('p50')} | {s.get('p99')} | {s.get('p999')} | "
-                    f"{s.get('handoffs_per_s')} |")
-
+    B = results["batch_size"]
+    rows = ["| path | phase | batch | in flight | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | blocks/send |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for p in results["paths"]:
         if "error" in p:
-            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | |")
+            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | |")
             continue
-        if "raw_batch_write" in p:
-            row(p["path"], "our send_aux (one batch write)", p["ours_send_aux"])
-            row(p["path"], "raw batch_transfer_sync_write", p["raw_batch_write"])
-        elif "ours_send_aux" in p:
-            row(p["path"], "our send_aux (frames queued)", p["ours_send_aux"])
-        row(p["path"], "handoff: send_aux -> status -> verified -> verdict", p["handoff"])
-    bulk = [f"- {p['path']}: {p['bulk']['bytes'] >> 20} MiB one block, {p['bulk']['gb_per_s']} GB/s"
-            for p in results["paths"] if "bulk" in p]
-    lines = rows + ["", f"{results['paths'][0].get('row_bytes')} B per request in "
-                        f"{results['paths'][0].get('blocks')} blocks", ""]
-    lines += ["Bulk bandwidth (raw transfer_sync_write):"] + bulk + ["", "Ratios:"]
+        for name, ph in p["phases"].items():
+            rows.append(f"| {p['path']} | {name} | {ph['batch_size']} | {ph['concurrency']} | "
+                        f"{ph['handoffs_per_s']} | {ph['handoff_us'].get('p50')} | "
+                        f"{ph['handoff_us'].get('p99')} | {ph['set_buf_us'].get('p50')} | {ph['blocks_per_send']} |")
+    raw = ["", "| path | our send_aux p50 us | raw batch write p50 us | ours/raw | raw writes/s (1 request) | "
+               f"raw rows/s ({B}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
+    for p in results["paths"]:
+        if "ours_send_aux" in p:
+            raw.append(f"| {p['path']} | {p['ours_send_aux']['p50']} | {p['raw_batch_write']['p50']} | "
+                       f"{p['ours_over_raw_p50']} | {p['raw_rows_per_s']} | {p['raw_run_rows_per_s']} | "
+                       f"{(p.get('bulk') or {}).get('gb_per_s')} |")
+    first = next((p for p in results["paths"] if "row_bytes" in p), {})
+    lines = rows + raw + ["", f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
+                              "handoff = row ready on the prefill -> verified on the decode", "",
+                          "Ratios:"]
     lines += [f"- {k}: {v}" for k, v in results["ratios"].items()]
     return "\n".join(lines)
 
@@ -271,9 +348,12 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         obj = validate(cfg)
-        make_plan(obj, detect())
+        check_profile(obj, detect())
     except ConfigError as exc:
-        user_error(exc)
+        import sys
+
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     run_bench(obj, Path(HydraConfig.get().runtime.output_dir))
 
 

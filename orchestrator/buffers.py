@@ -1,66 +1,39 @@
 """MetadataBuffers: SGLang's aux-metadata rows, one tensor per field, one row per request.
 
-Field set, shapes, dtypes and order follow SGLang (see shared/notes/sglang-aux-path.md), so
-`get_buf_infos()` is interchangeable with SGLang's and both sides of a handoff agree on item
-lengths. One deliberate difference: all fields are carved out of ONE backing allocation
-(each field 256-byte aligned). That is one memory registration with Mooncake instead of ten,
-one CUDA IPC handle for the NVLink transport, and plain cudaMalloc-backed memory (the only
-kind the intra-node NVLink transport can register). Pointers, lengths and row layout are the
-same as SGLang's separate tensors.
+The fields come from a layout declaration (conf/layout/*.yaml, default SGLang 0.5.23), and
+the constructor signature, attributes, get_buf_infos(), get_buf(), set_buf(),
+set_kv_checksum(), get_kv_checksum() and clear_slot() follow SGLang 0.5.23 exactly, so code
+written against SGLang's class runs on this one. One deliberate difference: all fields are
+carved out of ONE backing allocation (each field 256-byte aligned). That is one memory
+registration with Mooncake instead of ten, one CUDA IPC handle for the NVLink transport, and
+plain cudaMalloc-backed memory (the only kind the intra-node NVLink transport can register).
+Pointers, lengths and row layout are the same as SGLang's separate tensors.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+import os
+import random
+import secrets
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .config import HiddenStatesDtype, MemPoolType
+from .config import HiddenStatesDtype, LayoutConfig, MemPoolType
+from .layout import FieldSpec, Sizes, field_specs, get_buf_names, load_layout
 from .plan import Device, Platform, buffer_device
 
 _ALIGN = 256
 _CUDA_SEGMENT = 2 << 20
+_U64 = (1 << 64) - 1
 
 TORCH_DTYPES = {
     HiddenStatesDtype.float32: torch.float32,
     HiddenStatesDtype.bfloat16: torch.bfloat16,
     HiddenStatesDtype.float16: torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    name: str
-    width: int
-    dtype: torch.dtype
-    fill: int = 0
-
-
-def field_specs(
-    hidden_size: int,
-    hidden_states_dtype: torch.dtype,
-    max_top_logprobs_num: int = 128,
-    output_dsa_topk_indices_dim: int = 0,
-) -> list[FieldSpec]:
-    """SGLang's fields in SGLang's order; the optional DSA field sits just before bootstrap_room."""
-    specs = [
-        FieldSpec("output_ids", 16, torch.int32),
-        FieldSpec("cached_tokens", 16, torch.int32),
-        FieldSpec("output_token_logprobs_val", 16, torch.float32),
-        FieldSpec("output_token_logprobs_idx", 16, torch.int32),
-        FieldSpec("output_top_logprobs_val", max_top_logprobs_num, torch.float32),
-        FieldSpec("output_top_logprobs_idx", max_top_logprobs_num, torch.int32),
-        FieldSpec("output_topk_p", 16, torch.float32),
-        FieldSpec("output_topk_index", 16, torch.int64),
-        FieldSpec("output_hidden_states", hidden_size, hidden_states_dtype),
-    ]
-    if output_dsa_topk_indices_dim > 0:
-        specs.append(FieldSpec("output_dsa_topk_indices", output_dsa_topk_indices_dim, torch.int32, fill=-1))
-    specs.append(FieldSpec("bootstrap_room", 8, torch.uint64))
-    return specs
+_DEFAULT_LAYOUT: Optional[LayoutConfig] = None
 
 
 def _to_torch_dtype(dtype: Any) -> torch.dtype:
@@ -71,40 +44,81 @@ def _to_torch_dtype(dtype: Any) -> torch.dtype:
     return getattr(torch, str(dtype))
 
 
+def _env_flag(name: str) -> bool:
+    """SGLang's EnvBool: true/1/yes/y, false/0/no/n (case-insensitive), unset = False."""
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    value = value.lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f'"{value}" is not a valid boolean value')
+
+
+def _as_i64(value: int) -> int:
+    """The int64 with the same 8 bytes as the uint64 `value` (rooms are uint64 in SGLang)."""
+    value &= _U64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 class MetadataBuffers:
-    """SGLang-compatible aux buffers. Constructor arguments match SGLang's; `device` (or
-    `mem_pool`) are keyword-only extras that say where the rows live. Without them the
-    device rule of orchestrator.plan applies to `mem_pool` (a custom pool object means
-    host memory, as in SGLang)."""
+    """SGLang 0.5.23's MetadataBuffers. Keyword-only extras say where the rows live and
+    which layout they follow: `device` (else `mem_pool`, else SGLang's own rule: a custom
+    pool object means host memory, SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK means
+    CUDA), `enable_sampling_mask` (else SGLang's env SGLANG_ENABLE_DISAGG_SAMPLING_MASK) and
+    `layout` (else conf/layout/sglang_0_5_23.yaml)."""
 
     def __init__(
         self,
         size: int,
         hidden_size: int,
         hidden_states_dtype: Any,
+        max_sampling_mask_tokens: int,
         max_top_logprobs_num: int = 128,
         custom_mem_pool: Any = None,
         output_dsa_topk_indices_dim: int = 0,
         *,
-        mem_pool: MemPoolType = MemPoolType.NONE,
+        kv_checksum_enabled: bool = False,
+        enable_sampling_mask: Optional[bool] = None,
+        layout: Optional[LayoutConfig] = None,
+        mem_pool: Optional[MemPoolType] = None,
         device: Optional[torch.device | str] = None,
     ):
         if size <= 0 or hidden_size <= 0:
             raise ValueError(f"size and hidden_size must be > 0, got {size}, {hidden_size}")
+        global _DEFAULT_LAYOUT
+        if layout is None:
+            _DEFAULT_LAYOUT = _DEFAULT_LAYOUT or load_layout()
+            layout = _DEFAULT_LAYOUT
+        self.layout = layout
+        self.custom_mem_pool = custom_mem_pool
+        self.output_dsa_topk_indices_dim = output_dsa_topk_indices_dim
+        self.enable_sampling_mask = (_env_flag("SGLANG_ENABLE_DISAGG_SAMPLING_MASK")
+                                     if enable_sampling_mask is None else bool(enable_sampling_mask))
         if device is None:
-            placed = Device.cpu if custom_mem_pool is not None else buffer_device(
-                mem_pool, Platform(cuda_devices=torch.cuda.device_count())
-            )
+            if custom_mem_pool is not None:
+                placed = Device.cpu
+            else:
+                pool = mem_pool
+                if pool is None:
+                    env_pool = os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+                    pool = (MemPoolType.INTRA_NODE_NVLINK if env_pool == "INTRA_NODE_NVLINK"
+                            else MemPoolType.NONE)
+                placed = buffer_device(pool, Platform(cuda_devices=torch.cuda.device_count()))
             device = placed.value
         self.device = torch.device(device)
         self.size = size
-        self.specs = field_specs(hidden_size, _to_torch_dtype(hidden_states_dtype),
-                                 max_top_logprobs_num, output_dsa_topk_indices_dim)
+        self.sizes = Sizes(hidden_size, _to_torch_dtype(hidden_states_dtype), max_sampling_mask_tokens,
+                           max_top_logprobs_num, output_dsa_topk_indices_dim, kv_checksum_enabled,
+                           self.enable_sampling_mask)
+        self.specs: list[FieldSpec] = field_specs(layout, self.sizes)
+
         offsets, total = [], 0
         for spec in self.specs:
             offsets.append(total)
-            nbytes = size * spec.width * spec.dtype.itemsize
-            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            total += (size * spec.item_len + _ALIGN - 1) // _ALIGN * _ALIGN
         # The caching allocator hands out 512-byte aligned blocks; over-allocate to align.
         # On CUDA, a whole multiple of 2 MiB makes the arena its own cudaMalloc segment, so
         # its pointer is the allocation base that CUDA IPC (and Mooncake's NVLink
@@ -115,136 +129,239 @@ class MetadataBuffers:
         self._arena = torch.zeros(nbytes_arena, dtype=torch.uint8, device=self.device)
         shift = (-self._arena.data_ptr()) % _ALIGN
         self.fields: list[torch.Tensor] = []
+        self.offsets: list[int] = []  # of each field from arena_ptr
+        for name in (f.name for f in layout.fields):
+            setattr(self, name, None)  # absent fields are None, as in SGLang
         for spec, off in zip(self.specs, offsets):
-            nbytes = size * spec.width * spec.dtype.itemsize
-            raw = self._arena[shift + off: shift + off + nbytes]
+            raw = self._arena[shift + off: shift + off + size * spec.item_len]
             tensor = raw.view(spec.dtype).view(size, spec.width)
             if spec.fill:
                 tensor.fill_(spec.fill)
             self.fields.append(tensor)
+            self.offsets.append(off)
             setattr(self, spec.name, tensor)
-        self.arena_ptr = self._arena.data_ptr() + shift
+        self.kv_checksum: Optional[torch.Tensor] = getattr(self, "kv_checksum", None)
+        self.arena = self._arena[shift: shift + total]  # the registered region, as bytes
+        self.arena_ptr = self.arena.data_ptr()
         self.arena_bytes = total
-        self.item_lens = [t[0].nbytes for t in self.fields]
+        self.item_lens = [s.item_len for s in self.specs]
         self.row_bytes = sum(self.item_lens)
-        self._field_ptrs = [t.data_ptr() for t in self.fields]
-        self._gather: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # built on first use
+        self.index = {s.name: i for i, s in enumerate(self.specs)}
+        self.room_field = next(i for i, s in enumerate(self.specs) if s.role == "room")
+        self.checksum_field = next((i for i, s in enumerate(self.specs) if s.role == "checksum"), None)
+        # 64-bit rows read and written as int64 (uint64 has few kernels, on CUDA especially)
+        self._rooms = self.fields[self.room_field].view(torch.int64)
+        self._checksums = (self.fields[self.checksum_field].view(torch.int64)
+                           if self.checksum_field is not None else None)
+        self._get_buf_names = get_buf_names(layout)
+        # host rows: the same 64-bit rows as numpy views (no torch op per write)
+        self._rooms_np = self._rooms.numpy() if self.device.type == "cpu" else None
+        self._checksums_np = (self._checksums.numpy() if self.device.type == "cpu"
+                              and self._checksums is not None else None)
 
-    # ---- SGLang's surface -------------------------------------------------------------
+    # ---- SGLang 0.5.23's surface --------------------------------------------------------
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """(data pointers, total byte lengths, one row's byte length), in field order."""
+        """(data pointers, total byte lengths, one row's byte length) of the present fields."""
         ptrs = [t.data_ptr() for t in self.fields]
         lens = [t.nbytes for t in self.fields]
         return ptrs, lens, list(self.item_lens)
 
-    def get_buf(self, idx: int) -> tuple[torch.Tensor, ...]:
-        """Copies of row `idx` of every field, in field order."""
-        return tuple(t[idx].clone() for t in self.fields)
+    def get_buf(self, idx: int) -> tuple[Optional[torch.Tensor], ...]:
+        """Copies of row `idx`, one entry per get_buf field of the layout (14 for SGLang
+        0.5.23), None where the field is absent."""
+        out = []
+        for name in self._get_buf_names:
+            t = getattr(self, name)
+            out.append(None if t is None else t[idx].clone())
+        return tuple(out)
+
+    def set_kv_checksum(self, req: Any, digest: int, signature: int) -> None:
+        row = self._checksums[req.metadata_buffer_index]
+        row[0] = _as_i64(digest)
+        row[1] = _as_i64(signature)
+
+    def get_kv_checksum(self, idx: int) -> tuple[int, int]:
+        """(digest, signature); (0, 0) means no digest was written."""
+        digest, signature = self._checksums[idx, :2].tolist()
+        return digest & _U64, signature & _U64
+
+    def clear_slot(self, idx: int) -> None:
+        """Zero the room row (and the kv_checksum row) a slot's next owner reads before its
+        prefill writes them, so it sees "not yet written", not the previous owner's."""
+        self._rooms[idx] = 0
+        if self._checksums is not None:
+            self._checksums[idx] = 0
 
     def set_buf(self, req: Any) -> None:
-        """Write row req.metadata_buffer_index from an SGLang-like request object."""
+        """Write row req.metadata_buffer_index from a finished SGLang request, as SGLang
+        0.5.23 does (field by field; absent fields raise as they would there)."""
         slot = req.metadata_buffer_index
         self.output_ids[slot][0] = req.output_ids[0]
-        cached = (req.cached_tokens, req.cached_tokens_device, req.cached_tokens_host,
-                  req.cached_tokens_storage)
-        self.cached_tokens[slot][: len(cached)] = torch.tensor(cached, dtype=torch.int32)
+        self.cached_tokens[slot][0] = req.cached_tokens
+        self.cached_tokens[slot][1] = req.cached_tokens_device
+        self.cached_tokens[slot][2] = req.cached_tokens_host
+        self.cached_tokens[slot][3] = req.cached_tokens_storage
+        image_t, audio_t, video_t = req.get_mm_token_counts()
+        self.cached_tokens[slot][4] = image_t
+        self.cached_tokens[slot][5] = audio_t
+        self.cached_tokens[slot][6] = video_t
         if req.return_logprob:
-            _write_prefix(self.output_token_logprobs_val[slot], req.output_token_logprobs_val[0])
-            _write_prefix(self.output_token_logprobs_idx[slot], req.output_token_logprobs_idx[0])
-            _write_prefix(self.output_top_logprobs_val[slot], req.output_top_logprobs_val[0])
-            _write_prefix(self.output_top_logprobs_idx[slot], req.output_top_logprobs_idx[0])
-        if getattr(req, "hidden_states_tensor", None) is not None:
-            _write_prefix(self.output_topk_p[slot], req.output_topk_p)
-            _write_prefix(self.output_topk_index[slot], req.output_topk_index)
-            self.output_hidden_states[slot].copy_(req.hidden_states_tensor.to(self.output_hidden_states.dtype))
-        dsa = getattr(req, "output_dsa_topk_indices", None)
-        if dsa is not None and hasattr(self, "output_dsa_topk_indices"):
-            _write_prefix(self.output_dsa_topk_indices[slot], dsa)
+            lp = req.logprob
+            if lp.output_token_logprobs_val:
+                self.output_token_logprobs_val[slot][0] = lp.output_token_logprobs_val[0]
+            if lp.output_token_logprobs_idx:
+                self.output_token_logprobs_idx[slot][0] = lp.output_token_logprobs_idx[0]
+            if lp.output_top_logprobs_val:
+                n = len(lp.output_top_logprobs_val[0])
+                cap = self.output_top_logprobs_val.shape[1]
+                if n > cap:
+                    raise RuntimeError(
+                        f"top_logprobs_num {n} exceeds disaggregation metadata capacity {cap}. "
+                        "Lower top_logprobs_num or increase the metadata buffer.")
+                self.output_top_logprobs_val[slot][:n] = torch.tensor(
+                    lp.output_top_logprobs_val[0], dtype=torch.float32, device="cpu")
+            if lp.output_top_logprobs_idx:
+                n = len(lp.output_top_logprobs_idx[0])
+                self.output_top_logprobs_idx[slot][:n] = torch.tensor(
+                    lp.output_top_logprobs_idx[0], dtype=torch.int32, device="cpu")
+        if req.return_sampling_mask:
+            chunk = req.sampling_mask_rows.view()
+            mask_len = len(chunk.token_ids)
+            self.output_token_sampling_mask_len[slot][0] = mask_len
+            self.output_token_sampling_mask_idx[slot, :mask_len].copy_(torch.from_numpy(chunk.token_ids))
+            self.output_token_sampling_logprobs[slot, : len(chunk.logprobs)].copy_(
+                torch.from_numpy(chunk.logprobs))
+        if req.hidden_states_tensor is not None:
+            topk = req.output_topk_p.size(0)
+            self.output_topk_p[slot, :topk].copy_(req.output_topk_p)
+            self.output_topk_index[slot, :topk].copy_(req.output_topk_index)
+            self.output_hidden_states[slot].copy_(req.hidden_states_tensor)
+            if self.output_dsa_topk_indices is not None:
+                dsa = req.output_dsa_topk_indices
+                if dsa is not None:
+                    self.output_dsa_topk_indices[slot].copy_(dsa)
+                else:
+                    self.output_dsa_topk_indices[slot].fill_(-1)
         room = req.bootstrap_room
-        self.bootstrap_room[slot][0] = 0 if room is None else room
+        self._rooms[slot, 0] = _as_i64(room if room is not None else 0)
 
     # ---- what the orchestrator adds ---------------------------------------------------
     def room(self, slot: int) -> int:
-        return int(self.bootstrap_room[slot, 0].item())
+        return int(self._rooms[slot, 0].item()) & _U64
 
-    @property
-    def room_offset(self) -> int:
-        """Byte offset of bootstrap_room[slot, 0] inside a row snapshot (it is always last)."""
-        return self.row_bytes - self.item_lens[-1]
+    def write_rooms(self, slots: Sequence[int], rooms: Sequence[int]) -> None:
+        """bootstrap_room[slot, 0] = room for a batch of slots (one indexed write)."""
+        if self._rooms_np is not None:
+            self._rooms_np[list(slots), 0] = [_as_i64(r) for r in rooms]
+            return
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        val = torch.tensor([_as_i64(r) for r in rooms], dtype=torch.int64, device=self.device)
+        self._rooms[idx, 0] = val
 
-    def row_snapshot(self, slot: int) -> bytes:
-        """Row `slot` of every field, in field order, as host bytes: one gather and one
-        device->host copy for device buffers, plain memory reads for host buffers."""
-        if self.device.type == "cpu":
-            return b"".join(ctypes.string_at(p + n * slot, n)
-                            for p, n in zip(self._field_ptrs, self.item_lens))
-        return self._gathered_snapshot(slot)
+    def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
+        """kv_checksum[slot] = (digest, signature) for a batch of slots."""
+        if self._checksums_np is not None:
+            self._checksums_np[list(slots), :2] = [[_as_i64(d), _as_i64(signature)] for d in digests]
+            return
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        val = torch.tensor([[_as_i64(d), _as_i64(signature)] for d in digests], dtype=torch.int64,
+                           device=self.device)
+        self._checksums[idx, :2] = val
 
-    def _gathered_snapshot(self, slot: int) -> bytes:
-        if self._gather is None:
-            # Byte positions of row 0 of every field in the arena, and how far each moves
-            # per slot: a device row snapshot is then one add, one index_select, one copy.
-            arena0 = self.arena_ptr - self._arena.data_ptr()
-            base, step = [], []
-            for t, n in zip(self.fields, self.item_lens):
-                start = arena0 + t.data_ptr() - self.arena_ptr
-                base.append(torch.arange(start, start + n, dtype=torch.int64))
-                step.append(torch.full((n,), n, dtype=torch.int64))
-            self._gather = (torch.cat(base).to(self.device), torch.cat(step).to(self.device))
-        gather_base, gather_step = self._gather
-        index = torch.add(gather_base, gather_step, alpha=slot)
-        row = self._arena.index_select(0, index).cpu()
-        return ctypes.string_at(row.data_ptr(), row.numel())
+    def clear_slots(self, slots: Sequence[int]) -> None:
+        """clear_slot() for a batch (one indexed write per 64-bit field)."""
+        if not slots:
+            return
+        if self._rooms_np is not None:
+            self._rooms_np[slots] = 0
+            if self._checksums_np is not None:
+                self._checksums_np[slots] = 0
+            return
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        self._rooms[idx] = 0
+        if self._checksums is not None:
+            self._checksums[idx] = 0
 
-    @staticmethod
-    def snapshot_room(snapshot: bytes, offset: int) -> int:
-        return int.from_bytes(snapshot[offset: offset + 8], "little")
-
-    def clear_room(self, slot: int) -> None:
-        """Zero a freed slot's bootstrap_room, so a stale room never passes the readiness gate."""
-        self.bootstrap_room[slot, 0] = 0
+    def row_snapshot(self, slot: int, skip: Iterable[int] = ()) -> bytes:
+        """Row `slot` of every field (but `skip`), in field order, as host bytes (host rows)."""
+        assert self.device.type == "cpu", "row snapshots read host memory"
+        skip = set(skip)
+        return b"".join(ctypes.string_at(t.data_ptr() + n * slot, n)
+                        for i, (t, n) in enumerate(zip(self.fields, self.item_lens)) if i not in skip)
 
     def flip_byte(self, slot: int, field_index: int, offset: int = 0) -> None:
         """Fault injection (faults.kind=corrupt_byte): change one byte of one field's row."""
         self.fields[field_index][slot].view(torch.uint8)[offset] ^= 0x5A
 
-    def row_checksum(self, slot: int) -> str:
-        """blake2b over row `slot` of every field, in field order."""
-        return checksum(self.row_snapshot(slot))
-
-
-def checksum(snapshot: bytes) -> str:
-    return hashlib.blake2b(snapshot, digest_size=16).hexdigest()
-
-
-def _write_prefix(dst_row: torch.Tensor, values: Sequence | torch.Tensor) -> None:
-    src = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dst_row.dtype)
-    src = src.reshape(-1)
-    n = min(src.numel(), dst_row.numel())
-    dst_row[:n] = src[:n].to(dst_row.dtype)
+    def sync(self) -> None:
+        """Wait for this device's queued writes (before another engine reads the rows)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class SlotAllocator:
-    """Free-list of buffer rows. LIFO reuse on purpose: a freed row is reused first, which is
-    exactly when a stale bootstrap_room would bite if freeing did not zero it."""
+    """Free rows of a MetadataBuffers. Slots are handed out in random order from a CSPRNG
+    seed, so nobody can predict which row a request will land in; alloc_run() hands out
+    consecutive slots (a coalesced send writes them as one block per field)."""
 
-    def __init__(self, size: int):
-        self._free = list(range(size - 1, -1, -1))
-        self._used: set[int] = set()
-
-    def alloc(self) -> Optional[int]:
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._used.add(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot not in self._used:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._used.remove(slot)
-        self._free.append(slot)
+    def __init__(self, size: int, rng: Optional[random.Random] = None):
+        self.size = size
+        self._free = list(range(size))
+        self._pos = list(range(size))  # slot -> index in _free, -1 when allocated
+        self._rng = rng or random.Random(secrets.randbits(64))
 
     @property
     def available(self) -> int:
         return len(self._free)
+
+    def _take(self, slot: int) -> None:
+        i = self._pos[slot]
+        last = self._free.pop()
+        if last != slot:
+            self._free[i] = last
+            self._pos[last] = i
+        self._pos[slot] = -1
+
+    def alloc(self) -> Optional[int]:
+        if not self._free:
+            return None
+        slot = self._free[self._rng.randrange(len(self._free))]
+        self._take(slot)
+        return slot
+
+    def alloc_run(self, n: int, start: Optional[int] = None) -> list[int]:
+        """Up to `n` consecutive slots. From `start` when that slot is free (as many as are
+        free from there); else a free run of at least n (one of them, at random), else the
+        longest free run there is; [] when none is free."""
+        if start is not None and 0 <= start < self.size and self._pos[start] >= 0:
+            slots = [start]
+            while len(slots) < n and slots[-1] + 1 < self.size and self._pos[slots[-1] + 1] >= 0:
+                slots.append(slots[-1] + 1)
+        else:
+            runs, first = [], None
+            for s in range(self.size + 1):
+                free = s < self.size and self._pos[s] >= 0
+                if free and first is None:
+                    first = s
+                elif not free and first is not None:
+                    runs.append((first, s - first))
+                    first = None
+            if not runs:
+                return []
+            fits = [r for r in runs if r[1] >= n]
+            if fits:
+                begin, length = self._rng.choice(fits)
+                begin += self._rng.randrange(length - n + 1)
+                count = n
+            else:
+                begin, count = max(runs, key=lambda r: r[1])
+            slots = list(range(begin, begin + count))
+        for s in slots:
+            self._take(s)
+        return slots
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.size or self._pos[slot] >= 0:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._pos[slot] = len(self._free)
+        self._free.append(slot)

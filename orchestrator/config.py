@@ -4,8 +4,10 @@ Everything a user can type lives here, once. The dataclasses are stored in Hydra
 ConfigStore and named first in ``conf/config.yaml``'s defaults list, so Hydra itself rejects
 a misspelled key, a value of the wrong type, or an enum value that does not exist (enums are
 matched by member NAME, so members are spelled exactly as users type them). What OmegaConf
-cannot check (ranges, ports, hosts) is checked by :func:`validate`, which turns each problem
-into one sentence naming the key, the bad value and what is allowed.
+cannot check (ranges, ports, hosts) sits beside the fields it checks, as each section's
+``check()`` method, which raises :class:`ConfigError`: one sentence naming the key, the bad
+value and what is allowed. Checks that need more than one section or the machine live in
+the rule book, :mod:`orchestrator.rules`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,24 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
 
+class ConfigError(ValueError):
+    """A user mistake in the config: rendered as one line, never with a traceback."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}.")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _positive(key: str, value: Any, what: str = "a whole number > 0") -> None:
+    _require(value > 0, key, value, what)
+
+
+# ---- enums (typed as users type them) ------------------------------------------------------
 class MemPoolType(Enum):
     """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values. NONE stands for "no custom pool"."""
 
@@ -49,7 +69,7 @@ class EngineTransportSetting(Enum):
     """transport.mooncake.transport: which Mooncake transport the engine route should use.
 
     auto derives it from where the buffers live (CUDA buffers of an INTRA_NODE_NVLINK pool:
-    nvlink_intra; host buffers: tcp). rdma is for hosts with an HCA.
+    nvlink_intra; host buffers: tcp). rdma is for hosts with an RDMA device.
     """
 
     auto = "auto"
@@ -58,18 +78,70 @@ class EngineTransportSetting(Enum):
     nvlink_intra = "nvlink_intra"
 
 
+class CompletionSetting(Enum):
+    """transport.mooncake.completion: how the transfer thread waits for a batch write.
+
+    spin: Mooncake's batch_transfer_sync_write (what SGLang calls), which busy-polls the
+    batch status until it completes; nap: submit asynchronously, sleep `nap_us`, then wait
+    for the status. On a small machine the spin takes the core that Mooncake's own transport
+    threads need to finish the write. auto: spin with 8 or more cores, nap below.
+    """
+
+    auto = "auto"
+    spin = "spin"
+    nap = "nap"
+
+
+class StatusMode(Enum):
+    """transport.status: how "KV done" travels to decode after a step's sends.
+
+    per_request: SGLang's status message, one per request (an SGLang decode parses it);
+    per_step: one message for the whole step (this tool's framing; fewer messages per row).
+    """
+
+    per_request = "per_request"
+    per_step = "per_step"
+
+
+class FillMode(Enum):
+    """workload.fill: inline runs SGLang's set_buf per request inside the timed loop (what a
+    scheduler sustains); ahead fills every slot once before the timed phase, so a request
+    then writes only its room and digest (the route alone)."""
+
+    inline = "inline"
+    ahead = "ahead"
+
+
+class DigestKind(Enum):
+    """verify.digest: linear = keyed linear digest computed in batch on the device that holds
+    the rows (default); blake2b = keyed blake2b per row on the host (host buffers only)."""
+
+    linear = "linear"
+    blake2b = "blake2b"
+
+
+class Role(Enum):
+    """role: both sides in one command, or one side of a run split across hosts."""
+
+    both = "both"
+    prefill = "prefill"
+    decode = "decode"
+
+
 class FaultKind(Enum):
     """faults.kind: a failure injected on purpose, to show how the run ends (RELIABILITY.md)."""
 
     none = "none"
     decode_killed = "decode_killed"  # SIGKILL the decode process after `at_request` handoffs
     decode_stopped = "decode_stopped"  # SIGSTOP it for `duration_s`, then SIGCONT
+    prefill_killed = "prefill_killed"  # SIGKILL prefill rank 0 once `at_request` handoffs are done
     silent_control = "silent_control"  # prefill's control peer accepts TCP and never answers
     silent_peer = "silent_peer"  # the engine session id points at a port that never answers
     bad_destination = "bad_destination"  # one block of the batch aims outside the registration
     wrong_session = "wrong_session"  # the batch goes to a session id nobody serves
-    stale_room = "stale_room"  # the room block is not sent and decode does not zero freed rooms
-    corrupt_byte = "corrupt_byte"  # one byte of the row changes after its checksum was taken
+    stale_room = "stale_room"  # the room block is not sent; decode keeps stale rooms
+    corrupt_byte = "corrupt_byte"  # one byte of the row changes after its digest was taken
+    status_first = "status_first"  # decode TP rank `rank`: the status overtakes the aux by margin_us
 
 
 class HiddenStatesDtype(Enum):
@@ -78,10 +150,40 @@ class HiddenStatesDtype(Enum):
     float16 = "float16"
 
 
+# ---- sections --------------------------------------------------------------------------------
 @dataclass
 class MemPoolConfig:
     type: MemPoolType = MemPoolType.NONE
     description: str = ""
+
+
+@dataclass
+class FieldConfig:
+    """One field of the aux layout (conf/layout/*.yaml)."""
+
+    name: str = "?"
+    # int32, int64, uint64, float32, ... or "hidden" (buffers.hidden_states_dtype)
+    dtype: str = "int32"
+    # a whole number, or the name of a buffers.* key holding the row width
+    width: str = "16"
+    # always | sampling_mask | dsa | kv_checksum (buffers.enable_sampling_mask,
+    # buffers.output_dsa_topk_indices_dim > 0, buffers.kv_checksum_enabled)
+    present: str = "always"
+    fill: int = 0  # value of a fresh row (SGLang fills the DSA row with -1)
+    role: str = ""  # "room" (bootstrap_room), "checksum" (kv_checksum) or ""
+    get_buf: bool = True  # part of get_buf()'s tuple (None there when absent)
+
+
+@dataclass
+class LayoutConfig:
+    name: str = "sglang_0_5_23"
+    sglang_version: str = "0.5.23"
+    fields: List[FieldConfig] = field(default_factory=list)
+
+    def check(self) -> None:
+        from .layout import check_layout  # the layout module owns the field rules
+
+        check_layout(self)
 
 
 @dataclass
@@ -91,18 +193,69 @@ class BuffersConfig:
     hidden_states_dtype: HiddenStatesDtype = HiddenStatesDtype.float32
     max_top_logprobs_num: int = 128
     output_dsa_topk_indices_dim: int = 0  # > 0 adds the DSA top-k field
+    max_sampling_mask_tokens: int = 256  # width of the two sampling-mask rows
+    enable_sampling_mask: bool = False  # SGLANG_ENABLE_DISAGG_SAMPLING_MASK
+    kv_checksum_enabled: bool = False  # the kv_checksum field (SGLang 0.5.23 keyword)
+
+    def check(self) -> None:
+        _positive("buffers.size", self.size, "a whole number of slots > 0")
+        _positive("buffers.hidden_size", self.hidden_size)
+        _positive("buffers.max_top_logprobs_num", self.max_top_logprobs_num)
+        _positive("buffers.max_sampling_mask_tokens", self.max_sampling_mask_tokens)
+        _require(self.output_dsa_topk_indices_dim >= 0, "buffers.output_dsa_topk_indices_dim",
+                 self.output_dsa_topk_indices_dim, "0 (off) or a positive dimension")
+
+
+@dataclass
+class GateConfig:
+    """The two halves of SGLang's readiness fix (PR 26394 and its follow-up)."""
+
+    readiness: bool = True  # downgrade "done" to "transferring" while the slot's room is 0
+    zero_room_on_free: bool = True  # zero a freed slot's room (and kv_checksum)
+
+
+@dataclass
+class VerifyConfig:
+    digest: DigestKind = DigestKind.linear
 
 
 @dataclass
 class MooncakeConfig:
+    # P2PHANDSHAKE (no server), http://host:port/metadata (mooncake_http_metadata_server) or
+    # etcd://host:port
     metadata_server: str = "P2PHANDSHAKE"
     transport: EngineTransportSetting = EngineTransportSetting.auto
     device_name: str = ""  # RDMA device list ("" = let Mooncake pick)
     # MC_TCP_PROGRESS_TIMEOUT_SEC: bounds a write to a stopped peer (Mooncake's default is 30 s).
     tcp_progress_timeout_s: int = 5
-    # A batch holds one block per field; more blocks than this in one batch is refused
-    # (Mooncake's TCP transport failed a 2,560-block batch).
+    # More blocks than this in one batch write are split (Mooncake's TCP transport failed a
+    # 2,560-block batch).
     max_blocks_per_batch: int = 1024
+    # The runner starts Mooncake's own mooncake_http_metadata_server for an http:// address
+    # on loopback (single-host runs).
+    start_metadata_server: bool = False
+    completion: CompletionSetting = CompletionSetting.auto
+    nap_us: float = 50.0  # completion=nap: sleep this long before waiting for the status
+
+    def check(self) -> None:
+        ms = self.metadata_server
+        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT"
+        if ms != "P2PHANDSHAKE":
+            from urllib.parse import urlsplit
+
+            try:
+                url = urlsplit(ms)
+                port = url.port
+            except ValueError:
+                url, port = None, None
+            ok = (url is not None and url.scheme in ("http", "etcd") and url.hostname and port
+                  and (url.scheme != "http" or url.path == "/metadata"))
+            _require(bool(ok), "transport.mooncake.metadata_server", ms, forms)
+        _positive("transport.mooncake.tcp_progress_timeout_s", self.tcp_progress_timeout_s,
+                  "a whole number of seconds > 0")
+        _positive("transport.mooncake.max_blocks_per_batch", self.max_blocks_per_batch)
+        _require(0 < self.nap_us <= 10_000, "transport.mooncake.nap_us", self.nap_us,
+                 "microseconds in (0, 10000]")
 
 
 @dataclass
@@ -111,36 +264,107 @@ class TransportConfig:
     fallback: FallbackPolicy = FallbackPolicy.strict
     host: str = "127.0.0.1"  # data and control planes bind here; loopback unless declared
     allow_remote: bool = False  # a non-loopback host must be allowed explicitly
-    # Name of an environment variable holding a shared secret; when set, control and status
-    # messages carry an HMAC-SHA256 and unauthenticated ones are rejected (the secret itself
-    # never lands in the config or the run dir).
+    # Name of an environment variable holding a shared secret (multi-host runs). When null,
+    # each run generates a fresh secret and hands it to its own processes: every message and
+    # every row digest is authenticated either way.
     secret_env: Optional[str] = None
     timeout_s: float = 10.0  # a peer silent this long is declared lost
+    # Grant destination slots in consecutive runs and send a step's rows as one block per
+    # field per run (tcp route: one AUX_DATA frame per field per run).
+    coalesce: bool = False
+    status: StatusMode = StatusMode.per_request
+    max_inflight_sends: int = 16  # batch writes the transfer thread keeps in flight
+    bootstrap_port: int = 0  # role=decode: where the bootstrap address listens (0 = any)
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+
+    def check(self) -> None:
+        _require(self.timeout_s > 0, "transport.timeout_s", self.timeout_s, "seconds > 0")
+        try:
+            host = ipaddress.IPv4Address(self.host)
+        except ValueError:
+            raise ConfigError("transport.host", self.host,
+                              "an IPv4 address to bind (127.0.0.1 by default)") from None
+        _require(host.is_loopback or self.allow_remote, "transport.host", self.host,
+                 "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
+                 "expose the data and control planes on that address")
+        _positive("transport.max_inflight_sends", self.max_inflight_sends)
+        _require(0 <= self.bootstrap_port <= 65535, "transport.bootstrap_port",
+                 self.bootstrap_port, "0 (any free port) or a TCP port 1-65535")
+        self.mooncake.check()
+
+
+MAX_SEED = (1 << 63) - 1
 
 
 @dataclass
 class WorkloadConfig:
-    requests: int = 1000
-    concurrency: int = 8
+    requests: int = 1000  # per prefill rank
+    concurrency: int = 8  # closed loop: requests in flight (arrived, not yet verified)
+    rate: Optional[float] = None  # open loop: Poisson arrivals per second (per prefill rank)
+    batch_size: int = 1  # requests that finish in one prefill forward step
+    fill: FillMode = FillMode.inline
+    # Requests sharing one bootstrap room: 1 = every room unique, 2 = pairs (client retries),
+    # n = n-way (n>1 sampling on one room)
+    duplicate_rooms: int = 1
     return_logprob: bool = True
     top_logprobs_num: int = 5
     hidden_states: bool = True
+    sampling_mask: bool = False  # requests carry sampling masks (needs buffers.enable_sampling_mask)
+    multimodal: bool = False  # requests carry image/audio/video token counts
+    dsa_indices: bool = True  # speculative requests carry DSA top-k indices (when the field exists)
     seed: int = 0
+
+    def check(self, buffers: BuffersConfig) -> None:
+        _positive("workload.requests", self.requests,
+                  "a whole number > 0 (requests per prefill rank)")
+        _positive("workload.concurrency", self.concurrency)
+        _require(self.rate is None or self.rate > 0, "workload.rate", self.rate,
+                 "null (closed loop) or requests per second > 0")
+        _positive("workload.batch_size", self.batch_size)
+        _require(self.batch_size <= buffers.size, "workload.batch_size", self.batch_size,
+                 f"at most buffers.size ({buffers.size}) requests per step")
+        _positive("workload.duplicate_rooms", self.duplicate_rooms,
+                  "1 (unique rooms), 2 (pairs) or n > 2 requests per room")
+        _require(0 <= self.top_logprobs_num <= buffers.max_top_logprobs_num,
+                 "workload.top_logprobs_num", self.top_logprobs_num,
+                 f"0..buffers.max_top_logprobs_num ({buffers.max_top_logprobs_num})")
+        _require(not self.sampling_mask or buffers.enable_sampling_mask, "workload.sampling_mask",
+                 self.sampling_mask, "false unless buffers.enable_sampling_mask=true")
+        _require(0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
+                 f"a whole number in 0..{MAX_SEED}")
 
 
 @dataclass
 class EndpointsConfig:
-    # How many prefill and decode processes; every prefill rank hands off to every decode
-    # rank (round-robin over its requests). workload.requests is per prefill rank.
+    # How many prefill processes and decode instances; every prefill rank hands off to every
+    # decode instance (round-robin over its requests). workload.requests is per prefill rank.
     prefill_ranks: int = 1
     decode_ranks: int = 1
-    # CUDA device of each rank when buffers live on CUDA (one entry per rank); null = auto:
-    # prefill ranks on the first GPUs, decode ranks on the next ones, wrapping around when
-    # there are fewer GPUs than ranks (1x1 on two GPUs: prefill 0, decode 1).
+    # Ranks of one decode instance (a tensor-parallel group: each rank has its own buffers
+    # and engine and receives every request's aux; the ranks all-reduce their poll status).
+    decode_tp: int = 1
+    # CUDA device of each rank when buffers live on CUDA (one entry per prefill rank, one per
+    # decode process = decode_ranks x decode_tp); null = auto: prefill ranks on the first
+    # GPUs, decode processes on the next ones, wrapping around when there are fewer GPUs.
     prefill_gpus: Optional[List[int]] = None
     decode_gpus: Optional[List[int]] = None
     startup_timeout_s: float = 60.0
+
+    @property
+    def decode_procs(self) -> int:
+        return self.decode_ranks * self.decode_tp
+
+    def check(self) -> None:
+        _positive("endpoints.prefill_ranks", self.prefill_ranks, "a whole number of processes > 0")
+        _positive("endpoints.decode_ranks", self.decode_ranks, "a whole number of instances > 0")
+        _positive("endpoints.decode_tp", self.decode_tp, "a whole number of ranks > 0")
+        _require(self.startup_timeout_s > 0, "endpoints.startup_timeout_s",
+                 self.startup_timeout_s, "seconds > 0")
+        for role, n in (("prefill", self.prefill_ranks), ("decode", self.decode_procs)):
+            key = f"endpoints.{role}_gpus"
+            gpus = getattr(self, key.split(".")[1])
+            _require(gpus is None or (len(gpus) == n and min(gpus) >= 0), key, gpus,
+                     f"null (auto) or {n} CUDA device indices >= 0, one per {role} process")
 
 
 @dataclass
@@ -149,66 +373,97 @@ class FaultsConfig:
     at_request: int = 50  # first request (or handoff count) the fault hits
     every: int = 10  # per-request faults: then every Nth request
     duration_s: float = 2.0  # decode_stopped: how long the process stays stopped
+    margin_us: float = 2000.0  # status_first: how far the status runs ahead of the aux
+    rank: int = 1  # status_first: the decode TP rank whose aux is delayed
+
+    def check(self) -> None:
+        _require(self.at_request >= 0 and self.every > 0 and self.duration_s > 0
+                 and self.margin_us >= 0 and self.rank >= 0, "faults",
+                 f"at_request={self.at_request} every={self.every} duration_s={self.duration_s} "
+                 f"margin_us={self.margin_us} rank={self.rank}",
+                 "at_request >= 0, every > 0, duration_s > 0, margin_us >= 0, rank >= 0")
 
 
 @dataclass
 class BenchConfig:
     """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
 
-    iters: int = 2000  # send_aux and raw batch writes, each, per engine path
-    handoffs: int = 500  # full-protocol handoffs per path, one in flight
+    iters: int = 2000  # send_aux vs raw batch writes, each, per engine path
+    handoffs: int = 500  # one-in-flight handoffs per path
+    requests: int = 4000  # per throughput row
+    batch_size: int = 64  # the batched and coalesced rows
     bulk_mib: int = 64  # one-block bandwidth point per engine path (0 = skip)
     bulk_reps: int = 20
+
+    def check(self) -> None:
+        for key in ("iters", "handoffs", "requests", "batch_size", "bulk_reps"):
+            _positive(f"bench.{key}", getattr(self, key))
+        _require(self.bulk_mib >= 0, "bench.bulk_mib", self.bulk_mib, "0 (skip) or MiB > 0")
+
+
+@dataclass
+class LoggingConfig:
+    console: bool = False  # also print the structured log lines on the console
 
 
 @dataclass
 class OrchestratorConfig:
     mem_pool: MemPoolConfig = field(default_factory=MemPoolConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
     buffers: BuffersConfig = field(default_factory=BuffersConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    role: Role = Role.both
+    peer: Optional[str] = None  # role=prefill: the decode side's bootstrap address HOST:PORT
+
+    def check(self) -> None:
+        """Every section's own checks (ranges and forms), in a stable order."""
+        self.layout.check()
+        self.buffers.check()
+        self.transport.check()
+        self.workload.check(self.buffers)
+        self.endpoints.check()
+        self.faults.check()
+        self.bench.check()
+        if self.role is Role.prefill:
+            _require(self.peer is not None and _host_port(self.peer) is not None, "peer",
+                     self.peer, "the decode side's bootstrap address HOST:PORT (it prints it)")
+        else:
+            _require(self.peer is None, "peer", self.peer, "null unless role=prefill")
 
 
-_SCHEMAS = {c.__name__: c for c in (MemPoolConfig, BuffersConfig, MooncakeConfig, TransportConfig,
+def _host_port(text: str) -> Optional[tuple[str, int]]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return None
+    return host, int(port)
+
+
+def peer_address(cfg: OrchestratorConfig) -> tuple[str, int]:
+    addr = _host_port(cfg.peer or "")
+    assert addr is not None, "checked by OrchestratorConfig.check"
+    return addr
+
+
+_SCHEMAS = {c.__name__: c for c in (MemPoolConfig, FieldConfig, LayoutConfig, BuffersConfig,
+                                    GateConfig, VerifyConfig, MooncakeConfig, TransportConfig,
                                     WorkloadConfig, EndpointsConfig, BenchConfig, FaultsConfig,
-                                    OrchestratorConfig)}
+                                    LoggingConfig, OrchestratorConfig)}
 
 
 def register_configs() -> None:
     """Store the schema; conf/config.yaml names it first in its defaults list."""
     ConfigStore.instance().store(name="orchestrator_schema", node=OrchestratorConfig)
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config: rendered as one line, never with a traceback."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r} is not allowed: {allowed}.")
-
-
-_POSITIVE_INTS = (
-    ("buffers.size", "a whole number of slots > 0"),
-    ("buffers.hidden_size", "a whole number > 0"),
-    ("buffers.max_top_logprobs_num", "a whole number > 0"),
-    ("workload.concurrency", "a whole number > 0"),
-    ("endpoints.prefill_ranks", "a whole number of processes > 0"),
-    ("endpoints.decode_ranks", "a whole number of processes > 0"),
-    ("transport.mooncake.tcp_progress_timeout_s", "a whole number of seconds > 0"),
-    ("transport.mooncake.max_blocks_per_batch", "a whole number > 0"),
-    ("bench.iters", "a whole number > 0"),
-    ("bench.handoffs", "a whole number > 0"),
-    ("bench.bulk_reps", "a whole number > 0"),
-)
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def _unknown_key(node: Any, schema: type, prefix: str = "") -> Optional[str]:
@@ -227,65 +482,31 @@ def _unknown_key(node: Any, schema: type, prefix: str = "") -> Optional[str]:
     return None
 
 
-def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
-    """Range and consistency checks OmegaConf does not do; returns the typed config object.
+def typed(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
+    """The typed config object of any config source (a composed DictConfig, a saved run's
+    plain YAML, or an object already). Raises ConfigError for keys or values the schema
+    does not take."""
+    if isinstance(cfg, OrchestratorConfig):
+        return cfg
+    unknown = _unknown_key(cfg, OrchestratorConfig)
+    if unknown:
+        raise ConfigError(unknown, OmegaConf.select(cfg, unknown),
+                          "no such key in the schema (see conf/ or --cfg job)")
+    try:  # typed even when the source was a plain YAML (a saved run's config)
+        merged = OmegaConf.merge(OmegaConf.structured(OrchestratorConfig), cfg)
+    except ValidationError as exc:
+        key = str(exc.full_key)
+        raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
+                          exc.msg.split("\n")[0]) from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
-    Raises ConfigError for the first problem found (one actionable sentence).
+
+def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
+    """The typed config, with every section's range and form checks passed.
+
+    Raises ConfigError for the first problem found (one actionable sentence). Whether the
+    profile can run on a given machine is the rule book's question (orchestrator.rules).
     """
-    if isinstance(cfg, DictConfig):
-        unknown = _unknown_key(cfg, OrchestratorConfig)
-        if unknown:
-            raise ConfigError(unknown, OmegaConf.select(cfg, unknown),
-                              "no such key in the schema (see conf/ or --cfg job)")
-        try:  # typed even when the source was a plain YAML (a saved run's config)
-            merged = OmegaConf.merge(OmegaConf.structured(OrchestratorConfig), cfg)
-        except ValidationError as exc:
-            key = str(exc.full_key)
-            raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
-                              exc.msg.split("\n")[0]) from None
-        obj: OrchestratorConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    else:
-        obj = cfg
-    for key, allowed in _POSITIVE_INTS:
-        value = _get(obj, key)
-        if value <= 0:
-            raise ConfigError(key, value, allowed)
-    w = obj.workload
-    if w.requests < 0:
-        raise ConfigError("workload.requests", w.requests, "a whole number >= 0")
-    if not 0 <= w.top_logprobs_num <= obj.buffers.max_top_logprobs_num:
-        raise ConfigError(
-            "workload.top_logprobs_num", w.top_logprobs_num,
-            f"0..buffers.max_top_logprobs_num ({obj.buffers.max_top_logprobs_num})",
-        )
-    if obj.buffers.output_dsa_topk_indices_dim < 0:
-        raise ConfigError("buffers.output_dsa_topk_indices_dim",
-                          obj.buffers.output_dsa_topk_indices_dim, "0 (off) or a positive dimension")
-    if obj.transport.timeout_s <= 0:
-        raise ConfigError("transport.timeout_s", obj.transport.timeout_s, "seconds > 0")
-    if obj.endpoints.startup_timeout_s <= 0:
-        raise ConfigError("endpoints.startup_timeout_s", obj.endpoints.startup_timeout_s, "seconds > 0")
-    for role in ("prefill", "decode"):
-        key, ranks = f"endpoints.{role}_gpus", _get(obj, f"endpoints.{role}_ranks")
-        gpus = _get(obj, key)
-        if gpus is not None and (len(gpus) != ranks or min(gpus) < 0):
-            raise ConfigError(key, gpus, f"null (auto) or {ranks} CUDA device indices >= 0, one per "
-                                         f"rank (endpoints.{role}_ranks={ranks})")
-    try:
-        host = ipaddress.IPv4Address(obj.transport.host)
-    except ValueError:
-        raise ConfigError("transport.host", obj.transport.host,
-                          "an IPv4 address to bind (127.0.0.1 by default)") from None
-    if not host.is_loopback and not obj.transport.allow_remote:
-        raise ConfigError("transport.host", obj.transport.host,
-                          "a loopback address (127.0.0.0/8), or set transport.allow_remote=true "
-                          "to expose the data and control planes on that address")
-    f = obj.faults
-    if f.at_request < 0 or f.every <= 0 or f.duration_s <= 0:
-        raise ConfigError("faults", f"at_request={f.at_request} every={f.every} duration_s={f.duration_s}",
-                          "at_request >= 0, every > 0, duration_s > 0")
-    ms = obj.transport.mooncake.metadata_server
-    if ms != "P2PHANDSHAKE" and not ms.startswith(("etcd://", "redis://", "http://", "https://")):
-        raise ConfigError("transport.mooncake.metadata_server", ms,
-                          "P2PHANDSHAKE or an etcd://, redis:// or http(s):// address")
+    obj = typed(cfg)
+    obj.check()
     return obj

@@ -1,46 +1,157 @@
 """Faults injected on purpose (faults.kind), so a user can see how a run ends when a peer
-dies, stalls, lies or corrupts. Which side acts on which fault is decided here; the endpoints
-and the runner only ask. Nothing here runs unless a fault is configured."""
+dies, stalls, lies or corrupts. Faults wrap the send path (FaultyRouter has AuxRouter's
+interface) or act at a checkpoint of the prefill's progress (Checkpoint); the endpoints'
+own loops carry no fault branches. Every fault is keyed to request ids or to an exact
+handoff count, so a faulted run replays identically. Nothing here runs unless a fault is
+configured."""
 
 from __future__ import annotations
 
 import socket
-from typing import Optional
+import time
+from typing import Callable, Optional, Sequence
 
-from .config import ConfigError, FaultKind, FaultsConfig
-from .plan import Plan, Route
+from .buffers import MetadataBuffers
+from .config import FaultKind, FaultsConfig
+from .router import AuxRouter, Send, Transfer
 
 PER_REQUEST = {FaultKind.bad_destination, FaultKind.wrong_session, FaultKind.stale_room,
                FaultKind.corrupt_byte}
 ENGINE_ONLY = {FaultKind.bad_destination, FaultKind.wrong_session, FaultKind.stale_room,
                FaultKind.silent_peer}
-PROCESS = {FaultKind.decode_killed, FaultKind.decode_stopped}
+PROCESS = {FaultKind.decode_killed, FaultKind.decode_stopped, FaultKind.prefill_killed}
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration
+STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
 
 
-def check(faults: FaultsConfig, plan: Plan) -> None:
-    if faults.kind in ENGINE_ONLY and plan.route is not Route.engine:
-        raise ConfigError("faults.kind", faults.kind.value,
-                          "decode_killed, decode_stopped, silent_control or corrupt_byte with the "
-                          "tcp route (the others need the engine route)")
-
-
-class FaultInjector:
+class Injector:
     def __init__(self, faults: FaultsConfig):
         self.kind = faults.kind
         self.at, self.every = faults.at_request, faults.every
 
-    def for_request(self, rid: int) -> Optional[FaultKind]:
-        """The per-request fault that hits request `rid`, if any."""
-        if self.kind in PER_REQUEST and rid >= self.at and (rid - self.at) % self.every == 0:
-            return self.kind
-        return None
+    def hits(self, rid: int) -> bool:
+        return rid >= self.at and (rid - self.at) % self.every == 0
+
+
+class FaultyRouter:
+    """AuxRouter's interface, with per-request faults applied to the requests they hit:
+    each hit request travels in a send of its own, altered at start()."""
+
+    def __init__(self, inner: AuxRouter, faults: FaultsConfig):
+        self.inner, self.cfg = inner, faults
+        self.kind = faults.kind
+        self.inj = Injector(faults)
+
+    def __getattr__(self, name):  # connect, peer, route, coalesce, ... come from the real router
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("inner", "cfg", "kind", "inj"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def _targeted(self) -> bool:
+        return self.kind is not FaultKind.status_first or self.inner.peer.tp_rank == self.cfg.rank
+
+    def sends(self, transfers: Sequence[Transfer]) -> list[Send]:
+        if not self._targeted():
+            return self.inner.sends(transfers)
+        hit = [t for t in transfers if self.inj.hits(t.rid)]
+        out = self.inner.sends([t for t in transfers if not self.inj.hits(t.rid)])
+        for t in hit:
+            send = Send([t])
+            send.fault = self.kind
+            out.append(send)
+        return out
+
+    def start(self, send: Send, session=None, blocks=None) -> None:
+        inner, kind = self.inner, send.fault
+        if kind is None:
+            return inner.start(send)
+        slot = send.transfers[0].src_slot
+        if kind is FaultKind.corrupt_byte:  # after the digest was taken: corruption in transit
+            inner.buffers.flip_byte(slot, len(inner.buffers.fields) // 2)
+            inner.buffers.sync()
+            return inner.start(send)
+        if kind is FaultKind.status_first:  # the status overtakes the aux by margin_us
+            inner.send_status(send.transfers)
+            time.sleep(self.cfg.margin_us / 1e6)
+            return inner.start(send)
+        srcs, dsts, lens = inner.blocks(send)
+        if kind is FaultKind.bad_destination:
+            return inner.start(send, blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
+        if kind is FaultKind.wrong_session:
+            return inner.start(send, session=UNSERVED_SESSION)
+        if kind is FaultKind.stale_room:  # the room block is never sent
+            room = inner.buffers.room_field
+            keep = [i for i in range(len(srcs)) if i != room]
+            return inner.start(send, blocks=([srcs[i] for i in keep], [dsts[i] for i in keep],
+                                             [lens[i] for i in keep]))
+        raise ValueError(f"{kind} is not a send-path fault")
+
+    def finish(self, send: Send) -> None:
+        self.inner.finish(send)
+        if send.fault is FaultKind.corrupt_byte:  # the source row stays as it was filled
+            self.inner.buffers.flip_byte(send.transfers[0].src_slot, len(self.inner.buffers.fields) // 2)
+
+    def after_send(self, send: Send) -> None:
+        if send.fault is not FaultKind.status_first:
+            self.inner.after_send(send)
+
+    def after_step(self, transfers: Sequence[Transfer]) -> None:
+        if self.kind is FaultKind.status_first and self._targeted():
+            transfers = [t for t in transfers if not self.inj.hits(t.rid)]
+        if transfers:
+            self.inner.after_step(transfers)
+
+
+def wrap(router: AuxRouter, faults: FaultsConfig):
+    """The router itself, or the router behind the configured send-path fault."""
+    if faults.kind in PER_REQUEST or faults.kind is FaultKind.status_first:
+        return FaultyRouter(router, faults)
+    return router
+
+
+class Checkpoint:
+    """A process fault keyed to an exact handoff count of prefill rank 0: once `at_request`
+    handoffs are finished (for decode faults: with nothing left in flight), the prefill asks
+    the runner to act and waits until it has. `ask(kind)` sends the request and returns when
+    the runner answered."""
+
+    def __init__(self, faults: FaultsConfig, rank: int, ask: Callable[[str], None]):
+        self.kind = faults.kind if faults.kind in PROCESS and rank == 0 else None
+        self.at = faults.at_request
+        self.ask = ask
+        self.fired = False
 
     @property
-    def keep_stale_rooms(self) -> bool:
-        """decode side of stale_room: do not zero a freed slot's room (the old SGLang bug)."""
-        return self.kind is FaultKind.stale_room
+    def armed(self) -> bool:
+        return self.kind is not None and not self.fired
+
+    def holds(self, issued: int) -> bool:
+        """Whether the prefill must stop announcing new requests (the fault is due at
+        `at_request` and the decode faults want nothing in flight when they strike)."""
+        return self.armed and self.kind is not FaultKind.prefill_killed and issued >= self.at
+
+    def due(self, finished: int, in_flight: int) -> bool:
+        if not self.armed or finished < self.at:
+            return False
+        return self.kind is FaultKind.prefill_killed or in_flight == 0
+
+    def fire(self) -> None:
+        self.fired = True
+        self.ask(self.kind.value)
+
+
+def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: bool) -> bool:
+    """Decode-side part of a fault at start-up; returns whether freed rooms are zeroed.
+    stale_room: as if every slot had a previous tenant whose room was never cleared."""
+    if faults.kind is FaultKind.stale_room:
+        buffers.write_rooms(range(buffers.size), [STALE_ROOM] * buffers.size)
+        return False
+    return zero_on_free
 
 
 def silent_listener(host: str) -> socket.socket:
@@ -49,3 +160,11 @@ def silent_listener(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(64)
     return sock
+
+
+def engine_only(kind: FaultKind) -> bool:
+    return kind in ENGINE_ONLY
+
+
+def process_fault(kind: FaultKind) -> Optional[FaultKind]:
+    return kind if kind in PROCESS else None

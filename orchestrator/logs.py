@@ -1,9 +1,14 @@
-"""structlog set-up: JSON lines in files, a readable console, decisions in their own file.
+"""structlog set-up: JSON lines in the run dir, a quiet console, decisions in their own file.
 
 Called inside the task function and at the start of each endpoint process (spawned workers
 and joblib/loky workers do not run module-level code of __main__). Hydra has already
 configured the stdlib root logger in the task process (console + <job>.log); we keep its
-handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours are one.
+handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours are one. The
+console shows warnings and the summary unless `logging.console=true` (or Hydra's
+`hydra.verbose`) asks for every structured line there too.
+
+Routing decisions go to decisions.jsonl through a structlog logger of their own that writes
+JSON lines straight to the file (no stdlib formatting on the send path).
 """
 
 from __future__ import annotations
@@ -15,15 +20,12 @@ from typing import Optional
 
 import structlog
 
-from .router import DECISIONS_LOGGER
-
 _SHARED = [
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),
 ]
-
 
 _FIRST = ("event", "timestamp", "level", "logger", "role")
 
@@ -50,10 +52,11 @@ def _console_formatter(stream) -> logging.Formatter:
     )
 
 
-def configure(run_dir: Optional[Path], role: str, console_level: int = logging.INFO,
+def configure(run_dir: Optional[Path], role: str, console_level: int = logging.WARNING,
               keep_root_handlers: bool = False) -> structlog.stdlib.BoundLogger:
     """Route structlog through stdlib logging. `keep_root_handlers` keeps (and re-formats)
-    Hydra's handlers; otherwise the root gets `<role>.log` (JSON) in run_dir and a console."""
+    Hydra's handlers; otherwise the root gets `<role>.log` (JSON) in run_dir and a console.
+    The console shows `console_level` and above."""
     structlog.configure(
         processors=_SHARED + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -67,6 +70,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.I
                 handler.setFormatter(_json_formatter())
             elif isinstance(handler, logging.StreamHandler):
                 handler.setFormatter(_console_formatter(handler.stream))
+                handler.setLevel(console_level)
     else:
         for handler in list(root.handlers):
             root.removeHandler(handler)
@@ -80,18 +84,18 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.I
             fh.setFormatter(_json_formatter())
             root.addHandler(fh)
     root.setLevel(logging.INFO)
-
-    decisions = logging.getLogger(DECISIONS_LOGGER)
-    for handler in list(decisions.handlers):
-        decisions.removeHandler(handler)
-        handler.close()
-    decisions.propagate = False
-    if run_dir is not None:
-        dh = logging.FileHandler(run_dir / "decisions.jsonl")
-        dh.setFormatter(_json_formatter())
-        decisions.addHandler(dh)
-    else:
-        decisions.addHandler(logging.NullHandler())
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(role=role)
     return structlog.get_logger("orchestrator")
+
+
+def decision_log(path: Path, role: str):
+    """A structlog logger writing one JSON line per routing decision to `path`."""
+    fh = open(path, "a", buffering=1)
+    return structlog.wrap_logger(
+        structlog.WriteLogger(fh),
+        processors=[structlog.processors.TimeStamper(fmt="iso", utc=True), _event_first,
+                    structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.BoundLogger,
+        cache_logger_on_first_use=True,
+    ).bind(role=role, logger="orchestrator.decisions")

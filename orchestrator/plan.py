@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Mapping, Optional
 
 from .config import (
+    CompletionSetting,
     ConfigError,
     EngineTransportSetting,
     FallbackPolicy,
@@ -62,6 +63,7 @@ class Platform:
 
     cuda_devices: int = 0
     npu: bool = False
+    cpu_count: int = 8
     mooncake_cuda: bool = False  # the installed Mooncake wheel has the CUDA transports
     env: Mapping[str, str] = field(default_factory=dict)  # snapshot of os.environ
 
@@ -131,6 +133,16 @@ def engine_env(transport: EngineTransport, tcp_progress_timeout_s: int) -> dict[
     return env
 
 
+SPIN_MIN_CORES = 8
+
+
+def completion_rule(setting: CompletionSetting, cpu_count: int) -> CompletionSetting:
+    """How to wait for a batch write: spin where cores are plenty, nap where they are few."""
+    if setting is CompletionSetting.auto:
+        return CompletionSetting.spin if cpu_count >= SPIN_MIN_CORES else CompletionSetting.nap
+    return setting
+
+
 def mooncake_protocol(transport: EngineTransport) -> str:
     """The protocol string passed to initialize (recorded; the env above is what decides)."""
     return transport.value
@@ -155,8 +167,9 @@ class Plan:
     mc_env: dict[str, Optional[str]]
     protocol: Optional[str]
     prefill_gpus: Optional[tuple[int, ...]]  # one per prefill rank (None: host buffers)
-    decode_gpus: Optional[tuple[int, ...]]
+    decode_gpus: Optional[tuple[int, ...]]  # one per decode process (instance-major, TP rank minor)
     fallback: FallbackPolicy
+    completion: CompletionSetting = CompletionSetting.spin
     events: tuple[PlanEvent, ...] = ()
 
     @property
@@ -180,6 +193,7 @@ class Plan:
             "prefill_gpus": list(self.prefill_gpus) if self.prefill_gpus else None,
             "decode_gpus": list(self.decode_gpus) if self.decode_gpus else None,
             "fallback": self.fallback.value,
+            "completion": self.completion.value,
             "events": [
                 {"event": e.event, "reason": e.reason.value, "detail": e.detail} for e in self.events
             ],
@@ -194,7 +208,7 @@ def _alloc_options(conf: str) -> dict[str, str]:
 
 def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gpus,
                   cuda_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Declared GPUs, or auto: prefill ranks on GPUs 0.., decode ranks on the next ones,
+    """Declared GPUs, or auto: prefill ranks on GPUs 0.., decode processes on the next ones,
     wrapping modulo the GPU count (4+4 ranks on 8 GPUs: prefill 0-3, decode 4-7)."""
     n = max(cuda_devices, 1)
     prefill = tuple(prefill_gpus) if prefill_gpus else tuple(i % n for i in range(prefill_ranks))
@@ -205,7 +219,7 @@ def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gp
 
 def _gpu_placement(cfg: OrchestratorConfig, platform: Platform) -> tuple[tuple[int, ...], tuple[int, ...]]:
     e, n = cfg.endpoints, platform.cuda_devices
-    prefill, decode = gpu_placement(e.prefill_ranks, e.decode_ranks, e.prefill_gpus, e.decode_gpus, n)
+    prefill, decode = gpu_placement(e.prefill_ranks, e.decode_procs, e.prefill_gpus, e.decode_gpus, n)
     for key, gpus in (("endpoints.prefill_gpus", prefill), ("endpoints.decode_gpus", decode)):
         if max(gpus) >= n:
             raise ConfigError(key, list(gpus), f"CUDA device indices below {n} (this machine has {n})")
@@ -297,5 +311,6 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         prefill_gpus=prefill_gpus,
         decode_gpus=decode_gpus,
         fallback=policy,
+        completion=completion_rule(cfg.transport.mooncake.completion, platform.cpu_count),
         events=tuple(events),
     )

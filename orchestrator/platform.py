@@ -44,6 +44,7 @@ def detect() -> Platform:
     npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
     return Platform(
         cuda_devices=cuda_devices,
+        cpu_count=len(os.sched_getaffinity(0)),
         npu=npu,
         mooncake_cuda=mooncake_has_cuda(),
         env=dict(os.environ),

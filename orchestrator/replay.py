@@ -2,10 +2,12 @@
 
 The saved composed config (.hydra/config.yaml) is run again through the same entry point
 (`python -m orchestrator`), into RUN_DIR/replays/<time>/ unless --out is given. Then:
-- deterministic outputs must be identical: per request (by rid) the bootstrap room, the row
-  checksum and the outcome; per decision (by room) mem_pool, buffer_device, route, reason,
-  transport, blocks, bytes and outcome. Slots and timestamps are left out: which slot a
-  request lands in depends on completion order when several are in flight.
+- deterministic outputs must be identical: per request (by rid) the bootstrap room, the
+  row's content fingerprint and the outcome; per decision (by rid and decode process)
+  mem_pool, buffer_device, route, reason, transport, row_bytes and outcome. Slots, send
+  grouping and timestamps are left out: slots are drawn at random, and which requests share
+  a coalesced send depends on timing. With workload.fill=ahead a row's content is its
+  slot's, so the fingerprint is left out too.
 - latencies are compared as ratios (replay / original) of p50, p99, p999;
 - the fingerprints (packages, git commit, GPUs, MC_* env) are diffed to explain changes.
 Exit 0 when the deterministic outputs are identical, 1 when they differ, 2 on bad input.
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "blocks", "bytes",
+DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
                  "outcome")
 
 
@@ -29,11 +31,19 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _fill(run_dir: Path) -> str:
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+    return str((cfg.get("workload") or {}).get("fill", "inline"))
+
+
 def deterministic(run_dir: Path) -> dict[str, Any]:
-    requests = {r["rid"]: (r["room"], r["checksum"], r["outcome"])
+    content = _fill(run_dir) != "ahead"
+    requests = {r["rid"]: (r["room"], r["checksum"] if content else None, r["outcome"])
                 for path in sorted(run_dir.glob("requests*.jsonl")) for r in _jsonl(path)}
-    decisions = {d["room"]: tuple(d[k] for k in DECISION_KEYS)
-                 for d in _jsonl(run_dir / "decisions.jsonl")}
+    decisions = {(d["rid"], d["decode"]): tuple(d.get(k) for k in DECISION_KEYS)
+                 for path in sorted(run_dir.glob("decisions*.jsonl")) for d in _jsonl(path)}
     return {"requests": requests, "decisions": decisions}
 
 
@@ -111,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="where the replay runs")
     args = ap.parse_args(argv)
     run_dir = args.run_dir.resolve()
-    needed = [".hydra/config.yaml", "results.json", "decisions.jsonl", "fingerprint.json"]
+    needed = [".hydra/config.yaml", "results.json", "fingerprint.json"]
     missing = [n for n in needed if not (run_dir / n).exists()]
-    if not list(run_dir.glob("requests*.jsonl")):
-        missing.append("requests.jsonl")
+    for pattern in ("requests", "decisions"):
+        if not list(run_dir.glob(f"{pattern}*.jsonl")):
+            missing.append(f"{pattern}.jsonl")
     if missing:
         print(f"error: {run_dir} is not a complete run dir (missing {', '.join(missing)})",
               file=sys.stderr)

@@ -1,107 +1,184 @@
-"""Turn what the endpoints measured into results.json and a console summary."""
+"""Turn a run's typed results into results.json, a short console summary and an exit code.
+
+Exit codes (a script can trust them):
+  0    every request verified
+  1    some request not verified (corrupted or failed), every process ran to the end
+  2    refused before start (a config or profile error; nothing ran)
+  3    a side failed or was lost (a process died, stopped answering, or could not start)
+  130  interrupted by SIGINT, 143 by SIGTERM
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from .config import OrchestratorConfig
+from .outcomes import Outcome
 from .plan import Plan
-from .runner import RunOutput
+from .results import RankResult, counter_dict, decode_dict, write_atomic
+from .runner import RunResult
 from .stats import LatencyHistogram
 
-def _pairs(t: dict, wall: float) -> dict[str, dict]:
-    """Per prefill->decode pair: counts, deliver latency, handoffs/s over the rank's wall time."""
-    out = {}
-    for name, p in sorted(t.get("pairs", {}).items()):
-        verified = p["outcomes"].get("verified", 0)
-        pair_wall = p.get("wall_s") or wall
-        out[name] = {"requests": sum(p["outcomes"].values()), "verified": verified,
-                     "deliver_us": LatencyHistogram.from_dict(p["deliver_us"]).summary(),
-                     "handoffs_per_s": round(verified / pair_wall, 1) if pair_wall else None}
-    return out
+EXIT_OK, EXIT_NOT_VERIFIED, EXIT_REFUSED, EXIT_LOST = 0, 1, 2, 3
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
 
-def _per_decode(stats: dict, key: str) -> Any:
-    """decode_stats is flat for one decode rank, keyed by rank name for several."""
-    if "verified" in stats:
-        return stats.get(key, {} if key == "memory" else 0)
-    values = {name: s.get(key) for name, s in stats.items()}
-    return values if key == "memory" else sum(v or 0 for v in values.values())
+def _summary(h: LatencyHistogram) -> dict[str, Optional[float]]:
+    return h.summary()
 
 
-def build_results(requests: int, plan: Plan, out: RunOutput) -> dict[str, Any]:
-    t = out.tally
-    outcomes = t.get("outcomes", {})
-    verified, corrupted = outcomes.get("verified", 0), outcomes.get("corrupted", 0)
-    wall = out.wall_s
+def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[str, Any]:
+    ranks: list[RankResult] = [r for r in out.ranks.values() if isinstance(r, RankResult)]
+    requests = cfg.workload.requests * cfg.endpoints.prefill_ranks
+    outcomes: Counter = Counter()
+    details: Counter = Counter()
+    routes: Counter = Counter()
+    lat = {k: LatencyHistogram() for k in ("set_buf_us", "send_us", "handoff_us", "e2e_us")}
+    pairs: dict[str, dict] = {}
+    sends = blocks = rejected = 0
+    for r in ranks:
+        outcomes.update(r.outcomes)
+        details.update(r.details)
+        routes.update(r.routes)
+        for k, h in r.latency.items():
+            lat[k].merge(h)
+        for j, p in sorted(r.pairs.items()):
+            rate = p.rate
+            pairs[f"p{r.rank}->d{j}"] = {
+                "requests": sum(p.outcomes.values()), "verified": p.verified,
+                "handoff_us": p.handoff_us.summary(),
+                "handoffs_per_s": round(rate, 1) if rate else None}
+        sends += r.sends
+        blocks += r.send_blocks
+        rejected += r.rejected
+    verified, corrupted = outcomes[Outcome.verified], outcomes[Outcome.corrupted]
+    accounted = sum(outcomes.values())
+    failed = requests - verified - corrupted
+    if accounted < requests:  # a rank that left no trace at all (cannot start)
+        details["run_error" if out.error else "prefill_lost"] += requests - accounted
+    starts = [r.t_start for r in ranks if r.t_start is not None]
+    lasts = [r.t_last for r in ranks if r.t_last is not None]
+    wall = (max(lasts) - min(starts)) if starts and lasts and max(lasts) > min(starts) else None
+    row_bytes = max((r.row_bytes for r in ranks), default=0)
     transports = set(out.transports.values())
     effective = transports.pop() if len(transports) == 1 else (
-        "mixed:" + ",".join(f"{k}={v}" for k, v in sorted(out.transports.items()))
-        if transports else None)
-    return {
+        "mixed:" + ",".join(f"{k}={v}" for k, v in sorted(out.transports.items())) if transports else None)
+    decodes = {name: decode_dict(d) for name, d in out.decodes.items()}
+    decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values()
+                          if "." not in d.name or d.name.endswith(".0"))
+    w, t = cfg.workload, cfg.transport
+    results = {
         "requests": requests,
         "verified": verified,
         "corrupted": corrupted,
-        "failed": requests - verified - corrupted,
-        "routes": t.get("routes", {}),
-        "failure_reasons": t.get("reasons", {}),
-        "latency_us": {
-            key: LatencyHistogram.from_dict(t.get(field)).summary()
-            for key, field in (("send_aux", "send_us"), ("deliver", "deliver_us"),
-                               ("handoff", "handoff_us"))
-        },
-        "handoffs_per_s": round(verified / wall, 1) if wall > 0 else None,
-        "mb_per_s": round(verified * out.row_bytes / wall / 1e6, 3) if wall > 0 else None,
-        "bytes_per_request": out.row_bytes,
-        "wall_s": round(wall, 4),
+        "failed": failed,
+        "routes": counter_dict(routes),
+        "failure_reasons": counter_dict(details),
+        "latency_us": {"set_buf": lat["set_buf_us"].summary(), "send_aux": lat["send_us"].summary(),
+                       "handoff": lat["handoff_us"].summary(), "e2e": lat["e2e_us"].summary()},
+        "latency_clock": ranks[0].clock if ranks else None,
+        "handoffs_per_s": round(verified / wall, 1) if wall and verified else None,
+        "mb_per_s": round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
+        "bytes_per_request": row_bytes,
+        "sends": sends,
+        "blocks_per_send": round(blocks / sends, 2) if sends else None,
+        "startup_s": out.startup_s,
+        "wall_s": round(wall, 4) if wall else None,
+        "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
+                     "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
+                     "duplicate_rooms": w.duplicate_rooms, "layout": cfg.layout.name,
+                     "digest": cfg.verify.digest.value},
         "effective_transport": effective,
         "declared_transport": plan.declared_transport,
         "endpoint_transports": out.transports,
-        "pairs": _pairs(t, wall),
-        "memory_kb": {"prefill": t.get("memory", {}), "decode": _per_decode(out.decode_stats, "memory")},
-        "rejected_auth": t.get("rejected_auth", 0) + _per_decode(out.decode_stats, "rejected_auth"),
+        "pairs": pairs,
+        "authenticated": {"secret": f"transport.secret_env={t.secret_env}" if t.secret_env
+                          else "generated for this run", "rejected": rejected + sum(
+                              d.rejected_auth for d in out.decodes.values())},
+        "decode": decodes,
+        "decode_verified": decode_verified,
+        "memory_kb": {**{name: r.memory for name, r in out.ranks.items() if isinstance(r, RankResult)},
+                      **{name: d.memory for name, d in out.decodes.items()}},
         "faults_applied": out.faults_applied,
         "engine_listeners_beyond_loopback": out.engine_exposed,
-        "decode_stats": out.decode_stats,
+        "lost": out.lost,
+        "interrupted": out.interrupted is not None,
+        "signal": out.interrupted,
+        "engine_log": out.engine_log,
         "plan": plan.as_dict(),
         "error": out.error,
     }
+    results["exit_code"] = exit_code(results)
+    return results
+
+
+def exit_code(results: dict[str, Any]) -> int:
+    if results.get("signal"):
+        return EXIT_SIGNAL.get(results["signal"], 130)
+    if results.get("error") or results.get("lost"):
+        return EXIT_LOST
+    if results["verified"] != results["requests"]:
+        return EXIT_NOT_VERIFIED
+    return EXIT_OK
 
 
 def write(run_dir: Path, results: dict[str, Any]) -> None:
-    """results.json (requests.jsonl was streamed by the prefill endpoint)."""
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    """results.json, written atomically (requests.jsonl was streamed by the prefill)."""
+    write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+
+
+def rel(path: Path) -> str:
+    """A path as the user typed it: relative to the working directory when under it."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _fmt(d: dict) -> str:
+    return " / ".join("-" if d.get(q) is None else f"{d[q]:g}" for q in ("p50", "p99", "p999"))
 
 
 def summary(results: dict[str, Any], run_dir: Path) -> str:
+    """At most 8 lines for a default run: what ran, what happened, how fast, where."""
     lat = results["latency_us"]
-    def fmt(d):
-        return " / ".join("-" if v is None else f"{v:g}" for v in (d["p50"], d["p99"], d["p999"]))
+    plan = results["plan"]
     routes = ", ".join(f"{k}={v}" for k, v in sorted(results["routes"].items())) or "none"
     lines = [
-        f"mem_pool={results['plan']['mem_pool']} buffers on {results['plan']['buffer_device']}, "
-        f"route {results['plan']['route']} ({results['plan']['route_reason']}), "
-        f"transport {results['effective_transport']}",
-        f"requests {results['requests']}: verified {results['verified']}, "
-        f"corrupted {results['corrupted']}, failed {results['failed']}   routes: {routes}",
-        f"send_aux p50/p99/p999 us: {fmt(lat['send_aux'])}   handoff: {fmt(lat['handoff'])}",
-        f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
-        f"({results['bytes_per_request']} B per request)",
-        f"run dir: {run_dir}",
+        f"mem_pool={plan['mem_pool']} buffers on {plan['buffer_device']}, route {plan['route']} "
+        f"({plan['route_reason']}), transport {results['effective_transport'] or plan['declared_transport']}",
+        f"requests {results['requests']}: verified {results['verified']}, corrupted {results['corrupted']}, "
+        f"failed {results['failed']}   routes: {routes}",
     ]
-    if results["error"]:
-        lines.insert(0, f"ERROR: {results['error']}")
-    if len(results.get("pairs", {})) > 1:
-        for name, p in results["pairs"].items():
-            lines.insert(-1, f"  pair {name}: verified {p['verified']}/{p['requests']}, deliver p50/p99 us "
-                             f"{p['deliver_us']['p50']} / {p['deliver_us']['p99']}, {p['handoffs_per_s']} handoffs/s")
-    if results.get("engine_listeners_beyond_loopback"):
-        lines.insert(-1, "note: Mooncake's own listeners are not on loopback: "
-                     + ", ".join(results["engine_listeners_beyond_loopback"])
-                     + " (its handshake/TCP ports bind all interfaces; see RELIABILITY.md)")
+    if results["verified"]:
+        lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
+                     f"handoff {_fmt(lat['handoff'])}   set_buf p50 {lat['set_buf']['p50']}")
+        lines.append(f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
+                     f"({results['bytes_per_request']} B per request); start-up "
+                     f"{results['startup_s']} s excluded")
     if results["failure_reasons"]:
-        lines.insert(-1, "failures: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
+        lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
+    problems = []
+    if results["error"]:
+        problems.append(f"ERROR: {results['error']}")
+    if results["lost"]:
+        problems.append("lost: " + "; ".join(f"{k} {v}" for k, v in results["lost"].items()))
+    if results.get("engine_log"):
+        problems.append(f"engine said: {results['engine_log'][-200:]}")
+    if results["interrupted"]:
+        problems.append(f"interrupted ({results['signal']}): counts so far")
+    lines = problems[:2] + lines
+    pairs = results["pairs"]
+    if len(pairs) > 1:
+        rates = [p["handoffs_per_s"] for p in pairs.values() if p["handoffs_per_s"]]
+        if rates:
+            lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
+                         "(results.json: pairs)")
+    lines.append(f"run dir: {rel(run_dir)}")
     return "\n".join(lines)
 
 
@@ -123,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     for path in paths:
-        print(path, flush=True)
+        print(rel(path), flush=True)
     return 0
 
 

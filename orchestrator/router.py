@@ -1,151 +1,214 @@
-"""send_aux: move one request's aux row to its decode slot by the planned route, and log why.
+"""send_aux: move a step's rows to one decode process by the planned route, then say so.
 
-The route and its reason come from orchestrator.plan (computed once, applied per request);
-this module only carries them out and records each one as a structured decision event
-(`route_decision`, one JSON line in decisions.jsonl) with the measured latency and outcome.
+The route and its reason come from orchestrator.plan (computed once, applied per step); this
+module only carries them out. A step's requests for one decode process are grouped into
+sends: one per request (SGLang's send_aux: one batch write of one block per field), or, with
+`transport.coalesce`, one per run of consecutive source and destination slots (one block per
+field for the whole run, in SGLang's own field-major layout, so the peer sees nothing new).
+
+A send is started (the batch write submitted; on the tcp route the AUX_DATA frames pushed)
+and later finished (waited for), so the transfer thread can keep several writes in flight
+as SGLang's transfer workers do. After a send finishes, the status of its requests goes out
+on the data socket behind it: SGLang's per-request status message, or, with
+`transport.status=per_step`, one message for the step once all its sends are done.
+
+Faults wrap this class (orchestrator.faults); nothing here knows about them or about the
+benchmark.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import structlog
+import numpy as np
 import zmq
 
+from . import wire
+from .auth import Authenticator
 from .buffers import MetadataBuffers
+from .config import StatusMode
+from .outcomes import KVPoll
 from .plan import Plan, Route
-from .transport import zmq_aux
 from .transport.engine import EngineError, MooncakeEngine
 
-DECISIONS_LOGGER = "orchestrator.decisions"
 _now = time.perf_counter
 
 
 class LayoutMismatch(ValueError):
-    """Both sides of the engine route must have identical item lengths."""
+    """Both sides of a handoff must have identical layouts."""
 
 
 @dataclass
 class Peer:
-    """What the decode side told us at bootstrap."""
+    """What a decode process told us at bootstrap."""
 
     session_id: Optional[str]
     aux_ptrs: list[int]
     item_lens: list[int]
     slots: int
+    tp_rank: int = 0
+    boot_id: str = ""
 
 
 @dataclass(slots=True)
-class Decision:
-    """One routing decision and its outcome. The per-run constant part (pool, device, route,
-    reason, transport, blocks, bytes) is shared, so building one costs next to nothing on
-    the hot path; event() renders the full, stable set of keys."""
+class Transfer:
+    """One request of a step, bound for one decode process."""
 
+    rid: int
     room: int
-    slot: int
+    src_slot: int
     dst_slot: int
-    latency_us: float
-    outcome: str  # "ok" or "error"
-    error: Optional[str]
-    static: dict
+    tag: int = 0  # the row's digest tag (travels in the status when the row has no kv_checksum)
+    status: KVPoll = KVPoll.Success
+    reason: str = ""
 
-    @property
-    def route(self) -> str:
-        return self.static["route"]
 
-    def event(self) -> dict:
-        return {"room": self.room, "slot": self.slot, "dst_slot": self.dst_slot, **self.static,
-                "latency_us": round(self.latency_us, 2), "outcome": self.outcome,
-                "error": self.error}
+@dataclass(slots=True)
+class Send:
+    """One batch write (or one set of AUX_DATA frames) and the requests it carried."""
+
+    transfers: list[Transfer]
+    blocks: int = 0
+    nbytes: int = 0
+    latency_us: float = 0.0
+    error: Optional[str] = None
+    t0: float = 0.0
+    handles: list = field(default_factory=list)  # batch ids of the writes in flight
+    fault: Optional[object] = None  # set by a fault wrapper for the sends it alters
+
+
+def runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
+    """Maximal runs of transfers whose source AND destination slots both go up by one."""
+    out: list[list[Transfer]] = []
+    for t in transfers:
+        last = out[-1][-1] if out else None
+        if last is not None and t.src_slot == last.src_slot + 1 and t.dst_slot == last.dst_slot + 1:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
 
 
 class AuxRouter:
-    def __init__(
-        self,
-        plan: Plan,
-        buffers: MetadataBuffers,
-        transport: str,
-        engine: Optional[MooncakeEngine] = None,
-        push: Optional[zmq.Socket] = None,
-        max_blocks_per_batch: int = 1024,
-    ):
+    """The send path to ONE decode process (a TP rank of a decode instance)."""
+
+    def __init__(self, plan: Plan, buffers: MetadataBuffers, auth: Authenticator, prefill_rank: int,
+                 engine: Optional[MooncakeEngine], push: zmq.Socket, *, coalesce: bool = False,
+                 status: StatusMode = StatusMode.per_request, max_blocks_per_batch: int = 1024,
+                 tag_in_status: bool = True):
         self.plan = plan
         self.route = plan.route
-        self.reason = plan.route_reason.value
-        self.transport = transport
+        self.buffers = buffers
+        self.auth = auth
+        self.rank = prefill_rank
         self.engine = engine
         self.push = push
-        self.src_ptrs, _, self.item_lens = buffers.get_buf_infos()
-        self.row_bytes = sum(self.item_lens)
+        self.coalesce = coalesce
+        self.status_mode = status
         self.max_blocks = max_blocks_per_batch
-        self._static = {
-            "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
-            "route": plan.route.value, "reason": self.reason, "transport": transport,
-            "blocks": len(self.item_lens), "bytes": self.row_bytes,
-            # a plan-time fallback (e.g. INTRA_NODE_NVLINK degraded to host buffers over TCP)
-            # travels with every decision it shaped; null when the plan ran as declared
-            "fallback": plan.events[0].reason.value if plan.events else None,
-        }
-        self._engine_route = plan.route is Route.engine
+        self.tag_in_status = tag_in_status
+        self.src_ptrs, _, self.item_lens = buffers.get_buf_infos()
         self.peer: Optional[Peer] = None
-        self._src_blocks: dict[int, list[int]] = {}
-        self._dst_blocks: dict[int, list[int]] = {}
-        self._log = structlog.get_logger(DECISIONS_LOGGER)
         if self.route is Route.engine and engine is None:
             raise ValueError("the engine route needs a MooncakeEngine")
-        if self.route is Route.tcp and push is None:
-            raise ValueError("the tcp route needs a ZMQ PUSH socket")
 
     def connect(self, peer: Peer) -> None:
         if list(peer.item_lens) != list(self.item_lens):
             raise LayoutMismatch(f"decode item lengths {peer.item_lens} != prefill {self.item_lens}")
-        if len(self.item_lens) > self.max_blocks:
-            raise LayoutMismatch(f"{len(self.item_lens)} blocks per request exceed "
-                                 f"transport.mooncake.max_blocks_per_batch={self.max_blocks}")
         if self.route is Route.engine and not peer.session_id:
             raise LayoutMismatch("the decode side has no engine session for the engine route")
         self.peer = peer
-        self._dst_blocks.clear()
 
-    def blocks(self, slot: int, dst_slot: int) -> tuple[list[int], list[int], list[int]]:
-        """Engine-route blocks: src/dst = base + item_len * slot, one per field. Memoized per
-        slot: the addresses of a row never change while the peer stays the same."""
-        srcs = self._src_blocks.get(slot)
-        if srcs is None:
-            srcs = self._src_blocks[slot] = [p + n * slot for p, n in zip(self.src_ptrs, self.item_lens)]
-        dsts = self._dst_blocks.get(dst_slot)
-        if dsts is None:
-            dsts = self._dst_blocks[dst_slot] = [
-                p + n * dst_slot for p, n in zip(self.peer.aux_ptrs, self.item_lens)]
-        return srcs, dsts, self.item_lens
+    @property
+    def status_per_step(self) -> bool:
+        return self.status_mode is StatusMode.per_step
 
-    def send_aux(self, room: int, slot: int, dst_slot: int, blocks=None,
-                 session: Optional[str] = None) -> Decision:
-        """Move the row; return the decision with its measured latency and outcome. Logging
-        is left to the caller (log()), after the status is on its way, so the JSON encoding
-        of the event stays off the handoff's critical path. `blocks` and `session` replace
-        the computed ones (fault injection only)."""
-        error = None
-        t0 = _now()
+    # ---- grouping -----------------------------------------------------------------------
+    def sends(self, transfers: Sequence[Transfer]) -> list[Send]:
+        groups = runs(transfers) if self.coalesce else [[t] for t in transfers]
+        return [Send(g) for g in groups]
+
+    def blocks(self, send: Send) -> tuple[list[int], list[int], list[int]]:
+        """Engine-route blocks of a send: per field, src/dst = base + item_len * first slot,
+        length = item_len * rows."""
+        first, n = send.transfers[0], len(send.transfers)
+        srcs = [p + k * first.src_slot for p, k in zip(self.src_ptrs, self.item_lens)]
+        dsts = [p + k * first.dst_slot for p, k in zip(self.peer.aux_ptrs, self.item_lens)]
+        return srcs, dsts, [k * n for k in self.item_lens]
+
+    def frames(self, send: Send) -> list[list[bytes]]:
+        """tcp route: one AUX_DATA message per field, n consecutive rows in its payload."""
+        first, n = send.transfers[0], len(send.transfers)
+        rows = wire.read_rows(self.src_ptrs, self.item_lens, first.src_slot, n)
+        return [self.auth.sign(wire.encode_aux(first.room, i, first.dst_slot, payload))
+                for i, payload in enumerate(rows)]
+
+    # ---- moving bytes -------------------------------------------------------------------
+    def start(self, send: Send, session: Optional[str] = None,
+              blocks: Optional[tuple[list[int], list[int], list[int]]] = None) -> None:
+        """Submit a send (batch writes of at most max_blocks_per_batch blocks; on the tcp
+        route its frames go out now). `session` and `blocks` replace the planned ones
+        (fault injection). Never raises: an error is recorded on the send."""
+        send.t0 = _now()
         try:
-            if self._engine_route:
-                srcs, dsts, lens = blocks or self.blocks(slot, dst_slot)
-                self.engine.batch_write(session or self.peer.session_id, srcs, dsts, lens)
+            if self.route is Route.engine:
+                srcs, dsts, lens = blocks or self.blocks(send)
+                send.blocks, send.nbytes = len(srcs), sum(lens)
+                target = session or self.peer.session_id
+                step = self.max_blocks
+                for i in range(0, len(srcs), step):
+                    send.handles.append(self.engine.submit(target, srcs[i:i + step], dsts[i:i + step],
+                                                           lens[i:i + step]))
             else:
-                self._send_frames(room, slot, dst_slot)
+                msgs = self.frames(send)
+                send.blocks, send.nbytes = len(msgs), sum(len(m[5]) for m in msgs)
+                for m in msgs:
+                    self.push.send_multipart(m, copy=False)
         except (EngineError, zmq.ZMQError) as exc:
-            error = str(exc)
-        latency_us = (_now() - t0) * 1e6
-        return Decision(room, slot, dst_slot, latency_us, "ok" if error is None else "error",
-                        error, self._static)
+            send.error = str(exc)
 
-    def log(self, decision: Decision) -> None:
-        """One `route_decision` JSON line in decisions.jsonl (stable keys: Decision.event())."""
-        self._log.info("route_decision", **decision.event())
+    def finish(self, send: Send) -> None:
+        """Wait until a started send has landed; record its latency and error."""
+        for batch in send.handles:
+            if send.error is not None:
+                break
+            try:
+                self.engine.wait(batch, session=self.peer.session_id, blocks=send.blocks)
+            except EngineError as exc:
+                send.error = str(exc)
+        send.handles = []
+        send.latency_us = (_now() - send.t0) * 1e6
+        if send.error is not None:
+            for t in send.transfers:
+                t.status, t.reason = KVPoll.Failed, "sender_error"
 
-    def _send_frames(self, room: int, slot: int, dst_slot: int) -> None:
-        rows: Sequence[bytes] = zmq_aux.read_rows(self.src_ptrs, self.item_lens, slot)
-        for index, payload in enumerate(rows):
-            self.push.send_multipart(zmq_aux.encode_aux(room, index, dst_slot, payload))
+    # ---- statuses -----------------------------------------------------------------------
+    def status_frames(self, transfers: Sequence[Transfer]) -> list[list[bytes]]:
+        if self.status_per_step and len(transfers) > 1:
+            entries = np.zeros(len(transfers), dtype=wire.STEP_DTYPE)
+            for i, t in enumerate(transfers):
+                entries[i] = (t.rid, t.room, t.dst_slot, int(t.status),
+                              t.tag if self.tag_in_status else 0)
+            return [self.auth.sign(wire.encode_step(self.rank, entries))]
+        return [self.auth.sign(wire.encode_status(
+            t.room, t.status, self.rank, t.rid, t.dst_slot, t.tag if self.tag_in_status else 0,
+            t.reason)) for t in transfers]
+
+    def send_status(self, transfers: Sequence[Transfer]) -> None:
+        for frames in self.status_frames(transfers):
+            try:
+                self.push.send_multipart(frames, copy=False)
+            except zmq.ZMQError:
+                pass  # the data plane is stuck: the peer-lost timer ends it
+
+    def after_send(self, send: Send) -> None:
+        """A finished send's statuses (per-request mode)."""
+        if not self.status_per_step:
+            self.send_status(send.transfers)
+
+    def after_step(self, transfers: Sequence[Transfer]) -> None:
+        """All of a step's sends to this process finished (per-step mode: one status)."""
+        if self.status_per_step:
+            self.send_status(transfers)

@@ -1,125 +1,128 @@
-"""Run one handoff job: start decode, then prefill, as two spawned processes; watch them;
-collect what they measured. Every wait is bounded: a process that stops reporting is killed
-and its requests are counted as failed. Process-level faults (faults.kind) are applied here."""
+"""Run one handoff job: start every decode and prefill process at once (their engines come
+up in parallel), hand the prefills the decode endpoints, watch, collect what they measured.
+
+Every wait is bounded. A process that dies or stops reporting is ended, and its requests are
+accounted for from what was recorded on disk: everything a decode already judged keeps its
+verdict, the rest fail with a reason (orchestrator.results.read_records, verdicts-*.jsonl).
+Process faults are carried out here when a prefill reaches the exact checkpoint the fault
+names. SIGINT and SIGTERM end the run within about two seconds with what was measured so far.
+"""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import structlog
 
+from .auth import run_secret
 from .config import FaultKind, OrchestratorConfig
-from .endpoints.common import role_name
+from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import silent_listener
-from .plan import Plan
-from .stats import LatencyHistogram
+from .outcomes import Detail, Outcome
+from .plan import Device, Plan
+from .results import DecodeResult, RankResult, Record, read_records
+
+_clock = time.monotonic
 
 
 class RunFailed(RuntimeError):
-    """An endpoint could not start or run; the message says which and why."""
+    """An endpoint could not start; the message says which and why."""
+
+
+class Interrupted(Exception):
+    pass
 
 
 @dataclass
-class RunOutput:
-    tally: dict[str, Any] = field(default_factory=dict)  # what the prefill driver returned
-    wall_s: float = 0.0
-    row_bytes: int = 0
+class RunResult:
+    """One run: every prefill rank's result and every decode process's, keyed by name."""
+
+    ranks: dict[str, Any] = field(default_factory=dict)  # RankResult (or a driver's result)
+    decodes: dict[str, DecodeResult] = field(default_factory=dict)
     transports: dict[str, str] = field(default_factory=dict)
-    decode_stats: dict[str, Any] = field(default_factory=dict)
+    startup_s: Optional[float] = None
     faults_applied: list[dict] = field(default_factory=list)
-    engine_exposed: list[str] = field(default_factory=list)  # decode engine listeners off loopback
-    error: Optional[str] = None
+    engine_exposed: list[str] = field(default_factory=list)
+    lost: dict[str, str] = field(default_factory=dict)  # process -> why it was lost
+    error: Optional[str] = None  # the run could not start, or an endpoint failed
+    engine_log: Optional[str] = None  # the last line an engine printed before a failure
+    interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
 
 
-def _wait(conn, timeout_s: float, proc: mp.Process) -> tuple[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if conn.poll(0.1):
-            return conn.recv()
-        if not proc.is_alive() and not conn.poll(0):
-            return "error", f"{proc.name} exited with code {proc.exitcode}"
-    return "error", f"{proc.name} sent nothing for {timeout_s:g} s"
+@dataclass
+class _Proc:
+    name: str
+    proc: mp.Process
+    conn: Any
+    kind: str  # "prefill" | "decode"
+    index: int  # prefill rank, or decode instance
+    tp_rank: int = 0
+    last_seen: float = 0.0
+    done: bool = False
 
 
-def _stop(proc: mp.Process, grace_s: float = 5.0) -> None:
-    proc.join(grace_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(2)
+class _Signals:
+    """SIGINT/SIGTERM handlers for the run's duration (main thread only)."""
+
+    def __init__(self):
+        self.caught: Optional[str] = None
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, signum, _frame):
+        self.caught = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
 
 
-class ProcessFault:
-    """decode_killed / decode_stopped: act on the decode process once `at_request` handoffs
-    are done (checked at each progress report, about once a second)."""
-
-    def __init__(self, cfg: OrchestratorConfig, decode: mp.Process, out: RunOutput, log):
-        self.f, self.decode, self.out, self.log = cfg.faults, decode, out, log
-        self.fired = False
-
-    def __call__(self, done: int) -> None:
-        if self.fired or done < self.f.at_request:
-            return
-        self.fired = True
-        pid = self.decode.pid
-        t = time.time()
-        if self.f.kind is FaultKind.decode_killed:
-            os.kill(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGSTOP)
-            threading.Timer(self.f.duration_s, self._resume, args=(pid,)).start()
-        self.out.faults_applied.append({"fault": self.f.kind.value, "after_handoffs": done,
-                                        "at": round(t, 3)})
-        self.log.warning("fault_injected", fault=self.f.kind.value, after_handoffs=done)
-
-    @staticmethod
-    def _resume(pid: int) -> None:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
-def merge_tallies(results: list[dict]) -> dict[str, Any]:
-    """One tally from several prefill ranks: counters summed, latency arrays concatenated,
-    per-pair stats keyed "p<prefill>->d<decode>", memory per rank."""
-    if len(results) == 1:
-        only = dict(results[0])
-        only["pairs"] = {f"p0->d{j}": v for j, v in only.get("pairs", {}).items()}
-        return only
-    latency = ("send_us", "deliver_us", "handoff_us")
-    merged: dict[str, Any] = {"outcomes": Counter(), "routes": Counter(), "reasons": Counter(),
-                              "pairs": {}, "memory": {}, "rejected_auth": 0,
-                              **{key: LatencyHistogram() for key in latency}}
-    for r, res in enumerate(results):
-        for key in ("outcomes", "routes", "reasons"):
-            merged[key].update(res.get(key, {}))
-        for key in latency:
-            merged[key].merge(LatencyHistogram.from_dict(res.get(key)))
-        for j, pair in res.get("pairs", {}).items():
-            merged["pairs"][f"p{r}->d{j}"] = {**pair, "wall_s": res.get("wall_s")}
-        merged["memory"][f"prefill{r}"] = res.get("memory", {})
-        merged["rejected_auth"] += res.get("rejected_auth", 0)
-    for key in ("outcomes", "routes", "reasons"):
-        merged[key] = dict(merged[key])
-    for key in latency:
-        merged[key] = merged[key].to_dict()
-    return merged
+def _engine_log_tail(run_dir: Path, name: str) -> Optional[str]:
+    path = run_dir / f"{name}.mooncake.log"
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
 
 
-def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
-                 progress=None, driver=None, bulk_bytes: int = 0) -> RunOutput:
-    """Start every decode rank, then every prefill rank (each running `driver`, default: the
-    configured workload, handing off to all decode ranks); watch them; merge what they report."""
+def _kill(p: _Proc) -> None:
+    try:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    except (ProcessLookupError, TypeError):
+        pass
+    if p.proc.is_alive():
+        p.proc.kill()
+    p.proc.join(2)
+
+
+def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[Callable] = None,
+                 driver=None, bulk_bytes: int = 0, secret: Optional[bytes] = None) -> RunResult:
+    """Start every decode process and every prefill rank; run `driver` in the prefill ranks
+    (default: the configured workload); watch them; return what they measured."""
     log = structlog.get_logger("orchestrator.runner")
     if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
         # Inside a joblib/loky launcher worker the default start method is "loky"; spawned
@@ -127,100 +130,324 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
         mp.set_start_method("spawn", force=True)
     ctx = mp.get_context("spawn")
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = RunOutput()
-    startup = cfg.endpoints.startup_timeout_s
-    watchdog = cfg.transport.timeout_s + 5.0  # prefill reports about four times a second
-    n_decode, n_prefill = cfg.endpoints.decode_ranks, cfg.endpoints.prefill_ranks
-
-    decodes: list[tuple[mp.Process, Any]] = []
-    for j in range(n_decode):
-        conn, child = ctx.Pipe()
-        proc = ctx.Process(target=decode_main, name=role_name("decode", j, n_decode),
-                           args=(cfg, plan, str(run_dir), child, bulk_bytes, j), daemon=True)
-        proc.start()
-        decodes.append((proc, conn))
-    prefills: list[tuple[mp.Process, Any]] = []
+    secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
+    out = RunResult()
+    e = cfg.endpoints
+    t_spawn = _clock()
+    decodes: list[_Proc] = []
+    prefills: list[_Proc] = []
     silent = None
-    fault = ProcessFault(cfg, decodes[0][0], out, log) if cfg.faults.kind in (
-        FaultKind.decode_killed, FaultKind.decode_stopped) else None
-    try:
-        infos = []
-        for proc, conn in decodes:
-            kind, info = _wait(conn, startup, proc)
-            if kind != "ready":
-                raise RunFailed(f"{proc.name} endpoint did not start: {info}")
-            out.transports[proc.name] = info["transport"]
-            out.engine_exposed = sorted(set(out.engine_exposed) | set(info.get("engine_exposed", [])))
-            log.info("decode_ready", rank=proc.name, **info)
-            infos.append(info)
-        if cfg.faults.kind is FaultKind.silent_control:
-            silent = silent_listener(cfg.transport.host)
-            infos[0] = {**infos[0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-            out.faults_applied.append({"fault": "silent_control",
-                                       "control_endpoint": infos[0]["control_endpoint"]})
-
-        kwargs = {"driver": driver} if driver is not None else {}
-        for r in range(n_prefill):
-            conn, child = ctx.Pipe()
-            proc = ctx.Process(target=prefill_main, name=role_name("prefill", r, n_prefill),
-                               args=(cfg, plan, str(run_dir), infos, child),
-                               kwargs={**kwargs, "rank": r}, daemon=True)
-            proc.start()
-            prefills.append((proc, conn))
-        for proc, conn in prefills:
-            kind, value = _wait(conn, startup, proc)
-            if kind != "transport":
-                raise RunFailed(f"{proc.name} endpoint did not start: {value}")
-            out.transports[proc.name] = value
-        results: dict[int, dict] = {}
-        done = [0] * n_prefill
-        last_seen = [time.monotonic()] * n_prefill
-        while len(results) < n_prefill:
-            for r, (proc, conn) in enumerate(prefills):
-                if r in results:
-                    continue
-                if conn.poll(0.05 / n_prefill):
-                    kind, value = conn.recv()
-                    last_seen[r] = time.monotonic()
-                    if kind == "progress":
-                        done[r] = value
-                        total = sum(done)
-                        if fault:
-                            fault(total)
-                        if progress:
-                            progress(total)
-                    elif kind == "result":
-                        results[r] = value
-                    else:
-                        raise RunFailed(f"{proc.name} endpoint failed: {value}")
-                elif not proc.is_alive() and not conn.poll(0):
-                    raise RunFailed(f"{proc.name} exited with code {proc.exitcode}")
-                elif time.monotonic() - last_seen[r] > watchdog:
-                    raise RunFailed(f"{proc.name} sent nothing for {watchdog:g} s")
-        ordered = [results[r] for r in range(n_prefill)]
-        out.wall_s = max(res.pop("wall_s", 0.0) for res in ordered)
-        out.row_bytes = ordered[0].pop("row_bytes", 0)
-        out.tally = merge_tallies(ordered)
-    except RunFailed as exc:
-        out.error = str(exc)
-        log.error("run_failed", error=out.error)
-    finally:
-        for j, (proc, conn) in enumerate(decodes):
-            if not proc.is_alive():
-                continue
-            try:
-                os.kill(proc.pid, signal.SIGCONT)  # in case a stop fault is still in force
-                conn.send("stop")
-                kind, value = _wait(conn, 10.0, proc)
-                if kind == "stats":
-                    out.decode_stats = value if n_decode == 1 else {
-                        **out.decode_stats, proc.name: value}
-                elif kind == "error" and out.error is None:
-                    out.error = f"{proc.name} endpoint failed: {value}"
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-        for proc, _ in prefills + decodes:
-            _stop(proc)
-        if silent is not None:
-            silent.close()
+    with _Signals() as signals:
+        try:
+            for i in range(e.decode_ranks):
+                for t in range(e.decode_tp):
+                    conn, child = ctx.Pipe()
+                    name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
+                    proc = ctx.Process(target=decode_main, name=name, daemon=True,
+                                       args=(cfg, plan, str(run_dir), secret, child, i, t, bulk_bytes))
+                    proc.start()
+                    decodes.append(_Proc(name, proc, conn, "decode", i, t))
+            for r in range(e.prefill_ranks):
+                conn, child = ctx.Pipe()
+                name = proc_name("prefill", r, e.prefill_ranks)
+                kwargs = {"rank": r} if driver is None else {"rank": r, "driver": driver}
+                proc = ctx.Process(target=prefill_main, name=name, daemon=True,
+                                   args=(cfg, plan, str(run_dir), secret, child), kwargs=kwargs)
+                proc.start()
+                prefills.append(_Proc(name, proc, conn, "prefill", r))
+            if e.decode_tp > 1:
+                backend = "nccl" if plan.buffer_device is Device.cuda else "gloo"
+                for i in range(e.decode_ranks):
+                    init = f"tcp://{cfg.transport.host}:{_free_port(cfg.transport.host)}"
+                    for p in decodes:
+                        if p.index == i:
+                            p.conn.send(("rendezvous", {"init_method": init, "backend": backend}))
+            infos = _startup(cfg, decodes, prefills, out, log, signals)
+            if cfg.faults.kind is FaultKind.silent_control:
+                silent = silent_listener(cfg.transport.host)
+                infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
+                out.faults_applied.append({"fault": "silent_control",
+                                           "control_endpoint": infos[0][0]["control_endpoint"]})
+            for p in prefills:
+                p.conn.send(("decodes", infos))
+            _wait_all(prefills, "running", cfg.endpoints.startup_timeout_s, out, signals)
+            out.startup_s = round(_clock() - t_spawn, 3)
+            if progress is not None:
+                progress.start()
+            _watch(cfg, prefills, decodes, out, log, progress, signals)
+        except RunFailed as exc:
+            out.error = str(exc)
+            log.error("run_failed", error=out.error)
+        except Interrupted:
+            pass
+        finally:
+            if signals.caught:
+                out.interrupted = signals.caught
+            _finish(cfg, run_dir, prefills, decodes, out, log)
+            if silent is not None:
+                silent.close()
+    if out.error and out.engine_log is None:
+        for p in decodes + prefills:
+            if p.name in (out.error or "") or not p.proc.is_alive():
+                out.engine_log = _engine_log_tail(run_dir, p.name) or out.engine_log
+                if out.engine_log:
+                    break
     return out
+
+
+def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[dict]]:
+    """Every decode ready and every prefill's engine up (they come up together)."""
+    deadline = _clock() + cfg.endpoints.startup_timeout_s
+    infos: dict[tuple[int, int], dict] = {}
+    pending = {p.name: p for p in decodes + prefills}
+    while pending:
+        if signals.caught:
+            raise Interrupted
+        for name, p in list(pending.items()):
+            if p.conn.poll(0.02):
+                kind, value = p.conn.recv()
+                if kind == "ready":
+                    infos[(p.index, p.tp_rank)] = value
+                    out.transports[p.name] = value["transport"]
+                    out.engine_exposed = sorted(set(out.engine_exposed) | set(value.get("engine_exposed", [])))
+                    log.info("decode_ready", process=p.name, **value)
+                elif kind == "up":
+                    out.transports[p.name] = value["transport"]
+                else:
+                    raise RunFailed(f"{p.name} endpoint did not start: {value}")
+                del pending[name]
+            elif not p.proc.is_alive() and not p.conn.poll(0):
+                raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} while starting")
+        if _clock() > deadline:
+            raise RunFailed(f"{', '.join(pending)} did not start within endpoints.startup_timeout_s="
+                            f"{cfg.endpoints.startup_timeout_s:g}")
+    e = cfg.endpoints
+    return [[infos[(i, t)] for t in range(e.decode_tp)] for i in range(e.decode_ranks)]
+
+
+def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -> None:
+    deadline = _clock() + timeout_s
+    pending = list(procs)
+    while pending:
+        if signals.caught:
+            raise Interrupted
+        for p in list(pending):
+            if p.conn.poll(0.02):
+                kind, value = p.conn.recv()
+                if kind == expected:
+                    pending.remove(p)
+                    p.last_seen = _clock()
+                else:
+                    raise RunFailed(f"{p.name} endpoint failed: {value}")
+            elif not p.proc.is_alive() and not p.conn.poll(0):
+                raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} while bootstrapping")
+        if _clock() > deadline:
+            raise RunFailed(f"{', '.join(p.name for p in pending)} did not bootstrap in time")
+
+
+def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> None:
+    watchdog = cfg.transport.timeout_s + 5.0  # a prefill reports four times a second
+    done: dict[str, int] = Counter()
+    stopped_at: Optional[float] = None
+    while not all(p.done for p in prefills):
+        if signals.caught and stopped_at is None:
+            stopped_at = _clock()
+            log.warning("interrupted", signal=signals.caught)
+            for p in prefills:
+                if not p.done:
+                    _send(p, "stop")
+        for p in prefills:
+            if p.done:
+                continue
+            if p.conn.poll(0.02 / len(prefills)):
+                try:
+                    kind, value = p.conn.recv()
+                except (EOFError, OSError):
+                    kind, value = "lost", "its pipe closed"
+                p.last_seen = _clock()
+                if kind == "progress":
+                    done[p.name] = value
+                    if progress is not None:
+                        progress(sum(done.values()))
+                elif kind == "fault":
+                    _process_fault(cfg, value, p, decodes, out, log)
+                elif kind == "result":
+                    out.ranks[p.name] = value
+                    p.done = True
+                else:
+                    _lose(p, decodes, out, log, f"endpoint failed: {value}")
+            elif not p.proc.is_alive() and not p.conn.poll(0):
+                _lose(p, decodes, out, log, f"exited with code {p.proc.exitcode}")
+            elif _clock() - p.last_seen > watchdog:
+                _lose(p, decodes, out, log, f"sent nothing for {watchdog:g} s")
+        if stopped_at is not None and _clock() - stopped_at > 1.2:
+            for p in prefills:
+                if not p.done:
+                    _lose(p, decodes, out, log, "did not stop within 1.2 s of the interrupt")
+
+
+def _send(p: _Proc, msg) -> None:
+    try:
+        p.conn.send(msg)
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def _lose(p: _Proc, decodes, out: RunResult, log, why: str) -> None:
+    p.done = True
+    out.lost[p.name] = why
+    log.error("process_lost", process=p.name, why=why)
+    _kill(p)
+    for d in decodes:  # it writes nothing more: its slots can go back
+        _send(d, ("prefill_gone", p.index))
+
+
+def _process_fault(cfg, kind: str, p: _Proc, decodes, out: RunResult, log) -> None:
+    """A prefill reached the fault's checkpoint: act, then let it go on."""
+    f = cfg.faults
+    victim = decodes[0]
+    fault = {"fault": kind, "after_handoffs": f.at_request, "at": round(time.time(), 3)}
+    out.faults_applied.append(fault)
+    log.warning("fault_injected", **fault)
+    if kind == FaultKind.prefill_killed.value:
+        os.kill(p.proc.pid, signal.SIGKILL)
+        return
+    if kind == FaultKind.decode_killed.value:
+        os.kill(victim.proc.pid, signal.SIGKILL)
+    else:
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        pid = victim.proc.pid
+
+        def resume():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+        threading.Timer(f.duration_s, resume).start()
+    _send(p, "fault_done")
+
+
+def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
+    """Stop the decodes, collect their results, account for every lost prefill's requests
+    from what is on disk, and end every process."""
+    for p in prefills:
+        if not p.done and p.proc.is_alive():
+            _send(p, "stop")
+    deadline = _clock() + 1.0
+    for p in prefills:
+        while not p.done and _clock() < deadline and p.proc.is_alive():
+            if p.conn.poll(0.05):
+                try:
+                    kind, value = p.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if kind == "result":
+                    out.ranks[p.name] = value
+                    p.done = True
+    for d in decodes:
+        if d.proc.is_alive():
+            try:
+                os.kill(d.proc.pid, signal.SIGCONT)  # in case a stop fault is still in force
+            except ProcessLookupError:
+                pass
+            _send(d, "stop")
+    deadline = _clock() + (1.0 if out.interrupted else 10.0)
+    for d in decodes:
+        while d.proc.is_alive() and _clock() < deadline:
+            if d.conn.poll(0.05):
+                try:
+                    kind, value = d.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if kind == "stats":
+                    out.decodes[d.name] = value
+                    break
+                if kind == "error" and out.error is None:
+                    out.error = f"{d.name} endpoint failed: {value}"
+                    out.engine_log = _engine_log_tail(run_dir, d.name)
+                    break
+    for p in prefills + decodes:
+        p.proc.join(0.5 if not out.interrupted else 0.2)
+        _kill(p)
+    for d in decodes:
+        if d.name not in out.decodes:
+            out.decodes[d.name] = _decode_from_disk(run_dir, d.name)
+            if not out.interrupted and out.error is None and d.proc.exitcode not in (0, None):
+                out.lost.setdefault(d.name, f"exited with code {d.proc.exitcode}")
+    for p in prefills:
+        if p.name not in out.ranks:
+            reason = out.lost.get(p.name)
+            out.ranks[p.name] = reconstruct(cfg, run_dir, p.index, p.name,
+                                            Detail.interrupted if out.interrupted and not reason else
+                                            Detail.prefill_lost if reason else Detail.run_error)
+
+
+def _decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
+    res = DecodeResult(name, error="no stats: the process ended early; counts from its verdicts file")
+    for v in _verdict_lines(run_dir / f"verdicts-{name}.jsonl"):
+        res.outcomes[Outcome(v["outcome"])] += 1
+        if v["outcome"] != Outcome.verified.value:
+            res.details[Detail(v["detail"])] += 1
+    return res
+
+
+def _verdict_lines(path: Path):
+    if not path.exists():
+        return
+    with open(path) as fh:
+        for line in fh:
+            if line.endswith("\n"):
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
+
+
+def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail) -> RankResult:
+    """A prefill rank that could not report: its requests file holds what it recorded;
+    a request it did not record keeps the verdict its decode gave it (every decode's
+    verdicts file), and is otherwise failed with `missing` as the reason. The records
+    added are appended to the requests file, so the file and the report agree."""
+    n = cfg.workload.requests
+    base = rank * n
+    suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
+    path = run_dir / f"requests{suffix}.jsonl"
+    res = RankResult(rank, n)
+    seen: set[int] = set()
+    for rec in read_records(path):
+        if base <= rec.rid < base + n and rec.rid not in seen:
+            seen.add(rec.rid)
+            res.add(rec)
+    judged: dict[int, tuple[Outcome, Detail]] = {}
+    for f in sorted(run_dir.glob("verdicts-decode*.jsonl")):
+        tp_follower = "." in f.stem and not f.stem.endswith(".0")
+        if tp_follower:
+            continue  # a TP instance's verdict is its leader's
+        for v in _verdict_lines(f):
+            if v.get("prefill") == rank:
+                judged[v["rid"]] = (Outcome(v["outcome"]), Detail(v["detail"]))
+    from .workload import room_of
+
+    added = []
+    for rid in range(base, base + n):
+        if rid in seen:
+            continue
+        outcome, detail = judged.get(rid, (Outcome.failed, missing))
+        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1, "",
+                     None, None, None, None, outcome, detail, "", None)
+        res.add(rec)
+        added.append(rec)
+    if added:
+        # complete lines only: a torn last line is cut off before appending
+        if path.exists():
+            data = path.read_bytes()
+            cut = data.rfind(b"\n") + 1
+            if cut != len(data):
+                with open(path, "r+b") as fh:
+                    fh.truncate(cut)
+        with open(path, "a") as fh:
+            for rec in added:
+                fh.write(rec.line() + "\n")
+    res.error = f"{name} did not report; {len(added)} requests accounted for from the decode's verdicts"
+    return res

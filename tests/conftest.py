@@ -48,25 +48,27 @@ def pytest_collection_modifyitems(config, items):
 
 class DecodeProcess:
     """The real decode endpoint in its own (spawned) process, for tests that play prefill
-    themselves with raw sockets. `info` holds its endpoints; stop() returns its stats."""
+    themselves with raw sockets (tests/peers.py). `info` holds its endpoints; stop()
+    returns its DecodeResult."""
 
-    def __init__(self, cfg, run_dir, platform=None):
+    def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):
         import multiprocessing as mp
 
         from orchestrator.endpoints.decode import decode_main
         from orchestrator.plan import Platform, make_plan
 
         self.plan = make_plan(cfg, platform or Platform())
+        self.secret = secret
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(run_dir), child),
+        self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(run_dir), secret, child),
                                 daemon=True)
         self.proc.start()
         assert self.conn.poll(60), "decode did not start"
         kind, self.info = self.conn.recv()
         assert kind == "ready", self.info
 
-    def stop(self) -> dict:
+    def stop(self):
         self.conn.send("stop")
         assert self.conn.poll(20), "decode did not stop"
         kind, stats = self.conn.recv()

@@ -1,13 +1,16 @@
-"""MetadataBuffers against SGLang's layout and request attribute names."""
+"""MetadataBuffers against SGLang 0.5.23's layout and API, and the slot allocator."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from orchestrator import MetadataBuffers
 from orchestrator.buffers import SlotAllocator
 from orchestrator.config import MemPoolType, WorkloadConfig
-from orchestrator.workload import make_request
+from orchestrator.layout import load_layout
+from orchestrator.workload import Shapes, make_request, room_for, room_of
 
 SGLANG_FIELDS = [
     ("output_ids", 16, torch.int32), ("cached_tokens", 16, torch.int32),
@@ -18,8 +21,8 @@ SGLANG_FIELDS = [
 ]
 
 
-def test_layout_matches_sglang():
-    b = MetadataBuffers(8, 16, torch.float32)
+def test_default_layout_matches_sglang():
+    b = MetadataBuffers(8, 16, torch.float32, 256)
     assert [(s.name, s.width, s.dtype) for s in b.specs] == SGLANG_FIELDS
     for t, (_, width, dtype) in zip(b.fields, SGLANG_FIELDS):
         assert t.shape == (8, width) and t.dtype is dtype
@@ -29,94 +32,160 @@ def test_layout_matches_sglang():
     assert b.row_bytes == 1600  # the note's number for hidden 16 float32
     assert all(p % 256 == 0 for p in ptrs)
     assert b.device.type == "cpu"
+    assert b.output_dsa_topk_indices is None and b.kv_checksum is None
+    assert b.output_token_sampling_mask_len is None
 
 
-def test_dsa_field_sits_before_bootstrap_room():
-    b = MetadataBuffers(4, 7168, torch.bfloat16, output_dsa_topk_indices_dim=32)
+def test_optional_fields_sit_where_sglang_puts_them():
+    b = MetadataBuffers(4, 7168, torch.bfloat16, 64, output_dsa_topk_indices_dim=32,
+                        kv_checksum_enabled=True, enable_sampling_mask=True)
     names = [s.name for s in b.specs]
-    assert names[-2:] == ["output_dsa_topk_indices", "bootstrap_room"]
+    assert names[6:9] == ["output_token_sampling_mask_len", "output_token_sampling_mask_idx",
+                          "output_token_sampling_logprobs"]
+    assert names[-3:] == ["output_dsa_topk_indices", "bootstrap_room", "kv_checksum"]
+    assert b.output_token_sampling_mask_idx.shape == (4, 64)
     assert (b.output_dsa_topk_indices == -1).all()
-    assert b.output_hidden_states.dtype is torch.bfloat16
+    assert b.kv_checksum.shape == (4, 8) and b.kv_checksum.dtype is torch.uint64
+    assert len(b.get_buf(0)) == 14 and b.get_buf(0)[12] is not None
 
 
 def test_sglang_positional_constructor_and_custom_pool_means_host():
-    b = MetadataBuffers(4, 16, torch.float16, 64, object(), 0)
+    b = MetadataBuffers(4, 16, torch.float16, 32, 64, object(), 0)
     assert b.device.type == "cpu" and b.output_top_logprobs_val.shape == (4, 64)
-    assert MetadataBuffers(2, 16, torch.float32, mem_pool=MemPoolType.NVLINK).device.type == "cpu"
+    assert MetadataBuffers(2, 16, torch.float32, 8, mem_pool=MemPoolType.NVLINK).device.type == "cpu"
+    # the 4th positional argument is max_sampling_mask_tokens, not max_top_logprobs_num
+    assert MetadataBuffers(64, 16, torch.float32, 4096).output_top_logprobs_val.shape == (64, 128)
+    for attr in ("custom_mem_pool", "enable_sampling_mask", "kv_checksum",
+                 "output_dsa_topk_indices", "output_dsa_topk_indices_dim"):
+        assert hasattr(b, attr)
 
 
-def test_set_buf_reads_sglang_attributes_and_get_buf_round_trips():
-    b = MetadataBuffers(4, 32, torch.float32)
-    w = WorkloadConfig(top_logprobs_num=5)
-    req = make_request(w, 3, 32)
-    req.metadata_buffer_index = 2
+def test_get_buf_is_a_14_tuple_with_none_for_absent_fields():
+    b = MetadataBuffers(2, 16, torch.float32, 8)
+    row = b.get_buf(1)
+    assert len(row) == 14
+    assert [i for i, x in enumerate(row) if x is None] == [6, 7, 8, 12]
+
+
+def _req(w=None, index=3, hidden=32, slot=2, dsa=0, **kw):
+    w = w or WorkloadConfig(top_logprobs_num=5, **kw)
+    req = make_request(w, index, Shapes(hidden, dsa_dim=dsa))
+    req.metadata_buffer_index = slot
+    return req
+
+
+def test_set_buf_follows_sglang_0_5_23():
+    b = MetadataBuffers(4, 32, torch.float32, 64)
+    req = _req(multimodal=True)
     b.set_buf(req)
     row = b.get_buf(2)
     assert int(row[0][0]) == req.output_ids[0]
-    assert row[1][:4].tolist() == [req.cached_tokens, req.cached_tokens_device,
-                                   req.cached_tokens_host, req.cached_tokens_storage]
-    assert torch.allclose(row[4][:5], torch.tensor(req.output_top_logprobs_val[0]))
-    assert row[5][:5].tolist() == req.output_top_logprobs_idx[0]
-    assert torch.equal(row[8], req.hidden_states_tensor)
-    assert torch.equal(row[7], req.output_topk_index)
-    assert int(row[-1][0]) == req.bootstrap_room
-    # get_buf returns copies
-    row[0][0] = -1
+    assert row[1][:7].tolist() == [req.cached_tokens, req.cached_tokens_device, req.cached_tokens_host,
+                                   req.cached_tokens_storage, *req.get_mm_token_counts()]
+    assert any(req.get_mm_token_counts())
+    assert torch.allclose(row[4][:5], torch.tensor(req.logprob.output_top_logprobs_val[0]))
+    assert row[5][:5].tolist() == req.logprob.output_top_logprobs_idx[0]
+    assert torch.equal(row[11], req.hidden_states_tensor)
+    assert torch.equal(row[10], req.output_topk_index)
+    assert int(row[13][0]) == req.bootstrap_room
+    row[0][0] = -1  # get_buf returns copies
     assert int(b.output_ids[2, 0]) == req.output_ids[0]
-    # other rows untouched
-    assert b.row_checksum(1) == MetadataBuffers(4, 32, torch.float32).row_checksum(1)
+
+
+def test_set_buf_refuses_more_top_logprobs_than_the_row_holds():
+    b = MetadataBuffers(4, 32, torch.float32, 64, max_top_logprobs_num=4)
+    with pytest.raises(RuntimeError, match="exceeds disaggregation metadata capacity"):
+        b.set_buf(_req())
+
+
+def test_dsa_row_only_with_hidden_state_and_minus_one_when_missing():
+    b = MetadataBuffers(4, 32, torch.float32, 64, output_dsa_topk_indices_dim=8)
+    b.output_dsa_topk_indices[2].fill_(7)  # a previous tenant's values
+    req = _req(dsa=8)
+    req.output_dsa_topk_indices = None
+    b.set_buf(req)
+    assert (b.output_dsa_topk_indices[2] == -1).all()
+    b.output_dsa_topk_indices[2].fill_(7)
+    b.set_buf(_req(hidden_states=False))  # no hidden state: the DSA row is not touched
+    assert (b.output_dsa_topk_indices[2] == 7).all()
+
+
+def test_sampling_mask_rows_are_written():
+    b = MetadataBuffers(4, 32, torch.float32, 64, enable_sampling_mask=True)
+    req = _req(WorkloadConfig(sampling_mask=True), slot=1)
+    b.set_buf(req)
+    chunk = req.sampling_mask_rows.view()
+    n = len(chunk.token_ids)
+    assert int(b.output_token_sampling_mask_len[1, 0]) == n
+    assert b.output_token_sampling_mask_idx[1, :n].tolist() == chunk.token_ids.tolist()
+    assert np.allclose(b.output_token_sampling_logprobs[1, :n].numpy(), chunk.logprobs)
 
 
 def test_set_buf_without_logprobs_or_hidden_leaves_fields_zero():
-    b = MetadataBuffers(2, 16, torch.float32)
-    req = make_request(WorkloadConfig(return_logprob=False, hidden_states=False), 0, 16)
-    req.metadata_buffer_index = 0
+    b = MetadataBuffers(2, 16, torch.float32, 8)
+    req = _req(WorkloadConfig(return_logprob=False, hidden_states=False), slot=0, hidden=16)
     req.bootstrap_room = None
     b.set_buf(req)
     assert b.room(0) == 0
     assert not b.output_top_logprobs_val[0].any() and not b.output_hidden_states[0].any()
 
 
-def test_checksum_sees_every_byte():
-    b = MetadataBuffers(2, 16, torch.float32)
-    base = b.row_checksum(0)
-    for field in b.fields:
-        field.view(torch.uint8)[0, -1] ^= 1
-        assert b.row_checksum(0) != base
-        field.view(torch.uint8)[0, -1] ^= 1
-    assert b.row_checksum(0) == base
+def test_kv_checksum_api_and_clear_slot():
+    b = MetadataBuffers(4, 16, torch.float32, 8, kv_checksum_enabled=True)
+    req = _req(slot=3, hidden=16)
+    b.set_buf(req)
+    assert b.get_kv_checksum(3) == (0, 0)
+    b.set_kv_checksum(req, (1 << 64) - 5, 77)
+    assert b.get_kv_checksum(3) == ((1 << 64) - 5, 77)
+    b.clear_slot(3)
+    assert b.get_kv_checksum(3) == (0, 0) and b.room(3) == 0
 
 
-def test_freeing_a_slot_zeroes_its_room():
-    b = MetadataBuffers(2, 16, torch.float32)
-    alloc = SlotAllocator(2)
-    slot = alloc.alloc()
-    b.bootstrap_room[slot, 0] = 1234
-    b.clear_room(slot)
-    alloc.free(slot)
-    assert b.room(slot) == 0
-    assert alloc.alloc() == slot  # LIFO: the freed row is the next one handed out
+def test_rooms_are_64_bit_unsigned():
+    b = MetadataBuffers(2, 16, torch.float32, 8)
+    b.write_rooms([1], [(1 << 64) - 2])
+    assert b.room(1) == (1 << 64) - 2
+    b.clear_slots([1])
+    assert b.room(1) == 0
+
+
+def test_older_layout_builds_too():
+    old = load_layout("sglang_pre_0_5_23")
+    b = MetadataBuffers(2, 16, torch.float32, 8, layout=old, kv_checksum_enabled=True,
+                        enable_sampling_mask=True)  # the old release has neither field
+    assert [s.name for s in b.specs] == [n for n, _, _ in SGLANG_FIELDS]
+    assert len(b.get_buf(0)) == 11
+
+
+def test_slot_allocator_hands_out_random_slots_and_consecutive_runs():
+    a = SlotAllocator(64)
+    first = [a.alloc() for _ in range(8)]
+    assert len(set(first)) == 8 and first != sorted(first)  # not the lowest free ones in order
+    b = SlotAllocator(64)
+    run = b.alloc_run(16)
+    assert run == list(range(run[0], run[0] + 16))
+    nxt = b.alloc_run(4, start=run[-1] + 1)
+    assert nxt == list(range(run[-1] + 1, run[-1] + 5))
+    for s in run:
+        b.free(s)
+    with pytest.raises(ValueError):
+        b.free(run[0])
+    assert b.available == 60
+
+
+def test_rooms_depend_on_the_seed_and_repeat_as_asked():
+    assert room_for(0, 5) != room_for(1, 5) and room_for(0, 5) != room_for(0, 6)
+    assert room_for((1 << 63) - 1, 0) > 0
+    w = WorkloadConfig(duplicate_rooms=2)
+    assert room_of(w, 10) == room_of(w, 11) != room_of(w, 12)
 
 
 def test_workload_is_deterministic():
     w = WorkloadConfig(seed=7)
-    a, c = make_request(w, 11, 64), make_request(w, 11, 64)
+    a, c = make_request(w, 11, Shapes(64)), make_request(w, 11, Shapes(64))
     assert a.bootstrap_room == c.bootstrap_room != 0
     assert torch.equal(a.hidden_states_tensor, c.hidden_states_tensor)
-    assert make_request(w, 12, 64).bootstrap_room != a.bootstrap_room
-
-
-def test_gathered_snapshot_equals_per_field_rows():
-    """The device path (one index_select) reads exactly the bytes of the per-field path."""
-    b = MetadataBuffers(5, 48, torch.bfloat16, output_dsa_topk_indices_dim=8)
-    for t in b.fields:
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
-    for slot in range(5):
-        snap = b.row_snapshot(slot)
-        assert snap == b._gathered_snapshot(slot)
-        assert snap == b"".join(bytes(t[slot].view(torch.uint8).tolist()) for t in b.fields)
-        assert b.snapshot_room(snap, b.room_offset) == b.room(slot)
+    assert make_request(w, 12, Shapes(64)).bootstrap_room != a.bootstrap_room
 
 
 def test_latency_histogram_percentiles_within_a_quarter_percent():

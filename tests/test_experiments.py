@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from orchestrator import MetadataBuffers
 from orchestrator.config import ConfigError, MemPoolType
 from orchestrator.plan import Device, EngineTransport, Platform, make_plan
 
@@ -29,9 +29,9 @@ def test_profile_composes_validates_and_documents_itself(cfg_factory, name):
     plan = make_plan(cfg, TWO_GPU)
     if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
         assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.nvlink_intra
-    b = cfg.buffers
-    rows = MetadataBuffers(2, b.hidden_size, b.hidden_states_dtype.value, b.max_top_logprobs_num,
-                           None, b.output_dsa_topk_indices_dim, device="cpu").row_bytes
+    from orchestrator.endpoints.common import make_buffers
+
+    rows = make_buffers(cfg, torch.device("cpu")).row_bytes
     if name in ROW_BYTES:
         assert rows == ROW_BYTES[name]
 

@@ -1,5 +1,6 @@
 """GPU tests (marker `gpu`, skipped where torch sees no CUDA). Run on the H200 machines:
-INTRA_NODE_NVLINK buffers on CUDA, handoffs over Mooncake's intra-node NVLink transport."""
+INTRA_NODE_NVLINK buffers on CUDA, handoffs over Mooncake's intra-node NVLink transport,
+digests computed on the GPU."""
 
 from __future__ import annotations
 
@@ -10,39 +11,69 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.config import MemPoolType
-from orchestrator.plan import EngineTransport, make_plan
+from orchestrator.config import MemPoolType, WorkloadConfig
+from orchestrator.digest import Keys, RowDigest
+from orchestrator.plan import EngineTransport
 from orchestrator.platform import detect
 from orchestrator.report import build_results
+from orchestrator.rules import check_profile
 from orchestrator.runner import run_handoffs
+from orchestrator.workload import RequestPool, Shapes
+
+from .test_digest import flipped_byte_sweep
 
 pytestmark = pytest.mark.gpu
 
 
 def test_intra_node_nvlink_buffers_live_on_cuda_with_sglang_layout():
-    b = MetadataBuffers(8, 7168, torch.bfloat16, mem_pool=MemPoolType.INTRA_NODE_NVLINK)
-    host = MetadataBuffers(8, 7168, torch.bfloat16)
+    b = MetadataBuffers(8, 7168, torch.bfloat16, 64, mem_pool=MemPoolType.INTRA_NODE_NVLINK)
+    host = MetadataBuffers(8, 7168, torch.bfloat16, 64)
     assert b.device.type == "cuda" and host.device.type == "cpu"
     assert b.get_buf_infos()[2] == host.get_buf_infos()[2]
     assert b.row_bytes == 15872
-    b.output_hidden_states[3].fill_(1.5)
-    host.output_hidden_states[3].fill_(1.5)
-    assert b.row_checksum(3) == host.row_checksum(3)
+    pool = RequestPool(WorkloadConfig(),
+                       Shapes(7168, torch.bfloat16, device="cuda"), size=4)
+    cpu_pool = RequestPool(WorkloadConfig(),
+                           Shapes(7168, torch.bfloat16), size=4)
+    for slot in range(4):  # SGLang's set_buf on CUDA rows, then the GPU digest == the host one
+        b.set_buf(pool.get(slot, slot))
+        host.set_buf(cpu_pool.get(slot, slot))
+    keys = Keys(b"gpu")
+    idents = [(0, s) for s in range(4)]
+    assert RowDigest(b, keys).sign(range(4), idents) == RowDigest(host, keys).sign(range(4), idents)
+    assert b.room(2) == host.room(2) != 0
+
+
+def test_any_single_flipped_byte_is_caught_on_the_gpu():
+    assert flipped_byte_sweep("cuda") > 6 * 1000
+
+
+def _run(cfg_factory, tmp_path, *overrides):
+    cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", *overrides)
+    plan = check_profile(cfg, detect())
+    assert plan.engine_transport is EngineTransport.nvlink_intra
+    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+    print(json.dumps({k: res[k] for k in ("verified", "failed", "effective_transport", "latency_us",
+                                          "handoffs_per_s", "sends", "startup_s")}))
+    return res
 
 
 def test_intra_node_nvlink_handoffs_verified_over_nvlink(cfg_factory, tmp_path):
-    cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", "workload.requests=300",
-                      "buffers.hidden_size=7168", "buffers.hidden_states_dtype=bfloat16")
-    plan = make_plan(cfg, detect())
-    assert plan.engine_transport is EngineTransport.nvlink_intra
-    out = run_handoffs(cfg, plan, tmp_path)
-    res = build_results(300, plan, out)
-    print(json.dumps({k: res[k] for k in ("verified", "failed", "effective_transport", "latency_us")}))
+    res = _run(cfg_factory, tmp_path, "workload.requests=300", "buffers.hidden_size=7168",
+               "buffers.hidden_states_dtype=bfloat16")
     assert (res["verified"], res["failed"], res["corrupted"]) == (300, 0, 0), res
     assert res["effective_transport"] == "mooncake-nvlink_intra"
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert {d["transport"] for d in decisions} == {"mooncake-nvlink_intra"}
     assert {d["buffer_device"] for d in decisions} == {"cuda"}
+
+
+def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(cfg_factory, tmp_path):
+    res = _run(cfg_factory, tmp_path, "experiment=deepseek_v3_mtp", "workload.requests=4096",
+               "workload.batch_size=64", "workload.concurrency=256", "buffers.size=512",
+               "transport.coalesce=true", "transport.status=per_step", "buffers.kv_checksum_enabled=true")
+    assert (res["verified"], res["failed"], res["corrupted"]) == (4096, 0, 0), res
+    assert res["sends"] < 4096 / 4
 
 
 def _trap(conn):
@@ -73,9 +104,8 @@ def test_all_pairs_four_by_four_over_nvlink(cfg_factory, tmp_path):
     """experiment=pd_8gpu_nvlink (4 prefill x 4 decode ranks, all pairs) on the GPUs there
     are: GPUs 0-3 -> 4-7 on eight, ranks alternating between GPU 0 and 1 on two."""
     cfg = cfg_factory("experiment=pd_8gpu_nvlink", "workload.requests=200")
-    plan = make_plan(cfg, detect())
-    out = run_handoffs(cfg, plan, tmp_path)
-    res = build_results(800, plan, out)
+    plan = check_profile(cfg, detect())
+    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
     print(json.dumps({"pairs": res["pairs"], "effective_transport": res["effective_transport"]}))
     assert (res["verified"], res["failed"], res["corrupted"]) == (800, 0, 0), res
     assert res["effective_transport"] == "mooncake-nvlink_intra"

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from orchestrator import control
-from orchestrator.auth import Authenticator, from_env
+from orchestrator import wire
+from orchestrator.auth import Authenticator, run_secret, secret_from_env
 from orchestrator.config import ConfigError, validate
-from orchestrator.plan import Platform, make_plan
+from orchestrator.outcomes import Outcome
+from orchestrator.plan import Platform
 from orchestrator.report import build_results
+from orchestrator.rules import check_profile
 from orchestrator.runner import run_handoffs
 
 from .conftest import DecodeProcess, compose_cfg
@@ -28,12 +30,11 @@ def test_non_loopback_host_needs_explicit_opt_in():
     assert validate(compose_cfg("transport.host=127.0.0.2"))
 
 
-def test_named_secret_must_exist(monkeypatch):
-    monkeypatch.delenv("ORCH_NO_SUCH_SECRET", raising=False)
+def test_named_secret_must_exist():
     with pytest.raises(ConfigError, match="transport.secret_env"):
-        from_env("ORCH_NO_SUCH_SECRET")
-    monkeypatch.setenv("ORCH_SECRET_T", "abc")
-    assert from_env("ORCH_SECRET_T").enabled
+        secret_from_env("ORCH_NO_SUCH_SECRET", {})
+    assert secret_from_env("ORCH_SECRET_T", {"ORCH_SECRET_T": "abc"}) == b"abc"
+    assert run_secret(None) != run_secret(None) and len(run_secret(None)) == 32
 
 
 def test_no_code_executing_decoders_in_the_package():
@@ -46,35 +47,33 @@ def test_no_code_executing_decoders_in_the_package():
 def test_authenticated_run_verifies_everything(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_SECRET_RUN", "correct horse battery staple")
     cfg = cfg_factory("transport.secret_env=ORCH_SECRET_RUN", "workload.requests=100")
-    plan = make_plan(cfg, Platform())
-    res = build_results(100, plan, run_handoffs(cfg, plan, tmp_path))
-    assert res["verified"] == 100 and res["rejected_auth"] == 0
-    assert "correct horse" not in (tmp_path / "decode.log").read_text()
+    plan = check_profile(cfg, Platform(env={"ORCH_SECRET_RUN": "correct horse battery staple"}))
+    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+    assert res["verified"] == 100 and res["authenticated"]["rejected"] == 0
+    assert not any("correct horse" in f.read_text(errors="replace") for f in tmp_path.glob("*.log"))
 
 
 @pytest.mark.integration
-def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path, monkeypatch):
-    monkeypatch.setenv("ORCH_SECRET_REJ", "s3cret")
-    decode = DecodeProcess(cfg_factory("transport.secret_env=ORCH_SECRET_REJ", "mem_pool=NVLINK"),
-                           tmp_path)
+def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path):
+    decode = DecodeProcess(cfg_factory("mem_pool=NVLINK"), tmp_path, secret=b"s3cret")
     info = decode.info
     assert info["control_endpoint"].startswith("tcp://127.0.0.1:")
     assert info["data_endpoint"].startswith("tcp://127.0.0.1:")
     z = zmq.Context()
     dealer = z.socket(zmq.DEALER)
     dealer.connect(info["control_endpoint"])
-    hello = control.encode("hello", item_lens=[64] * 10)
+    hello = wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="")
     dealer.send(hello)  # no MAC
     assert not dealer.poll(1000)
-    dealer.send_multipart(Authenticator(b"wrong").sign([hello]))  # wrong secret
+    dealer.send(Authenticator(b"wrong").seal(hello))  # wrong secret
     assert not dealer.poll(1000)
     good = Authenticator(b"s3cret")
-    dealer.send_multipart(good.sign([hello]))
+    dealer.send(good.seal(hello))
     assert dealer.poll(10000)
-    body = good.check(dealer.recv_multipart(), 1)
-    assert body is not None  # the reply is signed too
-    assert control.decode(body[0])["type"] in ("bootstrap", "error")
+    body = good.unseal(dealer.recv())
+    assert body is not None  # the reply is sealed too
+    assert wire.decode(body)["type"] == "error"  # ... and refuses the made-up layout
     stats = decode.stop()
     dealer.close(0)
     z.term()
-    assert stats["rejected_auth"] == 2
+    assert stats.rejected_auth == 2

@@ -169,7 +169,7 @@ def test_report_cli_rebuilds(real_sweep: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "orchestrator.report", str(real_sweep)],
                           cwd=ROOT, timeout=120, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(real_sweep / n) for n in names]
+    assert [Path(p).resolve() for p in proc.stdout.split()] == [real_sweep / n for n in names]
     _, rows = _read_csv(real_sweep / "summary.csv")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert all((real_sweep / n).stat().st_size > 0 for n in names)

@@ -1,10 +1,12 @@
-"""What both endpoint processes do before the first request: logging, device, buffers,
-engine, and the check that the transport Mooncake brought up is the one the plan declared."""
+"""What every endpoint process does before the first request: signals, logging, device,
+buffers, engine, and the check that the transport Mooncake brought up is the one the plan
+declared."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +20,20 @@ from ..config import FallbackPolicy, OrchestratorConfig
 from ..logs import configure
 from ..plan import Device, Plan, Route
 from ..transport.engine import MooncakeEngine, exposed, listening_sockets
+from ..workload import Shapes
+
+
+SWITCH_INTERVAL_S = float(os.environ.get("ORCH_SWITCH_INTERVAL_S", "0.0002"))
 
 
 class TransportMismatch(RuntimeError):
     """The engine came up on another transport than declared (and fallback is strict)."""
+
+
+class Stop:
+    """Set by SIGTERM in an endpoint process; the loops look at it and wind down."""
+
+    requested = False
 
 
 @dataclass
@@ -32,25 +44,57 @@ class Side:
     log: structlog.stdlib.BoundLogger
 
 
-def start_process(role: str, run_dir: Path) -> structlog.stdlib.BoundLogger:
-    """Send this process's fd 2 (glog, warnings) to <role>.stderr.log; structured logs go
-    to <role>.log and the console."""
+def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.stdlib.BoundLogger:
+    """An endpoint process: Ctrl-C is the runner's to handle (the terminal sends SIGINT to
+    every process of the group), SIGTERM winds the loop down; fd 2 (glog, warnings) goes to
+    <role>.stderr.log; structured logs to <role>.log."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
     err = open(run_dir / f"{role}.stderr.log", "ab", buffering=0)
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    torch.set_num_threads(1)  # two endpoints share the machine; row ops are tiny
-    return configure(run_dir, role, console_level=30)
+    torch.set_num_threads(1)  # endpoints share the machine; row ops are tiny
+    # The transfer thread wakes from each Mooncake write needing the GIL back: at Python's
+    # default 5 ms switch interval it would wait behind the scheduler thread for that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    return configure(run_dir, role, console_level=30 if not console else 20)
 
 
-def role_name(kind: str, rank: int, ranks: int) -> str:
-    """"prefill"/"decode" for a single rank, "prefill0", "decode3", ... otherwise; names the
-    process's log files."""
-    return kind if ranks == 1 else f"{kind}{rank}"
+def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) -> str:
+    """"prefill"/"decode" for a single process, "prefill0", "decode3", "decode1.0" (instance
+    1, TP rank 0) otherwise; names the process's log files."""
+    if kind == "decode" and tp > 1:
+        return f"decode{index}.{tp_rank}"
+    return kind if count == 1 else f"{kind}{index}"
 
 
-def rank_gpu(plan: Plan, kind: str, rank: int) -> Optional[int]:
+def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
     gpus = plan.prefill_gpus if kind == "prefill" else plan.decode_gpus
-    return gpus[rank] if gpus else None
+    return gpus[index] if gpus else None
+
+
+def boot_id() -> str:
+    """This kernel's boot id: two processes that share it share CLOCK_MONOTONIC, so a
+    timestamp taken by one is comparable with the other's (network namespaces included)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def make_buffers(cfg: OrchestratorConfig, device: torch.device) -> MetadataBuffers:
+    b = cfg.buffers
+    return MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
+                           b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim,
+                           kv_checksum_enabled=b.kv_checksum_enabled,
+                           enable_sampling_mask=b.enable_sampling_mask, layout=cfg.layout,
+                           device=device)
+
+
+def shapes(cfg: OrchestratorConfig, buffers: MetadataBuffers) -> Shapes:
+    b = cfg.buffers
+    return Shapes(b.hidden_size, buffers.sizes.hidden_states_dtype,
+                  b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
 
 
 def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
@@ -60,10 +104,7 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-    b = cfg.buffers
-    buffers = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value,
-                              b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim,
-                              device=device)
+    buffers = make_buffers(cfg, device)
     engine = None
     transport = "zmq-tcp"
     if plan.route is Route.engine:
@@ -76,8 +117,7 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
         transport = f"mooncake-{effective.value if effective else 'unknown'}"
         listeners = listening_sockets()
         log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
-                 mc_env=engine.applied_env, declared=plan.declared_transport,
-                 effective=transport, listeners=listeners)
+                 declared=plan.declared_transport, effective=transport, listeners=listeners)
         if exposed(listeners) and ipaddress.IPv4Address(cfg.transport.host).is_loopback:
             log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
                      detail="Mooncake binds its handshake and TCP listeners on all "
@@ -88,8 +128,8 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
             if plan.fallback is FallbackPolicy.strict:
                 raise TransportMismatch(msg + "; set transport.fallback=degrade to run anyway")
             log.warning("fallback", reason="effective_transport_differs", detail=msg)
-    log.info("buffers_ready", device=str(device), slots=b.size, row_bytes=buffers.row_bytes,
-             item_lens=buffers.item_lens)
+    log.info("buffers_ready", device=str(device), slots=cfg.buffers.size, row_bytes=buffers.row_bytes,
+             item_lens=buffers.item_lens, layout=cfg.layout.name)
     return Side(buffers, engine, transport, log)
 
 
@@ -107,3 +147,8 @@ def new_socket(ctx, kind: int, timeout_s: float):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     return sock
+
+
+def bind_random(sock, host: str) -> str:
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"

@@ -1,235 +1,373 @@
-"""Decode endpoint (receiver): grants slots, lands aux rows, gates on bootstrap_room,
-verifies every byte against the sender's checksum, frees the slot, answers with the outcome.
+"""Decode endpoint (receiver): grants a slot when a request arrives, lands tcp-route rows,
+takes "KV done" statuses, and judges every request that has one in batches: the readiness
+gate, the room, and the digest of every byte, in one pass over the rows on their device.
+Verdicts go back in one message per prefill per step. Freed slots have their room zeroed.
 
-Readiness gate (SGLang PR 26394 and follow-ups): a slot is accepted only when its
-bootstrap_room equals the room it was granted for. Room 0 means "not landed yet" and is
-re-checked until the timeout; any other room is corruption. A freed slot's room is zeroed,
-so the previous tenant's room can never pass for the next one's.
+Readiness gate (SGLang PR 26394 and follow-ups), as config (gate.*):
+  readiness          "done" counts as "transferring" while the slot's room is still 0
+                     (re-checked every step until transport.timeout_s, then failed);
+  zero_room_on_free  a freed slot's room is zeroed, so the previous tenant's room can never
+                     pass for the next one's.
+
+A decode instance of several TP ranks (endpoints.decode_tp) runs one of these per rank:
+every rank receives every request's aux and status into its own buffers; the leader (rank
+0) also runs the control channel and tells the others about new grants; each step the ranks
+all-reduce (MIN) their poll status per request and act only on what they agree on
+(orchestrator.endpoints.tp).
+
+Requests are identified by (prefill rank, request id), never by room alone.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import zmq
 
-from .. import control
-from ..auth import from_env
-from ..buffers import SlotAllocator, checksum
+from .. import wire
+from ..auth import Authenticator
+from ..buffers import SlotAllocator
 from ..config import FaultKind, OrchestratorConfig
-from ..faults import FaultInjector, silent_listener
+from ..digest import Keys, RowDigest
+from ..faults import decode_setup, silent_listener
+from ..layout import describe, first_difference
+from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan
-from ..stats import LatencyHistogram
-from ..transport import zmq_aux
+from ..results import DecodeResult
 from ..transport.engine import exposed, listening_sockets
-from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
+from .common import (Stop, bind_random, boot_id, build_side, new_socket, proc_name, process_gpu,
+                     rss_kb, start_process)
+from .tp import Group, single
+
+_clock = time.monotonic
 
 
-@dataclass
+@dataclass(slots=True)
 class Grant:
+    prank: int
+    rid: int
     room: int
-    identity: bytes
-    granted_at: float
-    status: zmq_aux.AuxStatus | None = None
-    deadline: float = 0.0
-
-
-@dataclass
-class DecodeStats:
-    verified: int = 0
-    corrupted: int = 0
-    failed: int = 0
-    dropped_data: int = 0
-    dropped_control: int = 0
-    rejected_auth: int = 0  # control or status messages without a valid MAC
-    unexpected: int = 0
-    gate_waits: int = 0  # status seen before the room landed (re-checked later)
-    reasons: dict = field(default_factory=dict)
-    verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # gate + checksum
-    memory: dict = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if k != "verify_us"}
-        out["verify_us"] = self.verify_us.summary()
-        return out
-
-    def drop(self, counter: str, log, event: str, **kw) -> None:
-        """Count a rejected message; log the first few of each kind, then every 1000th, so
-        a flood of garbage cannot flood the console."""
-        n = getattr(self, counter) + 1
-        setattr(self, counter, n)
-        if n <= 5 or n % 1000 == 0:
-            log.warning(event, count=n, **kw)
-
-    def count(self, outcome: str, detail: str) -> None:
-        setattr(self, outcome, getattr(self, outcome) + 1)
-        if outcome != "verified":
-            self.reasons[detail] = self.reasons.get(detail, 0) + 1
+    slot: int
+    pad: tuple[int, int]
+    t_granted: float
+    status: Optional[int] = None  # KVPoll value of the status received
+    reason: str = ""
+    tag: int = 0  # from the status, when the row has no kv_checksum field
+    t_status: float = 0.0
+    identity: bytes = b""  # the prefill's control identity (leader only)
 
 
 class DecodeEndpoint:
-    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log, rank: int = 0):
+    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log, secret: bytes,
+                 instance: int = 0, tp_rank: int = 0, group: Optional[Group] = None):
         self.cfg, self.plan, self.log = cfg, plan, log
-        role = role_name("decode", rank, cfg.endpoints.decode_ranks)
-        self.side = build_side(cfg, plan, role, run_dir, log, rank_gpu(plan, "decode", rank))
+        e = cfg.endpoints
+        self.name = proc_name("decode", instance, e.decode_ranks, tp_rank, e.decode_tp)
+        self.instance, self.tp_rank = instance, tp_rank
+        self.side = build_side(cfg, plan, self.name, run_dir, log,
+                               process_gpu(plan, "decode", instance * e.decode_tp + tp_rank))
         self.buffers = self.side.buffers
+        self.layout = describe(self.buffers.specs)
         self.ptrs, _, self.item_lens = self.buffers.get_buf_infos()
-        self.room_offset = self.buffers.room_offset
         self.slots = SlotAllocator(cfg.buffers.size)
-        self.grants: dict[int, Grant] = {}
-        self.waiting: deque[tuple[bytes, int]] = deque()  # grant requests without a free slot
-        self.waiting_cap = max(4 * cfg.buffers.size, 1024)
-        self.settling: set[int] = set()  # slots whose status arrived before their room landed
-        self.stats = DecodeStats()
+        self.auth = Authenticator(secret)
+        self.keys = Keys(secret)
+        self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         self.timeout_s = cfg.transport.timeout_s
-        self.auth = from_env(cfg.transport.secret_env)
-        self.faults = FaultInjector(cfg.faults)
-        self.warm = min(1000, cfg.workload.requests // 10)
-        self._silent = None
-        if cfg.faults.kind is FaultKind.silent_peer:
-            self._silent = silent_listener(cfg.transport.host)
+        self.readiness = cfg.gate.readiness
+        self.zero_on_free = decode_setup(self.buffers, cfg.faults, cfg.gate.zero_room_on_free)
+        self.group = group or single()
+        self.leader = self.group.rank == 0
+        self.grants: dict[tuple[int, int], Grant] = {}
+        self.by_slot: dict[int, Grant] = {}
+        self.queue: list[Grant] = []  # in grant order: every TP rank has the same
+        self.waiting: collections.deque = collections.deque()  # arrivals without a free slot
+        self.waiting_cap = max(4 * cfg.buffers.size, 1024)
+        self.next_slot: dict[int, int] = {}  # prefill rank -> the slot after its last grant
+        self.prefills: dict[int, bytes] = {}  # prefill rank -> control identity
+        self.new_grants: list[Grant] = []  # granted since the last step (the leader shares them)
+        self.verdicts: dict[int, list[list[int]]] = collections.defaultdict(list)
+        self.granted: dict[int, list[list[int]]] = collections.defaultdict(list)
+        self.to_clear: list[int] = []
+        self.removed = False  # the queue holds released grants until the end of the step
+        self.res = DecodeResult(self.name)
+        self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "a", buffering=1 << 16)
+        self.host_rows = self.buffers.device.type == Device.cpu.value
+        self.boot_id = boot_id()
+        self.warm = 1000
+        self._silent = silent_listener(cfg.transport.host) if cfg.faults.kind is FaultKind.silent_peer else None
         self.ctx = zmq.Context()
         host = cfg.transport.host
         self.control = new_socket(self.ctx, zmq.ROUTER, self.timeout_s)
         self.data = new_socket(self.ctx, zmq.PULL, self.timeout_s)
-        self.control_endpoint = _bind(self.control, host)
-        self.data_endpoint = _bind(self.data, host)
+        self.control_endpoint = bind_random(self.control, host)
+        self.data_endpoint = bind_random(self.data, host)
 
-    # ---- control plane ------------------------------------------------------------------
+    @property
+    def session_id(self) -> Optional[str]:
+        """The engine session advertised at bootstrap (silent_peer: a port that never answers)."""
+        if self._silent is not None:
+            return "%s:%d" % self._silent.getsockname()
+        return self.side.engine.session_id if self.side.engine else None
+
+    # ---- control plane (hello on every rank; the rest on the leader) ----------------------
     def on_control(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
-            self.stats.drop("dropped_control", self.log, "control_dropped", error="no payload frame")
+            self._drop("dropped_control", "control_dropped", error="no payload frame")
             return
         identity = frames[0]
-        body = self.auth.check(frames[1:], 1)
+        body = self.auth.unseal(frames[1]) if len(frames) == 2 else None
         if body is None:
-            self.stats.drop("rejected_auth", self.log, "control_rejected",
-                            reason="bad or missing MAC, or wrong frame count")
+            self._drop("rejected_auth", "control_rejected", reason="bad or missing MAC")
             return
         try:
-            msg = control.decode(body[0])
-        except control.ControlError as exc:
-            self.stats.drop("dropped_control", self.log, "control_dropped", error=str(exc))
+            msg = wire.decode(body)
+        except wire.WireError as exc:
+            self._drop("dropped_control", "control_dropped", error=str(exc))
             return
         kind = msg["type"]
         if kind == "hello":
-            if msg["item_lens"] != self.item_lens:
-                self._reply(identity, control.encode(
-                    "error", detail=f"layout mismatch: decode item_lens {self.item_lens}"))
+            diff = first_difference(self.layout, msg["layout"])
+            if diff is not None:
+                self.log.error("layout_mismatch", prefill=msg["rank"], detail=diff)
+                self._reply(identity, wire.encode("error", detail=f"layout mismatch: {diff}"))
                 return
-            self._reply(identity, control.encode(
-                "bootstrap", session_id=self.session_id,
-                aux_ptrs=self.ptrs, item_lens=self.item_lens, slots=self.cfg.buffers.size))
-        elif kind == "grant_request":
-            if len(self.waiting) >= self.waiting_cap:
-                self.stats.drop("dropped_control", self.log, "grant_request_dropped",
-                                error=f"{len(self.waiting)} requests already wait for a slot")
+            self.prefills[msg["rank"]] = identity
+            self._reply(identity, wire.encode(
+                "bootstrap", session_id=self.session_id, aux_ptrs=self.ptrs, item_lens=self.item_lens,
+                slots=self.cfg.buffers.size, layout=self.layout, fingerprint=msg["fingerprint"],
+                tp_rank=self.tp_rank, boot_id=self.boot_id))
+        elif kind == "arrive" and self.leader:
+            prank = self._prank(identity)
+            if prank is None:
+                self._drop("unexpected", "arrive_before_hello")
                 return
-            self.waiting.append((identity, msg["room"]))
-            self._grant_waiting()
-        elif kind == "bye":
-            pass
+            for rid, room in msg["reqs"]:
+                if len(self.waiting) >= self.waiting_cap:
+                    self._drop("dropped_control", "arrival_dropped",
+                               error=f"{len(self.waiting)} arrivals already wait for a slot")
+                    continue
+                self.waiting.append((prank, rid, room, msg["contiguous"]))
+            self.grant_waiting()
+        elif kind == "bye" and self.leader:
+            prank = self._prank(identity)
+            if prank is not None:
+                self.release_prefill(prank, "bye")
         else:
-            self.stats.drop("dropped_control", self.log, "control_dropped",
-                            error=f"{kind} is not a message decode accepts")
+            self._drop("dropped_control", "control_dropped", error=f"{kind} is not for this rank")
 
-    def _grant_waiting(self) -> None:
+    def _prank(self, identity: bytes) -> Optional[int]:
+        for rank, ident in self.prefills.items():
+            if ident == identity:
+                return rank
+        return None
+
+    def grant_waiting(self) -> None:
+        """Grant slots to waiting arrivals, in order. Arrivals marked contiguous get
+        consecutive slots (continuing after the prefill's previous grant when it can), so a
+        coalesced send covers them with one block per field."""
         while self.waiting and self.slots.available:
-            identity, room = self.waiting.popleft()
-            slot = self.slots.alloc()
-            self.grants[slot] = Grant(room, identity, time.monotonic())
-            self._reply(identity, control.encode("grant", room=room, slot=slot))
+            prank, rid, room, contiguous = self.waiting[0]
+            n = 1
+            if contiguous:
+                while (n < len(self.waiting) and n < self.slots.available
+                       and self.waiting[n][0] == prank and self.waiting[n][3]):
+                    n += 1
+                slots = self.slots.alloc_run(n, self.next_slot.get(prank))
+                self.next_slot[prank] = slots[-1] + 1
+            else:
+                slots = [self.slots.alloc()]
+            for slot in slots:
+                prank, rid, room, _ = self.waiting.popleft()
+                if (prank, rid) in self.grants:
+                    self.slots.free(slot)
+                    self._drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
+                    continue
+                g = Grant(prank, rid, room, slot, self.keys.pad(prank, rid), _clock(),
+                          identity=self.prefills[prank])
+                self._add(g)
+                self.new_grants.append(g)
+                self.granted[prank].append([rid, slot])
+
+    def _add(self, g: Grant) -> None:
+        self.grants[(g.prank, g.rid)] = g
+        self.by_slot[g.slot] = g
+        self.queue.append(g)
+        self.res.grants += 1
+
+    def release_prefill(self, prank: int, why: str) -> None:
+        """A prefill that said bye (or died) writes nothing more: its slots go back."""
+        gone = [g for g in self.queue if g.prank == prank and self.grants.get((g.prank, g.rid)) is g]
+        for g in gone:
+            self._remove(g)
+        self._flush()
+        self.waiting = collections.deque(w for w in self.waiting if w[0] != prank)
+        if gone:
+            self.log.info("grants_released", prefill=prank, count=len(gone), why=why)
+        self.grant_waiting()
 
     def _reply(self, identity: bytes, payload: bytes) -> None:
         try:
-            self.control.send_multipart([identity] + self.auth.sign([payload]))
+            self.control.send_multipart([identity, self.auth.seal(payload)])
         except zmq.ZMQError as exc:
             self.log.warning("reply_failed", error=str(exc))
 
     # ---- data plane ---------------------------------------------------------------------
     def on_data(self, frames: list[bytes]) -> None:
-        if frames and frames[0] == zmq_aux.AUX_STATUS:
-            body = self.auth.check(frames, 5)
-            if body is None:
-                self.stats.drop("rejected_auth", self.log, "status_rejected",
-                                reason="bad or missing MAC, or wrong frame count")
-                return
-            frames = body
+        body = self.auth.open(frames)
+        if body is None:
+            self._drop("rejected_auth", "data_rejected", reason="bad or missing MAC")
+            return
         try:
-            msg = zmq_aux.parse(frames, self.item_lens, self.cfg.buffers.size)
-        except zmq_aux.FrameError as exc:
-            self.stats.drop("dropped_data", self.log, "frame_dropped", error=str(exc))
+            msg = wire.parse(body, self.item_lens, self.cfg.buffers.size)
+        except wire.WireError as exc:
+            self._drop("dropped_data", "frame_dropped", error=str(exc))
             return
-        grant = self.grants.get(msg.slot)
-        if grant is None or grant.room != msg.room:
-            self.stats.drop("unexpected", self.log, "frame_for_ungranted_slot", slot=msg.slot,
-                            room=msg.room)
+        if isinstance(msg, wire.AuxData):
+            self._land(msg)
+        elif isinstance(msg, wire.StepStatus):
+            for e in msg.entries.tolist():
+                self._status(msg.prefill_rank, e[1], e[3], e[0], e[2], e[4], "")
+        else:
+            self._status(msg.prefill_rank, msg.room, msg.status, msg.rid, msg.slot, msg.tag, msg.reason)
+
+    def _land(self, msg: wire.AuxData) -> None:
+        if self.plan.route.value != "tcp" or not self.host_rows:
+            self._drop("unexpected", "aux_data_on_engine_route", slot=msg.slot)
             return
-        if isinstance(msg, zmq_aux.AuxData):
-            if self.buffers.device.type != Device.cpu.value:
-                self.stats.drop("dropped_data", self.log, "frame_dropped",
-                                error="AUX_DATA for device-resident buffers")
+        first = self.by_slot.get(msg.slot)
+        if first is None or first.room != msg.room or any(
+                (msg.slot + k) not in self.by_slot for k in range(msg.rows)):
+            self._drop("unexpected", "frame_for_ungranted_slot", slot=msg.slot, room=msg.room)
+            return
+        wire.write_rows(self.ptrs, self.item_lens, msg)
+
+    def _status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
+                tag: int, reason: str) -> None:
+        if rid is None:  # a bare SGLang status: only its room identifies the request
+            found = [g for g in self.queue if g.prank == prank and g.room == room]
+            if len(found) != 1:
+                self._drop("ambiguous" if found else "unexpected", "status_without_identity",
+                           prefill=prank, room=room, matches=len(found))
                 return
-            zmq_aux.write_row(self.ptrs, self.item_lens, msg)
+            g = found[0]
+        else:
+            g = self.grants.get((prank, rid))
+            if g is None or g.slot != slot or g.room != room:
+                self._drop("unexpected", "status_for_no_grant", prefill=prank, rid=rid, slot=slot)
+                return
+        if status not in (KVPoll.Success, KVPoll.Failed) or g.status is not None:
+            return  # non-terminal, or a second status: SGLang ignores those too
+        g.status, g.tag, g.reason, g.t_status = status, tag, reason, _clock()
+
+    def _drop(self, counter: str, event: str, **kw) -> None:
+        """Count a message not acted on; log the first few of each kind, then every 1000th."""
+        n = getattr(self.res, counter) + 1
+        setattr(self.res, counter, n)
+        if n <= 5 or n % 1000 == 0:
+            self.log.warning(event, count=n, **kw)
+
+    # ---- judging ------------------------------------------------------------------------
+    def step(self) -> None:
+        """One decode step: share new grants (TP), poll the queue, agree, act."""
+        self.group.share_grants(self)
+        candidates = [g for g in self.queue if g.status is not None]
+        if self.group.size == 1 and not candidates:
             return
-        grant.status = msg
-        grant.deadline = time.monotonic() + self.timeout_s
-        if not self._settle(msg.slot, grant):
-            self.settling.add(msg.slot)
-
-    def _settle(self, slot: int, grant: Grant) -> bool:
-        """Apply the readiness gate and verification; True when the slot was released."""
-        status = grant.status
-        if status.status != "ok":
-            return self._release(slot, grant, "failed", f"sender_{status.status}")
         t0 = time.perf_counter()
-        snapshot = self.buffers.row_snapshot(slot)
-        room = self.buffers.snapshot_room(snapshot, self.room_offset)
-        if room == 0:
-            if time.monotonic() < grant.deadline:
-                self.stats.gate_waits += 1
-                return False  # not landed yet: re-check later
-            return self._release(slot, grant, "failed", "room_never_landed")
-        if room != grant.room:
-            return self._release(slot, grant, "corrupted", "room_mismatch")
-        if checksum(snapshot) != status.checksum:
-            return self._release(slot, grant, "corrupted", "checksum_mismatch")
-        self.stats.verify_us.add((time.perf_counter() - t0) * 1e6)
-        return self._release(slot, grant, "verified", "")
+        rows = self.digest.read([g.slot for g in candidates], [(g.prank, g.rid) for g in candidates]) \
+            if candidates else []
+        read = {id(g): r for g, r in zip(candidates, rows)}
+        polls = []
+        for g in self.queue:
+            r = read.get(id(g))
+            if r is None:
+                polls.append(int(KVPoll.Transferring))
+            elif g.status == KVPoll.Failed:
+                polls.append(int(KVPoll.Failed))
+            elif r.room == 0 and self.readiness:
+                polls.append(int(KVPoll.Transferring))
+            else:
+                polls.append(int(KVPoll.Success))
+        agreed = self.group.agree(self, polls)
+        now_ns = time.monotonic_ns()
+        judged: list[tuple[Grant, Outcome, Detail]] = []
+        for g, local, poll in zip(list(self.queue), polls, agreed):
+            r = read.get(id(g))
+            if poll == KVPoll.Failed:
+                judged.append((g, Outcome.failed, Detail.sender_error if g.status == KVPoll.Failed
+                               else Detail.tp_disagreement))
+            elif poll == KVPoll.Success:
+                judged.append((g, *self._judge(g, r)))
+            elif r is not None and r.room == 0 and _clock() - g.t_status > self.timeout_s:
+                judged.append((g, Outcome.failed, Detail.room_never_landed))
+            elif r is not None and r.room == 0:
+                self.res.gate_waits += 1
+        if self.group.size > 1:
+            judged = self.group.combine(self, judged)
+        for g, outcome, detail in judged:
+            self._finish(g, outcome, detail, now_ns)
+        if candidates:
+            self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
+            self.res.batch.add(len(candidates))
+        self.res.steps += 1
+        self._flush()
 
-    def _release(self, slot: int, grant: Grant, outcome: str, detail: str) -> bool:
-        self.settling.discard(slot)
-        self.stats.count(outcome, detail)
-        if outcome != "verified":
-            self.log.warning("handoff_rejected", slot=slot, room=grant.room, outcome=outcome,
-                             detail=detail)
-        if not self.faults.keep_stale_rooms:
-            self.buffers.clear_room(slot)
-        del self.grants[slot]
-        if self.stats.verified + self.stats.corrupted + self.stats.failed == self.warm:
-            self.stats.memory["rss_kb_warm"] = rss_kb()
-        self.slots.free(slot)
-        self._reply(grant.identity, control.encode("result", room=grant.room, slot=slot,
-                                                   outcome=outcome, detail=detail))
-        self._grant_waiting()
-        return True
+    def _judge(self, g: Grant, r) -> tuple[Outcome, Detail]:
+        if r is None:  # agreed by the group, never seen here (TP divergence)
+            return Outcome.failed, Detail.tp_disagreement
+        if r.room != g.room:
+            return Outcome.corrupted, Detail.room_mismatch
+        landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
+        if self.digest.expected_tag(r, g.pad) != landed:
+            return Outcome.corrupted, Detail.checksum_mismatch
+        return Outcome.verified, Detail.none
 
-    def recheck_pending(self) -> None:
-        for slot in list(self.settling):
-            self._settle(slot, self.grants[slot])
+    def _finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int) -> None:
+        self.res.outcomes[outcome] += 1
+        if outcome is not Outcome.verified:
+            self.res.details[detail] += 1
+            self.log.warning("handoff_rejected", prefill=g.prank, rid=g.rid, slot=g.slot, room=g.room,
+                             outcome=outcome.value, detail=detail.value)
+        if self.leader:
+            self.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns])
+        self.records.write(json.dumps({"prefill": g.prank, "rid": g.rid, "outcome": outcome.value,
+                                       "detail": detail.value}) + "\n")
+        self._remove(g)
+        if self.res.judged == self.warm:
+            self.res.memory["rss_kb_warm"] = rss_kb()
 
-    def expire_grants(self) -> None:
-        """A slot granted but never followed by a status within transport.timeout_s goes
-        back to the pool (failed, grant_expired): a sender that vanished, or one that only
-        asks for slots, cannot hold them forever."""
-        limit = time.monotonic() - self.timeout_s
-        for slot, grant in list(self.grants.items()):
-            if grant.status is None and grant.granted_at < limit:
-                self._release(slot, grant, "failed", "grant_expired")
+    def _remove(self, g: Grant) -> None:
+        del self.grants[(g.prank, g.rid)]
+        del self.by_slot[g.slot]
+        self.removed = True
+        if self.zero_on_free:
+            self.to_clear.append(g.slot)
+        self.slots.free(g.slot)
+
+    def _flush(self) -> None:
+        """End of a step: zero the freed rooms, send the verdicts, grant what waits."""
+        if self.removed:
+            self.queue = [g for g in self.queue if (g.prank, g.rid) in self.grants
+                          and self.grants[(g.prank, g.rid)] is g]
+            self.removed = False
+        if self.to_clear:
+            self.buffers.clear_slots(self.to_clear)
+            self.to_clear = []
+        if self.leader and self.waiting:
+            self.grant_waiting()
+        for prank in set(self.verdicts) | set(self.granted):
+            grants, v = self.granted.get(prank, []), self.verdicts.get(prank, [])
+            if grants or v:
+                self._reply(self.prefills[prank], wire.encode("update", grants=grants, v=v))
+        self.verdicts.clear()
+        self.granted.clear()
 
     # ---- loop ---------------------------------------------------------------------------
     def serve(self, conn) -> None:
@@ -237,41 +375,41 @@ class DecodeEndpoint:
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         poller.register(conn.fileno(), zmq.POLLIN)
-        next_expiry = time.monotonic()
+        lockstep = self.group.size > 1
         while True:
-            events = dict(poller.poll(1 if self.settling else 200))
+            waiting_gate = any(g.status is not None for g in self.queue)
+            events = dict(poller.poll(1 if (waiting_gate or lockstep) else 50))
             if self.control in events:
-                for _ in range(256):
-                    try:
-                        frames = self.control.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.on_control(frames)
-            if self.data in events:
                 for _ in range(1024):
                     try:
-                        frames = self.data.recv_multipart(zmq.NOBLOCK)
+                        self.on_control(self.control.recv_multipart(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    self.on_data(frames)
-            if self.settling:
-                self.recheck_pending()
-            if time.monotonic() >= next_expiry:
-                self.expire_grants()
-                next_expiry = time.monotonic() + 0.25
+            if self.data in events:
+                for _ in range(4096):
+                    try:
+                        self.on_data(self.data.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            self.step()
+            if self.granted:
+                self._flush()
+            stop = False
             if conn.fileno() in events and conn.poll():
-                if conn.recv() == "stop":
-                    self.stats.memory["rss_kb_end"] = rss_kb()
-                    return
-
-    @property
-    def session_id(self):
-        """The engine session advertised at bootstrap (silent_peer: a port that never answers)."""
-        if self._silent is not None:
-            return "%s:%d" % self._silent.getsockname()
-        return self.side.engine.session_id if self.side.engine else None
+                msg = conn.recv()
+                if msg == "stop":
+                    stop = True
+                elif isinstance(msg, tuple) and msg[0] == "prefill_gone":
+                    self.release_prefill(msg[1], "prefill process gone")
+            stop = stop or Stop.requested
+            if lockstep:
+                stop = self.group.any(stop)
+            if stop:
+                self.res.memory["rss_kb_end"] = rss_kb()
+                return
 
     def close(self) -> None:
+        self.records.close()
         if self._silent is not None:
             self._silent.close()
         self.control.close(0)
@@ -279,26 +417,30 @@ class DecodeEndpoint:
         self.ctx.term()
 
 
-def _bind(sock, host: str) -> str:
-    port = sock.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{port}"
-
-
-def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
-                bulk_bytes: int = 0, rank: int = 0) -> None:
-    """Process entry (multiprocessing spawn) of decode rank `rank`. `bulk_bytes` > 0 also
+def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn,
+                instance: int = 0, tp_rank: int = 0, bulk_bytes: int = 0) -> None:
+    """Process entry (multiprocessing spawn) of one decode process. `bulk_bytes` > 0 also
     registers a bulk target region of that size on the buffers' device (the benchmark's
     bandwidth point)."""
     run_path = Path(run_dir)
-    log = start_process(role_name("decode", rank, cfg.endpoints.decode_ranks), run_path)
+    e = cfg.endpoints
+    name = proc_name("decode", instance, e.decode_ranks, tp_rank, e.decode_tp)
+    log = start_process(name, run_path, cfg.logging.console)
     endpoint = None
     try:
-        endpoint = DecodeEndpoint(cfg, plan, run_path, log, rank)
+        group = None
+        if e.decode_tp > 1:
+            from .tp import join
+
+            kind, rendezvous = conn.recv()
+            group = join(plan, rendezvous, tp_rank, e.decode_tp, cfg.transport.timeout_s,
+                         process_gpu(plan, "decode", instance * e.decode_tp + tp_rank))
+        endpoint = DecodeEndpoint(cfg, plan, run_path, log, secret, instance, tp_rank, group)
         info = {
             "control_endpoint": endpoint.control_endpoint,
             "data_endpoint": endpoint.data_endpoint,
             "transport": endpoint.side.transport,
-            "session_id": endpoint.side.engine.session_id if endpoint.side.engine else None,
+            "session_id": endpoint.session_id,
             "engine_exposed": exposed(listening_sockets()) if endpoint.side.engine else [],
         }
         if bulk_bytes and endpoint.side.engine is not None:
@@ -309,10 +451,13 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, conn,
             info["bulk_ptr"] = bulk.data_ptr()
         conn.send(("ready", info))
         endpoint.serve(conn)
-        conn.send(("stats", endpoint.stats.summary()))
+        conn.send(("stats", endpoint.res))
     except Exception as exc:  # reported to the runner, which owns the user-facing message
         log.error("decode_failed", error=str(exc), traceback=traceback.format_exc())
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except (BrokenPipeError, OSError):
+            pass
     finally:
         if endpoint is not None:
             endpoint.close()

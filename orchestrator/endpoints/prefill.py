@@ -1,202 +1,328 @@
-"""Prefill endpoint (sender): fills a row per finished request, asks decode for a slot,
-sends the aux by the planned route, sends the status (with the row's checksum) on the data
-socket, and waits for decode's verdict. Keeps `workload.concurrency` handoffs in flight.
+"""Prefill endpoint (sender), shaped like SGLang's prefill scheduler.
 
-A decode side silent for `transport.timeout_s` is declared lost: the requests in flight and
-those not yet sent are counted as failed, and the run ends instead of hanging. Per-request
-records stream to requests.jsonl; only counters and latency arrays stay in memory, so a
-100,000-handoff soak runs in flat memory.
+A request is announced to its decode instance when it ARRIVES ("arrive", in bulk); decode
+grants it a slot then, as SGLang's decode pre-allocates while the request bootstraps, so a
+finished prefill never waits for a grant. Granted requests are taken `workload.batch_size`
+at a time by a forward step, which
+
+  1. fills each request's row (inline: SGLang's set_buf, timed per request as set_buf_us;
+     ahead: every slot was filled before the timed phase, a request writes its room only),
+  2. takes one digest pass over the whole step on the buffers' device (orchestrator.digest)
+     and writes each tag into the row's kv_checksum field where the layout has one,
+  3. hands the step to the transfer thread and goes on with the next step.
+
+The transfer thread runs the sends (orchestrator.router: one batch write per request, or per
+run of consecutive slots) and the status messages, overlapping with the next step's fill as
+SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
+instance silent for `transport.timeout_s` while it owes us something is declared lost; its
+requests fail with a reason, and the run goes on with the others.
+
+Requests are identified by (prefill rank, request id) everywhere, never by room: duplicate
+rooms (retries, n>1 sampling) each get their own slot and verdict.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import collections
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
-from .. import control
-from ..auth import Authenticator, from_env
+from .. import wire
+from ..auth import Authenticator
 from ..buffers import SlotAllocator
-from ..config import FaultKind, OrchestratorConfig
-from ..faults import BAD_OFFSET, UNSERVED_SESSION, FaultInjector
+from ..config import CompletionSetting, FillMode, OrchestratorConfig, StatusMode
+from ..digest import SIGNATURE, Keys, RowDigest
+from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
+from ..logs import decision_log
+from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Plan
-from ..router import AuxRouter, Peer
-from ..stats import LatencyHistogram
-from ..transport import zmq_aux
-from ..workload import make_request
-from .common import build_side, new_socket, rank_gpu, role_name, rss_kb, start_process
+from ..results import RankResult, Record
+from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
+from ..workload import RequestPool, arrival_offsets, room_of
+from .common import (Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
+                     shapes, start_process)
+from ..layout import describe, fingerprint, first_difference
 
-RECORD_FIELDS = ("rid", "room", "decode_rank", "dst_slot", "route", "send_us", "deliver_us",
-                 "handoff_us", "outcome", "detail", "checksum", "fault")
+_clock = time.monotonic
 
 
 @dataclass
-class Handoff:
+class Phase:
+    """One timed run of the workload (a plain run has one; the benchmark several)."""
+
+    requests: int
+    concurrency: int
+    rate: Optional[float] = None
+    batch_size: int = 1
+    fill: FillMode = FillMode.inline
+    coalesce: bool = False
+    status: StatusMode = StatusMode.per_request
+    rid_base: int = 0  # request ids of this phase start here (unique per prefill rank)
+
+    @classmethod
+    def of(cls, cfg: OrchestratorConfig, rank: int) -> "Phase":
+        w, t = cfg.workload, cfg.transport
+        return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, t.coalesce, t.status,
+                   rid_base=rank * w.requests)
+
+
+@dataclass(slots=True)
+class Req:
+    """One request's life on the prefill."""
+
     rid: int
     room: int
-    slot: int
-    checksum: str
-    t_start: float
-    deadline: float
-    decode_rank: int = 0
+    inst: int
+    t_arrive: float
+    pad: tuple[int, int]
     dst_slot: int = -1
+    src_slot: int = -1
+    t_step: float = 0.0
+    set_buf_us: Optional[float] = None
+    send_us: Optional[float] = None
+    content: str = ""
     route: str = ""
-    send_us: float = 0.0
-    t_send: float = 0.0
-    deliver_us: float = 0.0  # send_aux start -> decode's verdict received
-    handoff_us: float = 0.0  # slot request -> decode's verdict received
-    outcome: str = ""
-    detail: str = ""
-    fault: Optional[str] = None
-
-    def record(self) -> dict:
-        return {name: getattr(self, name) for name in RECORD_FIELDS}
-
-
-class Tally:
-    """What the run keeps in memory: counters and fixed-size latency histograms."""
-
-    def __init__(self, sink_path: Optional[Path]):
-        self.outcomes: Counter = Counter()
-        self.routes: Counter = Counter()
-        self.reasons: Counter = Counter()
-        self.send_us = LatencyHistogram()
-        self.deliver_us = LatencyHistogram()
-        self.handoff_us = LatencyHistogram()
-        self.pairs: dict[int, dict] = {}  # decode rank -> outcomes and deliver latencies
-        self._sink = open(sink_path, "w", buffering=1 << 16) if sink_path else None
-
-    def add(self, h: Handoff) -> None:
-        self.outcomes[h.outcome] += 1
-        if h.route:
-            self.routes[h.route] += 1
-            self.send_us.add(h.send_us)
-        pair = self.pairs.setdefault(h.decode_rank, {"outcomes": Counter(),
-                                                     "deliver_us": LatencyHistogram()})
-        pair["outcomes"][h.outcome] += 1
-        if h.outcome == "verified":
-            self.deliver_us.add(h.deliver_us)
-            self.handoff_us.add(h.handoff_us)
-            pair["deliver_us"].add(h.deliver_us)
-        else:
-            self.reasons[h.detail] += 1
-        if self._sink is not None:
-            self._sink.write(json.dumps(h.record()) + "\n")
-
-    @property
-    def count(self) -> int:
-        return sum(self.outcomes.values())
-
-    def close(self) -> None:
-        if self._sink is not None:
-            self._sink.close()
-
-    def result(self) -> dict:
-        return {"outcomes": dict(self.outcomes), "routes": dict(self.routes),
-                "reasons": dict(self.reasons), "send_us": self.send_us.to_dict(),
-                "deliver_us": self.deliver_us.to_dict(), "handoff_us": self.handoff_us.to_dict(),
-                "pairs": {j: {"outcomes": dict(p["outcomes"]), "deliver_us": p["deliver_us"].to_dict()}
-                          for j, p in self.pairs.items()}}
+    sent: bool = False
+    done: bool = False
+    verdict: Optional[tuple[Outcome, Detail, Optional[float]]] = None  # outcome, detail, t_verified
 
 
 @dataclass
 class Link:
-    """One decode rank as this prefill rank sees it: control channel, data socket, router."""
+    """One decode process (a TP rank of a decode instance) as this prefill sees it."""
 
-    rank: int
-    control: zmq.Socket
+    inst: int
+    tp_rank: int
     push: zmq.Socket
-    router: AuxRouter
+    router: Any  # AuxRouter, or a FaultyRouter around it
+    name: str = ""
+
+
+@dataclass
+class Instance:
+    """One decode instance: its leader's control channel, and one link per TP rank."""
+
+    index: int
+    control: zmq.Socket
+    links: list[Link] = field(default_factory=list)
+    last_heard: float = 0.0
+    lost: bool = False
+    owed: int = 0  # requests announced to it and not yet judged
+    announce: list[list[int]] = field(default_factory=list)
+    same_clock: bool = True
+
+
+@dataclass
+class Step:
+    reqs: list[Req]
+    work: list[tuple[Link, list[Transfer]]]
+    sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
+    open: int = 0  # sends started and not finished
+
+
+class Sender(threading.Thread):
+    """The transfer thread: starts each step's sends as it comes (up to `max_inflight`
+    writes in flight, as SGLang's transfer workers keep several), finishes them in order,
+    sends each status behind its send, then wakes the main loop. Mooncake's calls release
+    the GIL, so the scheduler thread fills the next step meanwhile."""
+
+    def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[Step], None],
+                 nap_s: float = 0.0, max_inflight: int = 16, device=None):
+        super().__init__(name="sender", daemon=True)
+        self.device = device
+        self.queue: collections.deque[Optional[Step]] = collections.deque()
+        self.done: collections.deque[Step] = collections.deque()
+        self.ready = threading.Condition()
+        self.wake = ctx.socket(zmq.PAIR)
+        self.wake.connect(wake_addr)
+        self.log_decisions = log_decisions
+        self.nap_s = nap_s
+        self.max_inflight = max_inflight
+        self.inflight = 0  # sends started, not finished
+        self.idle = False  # waiting for a step (a submit must notify)
+        self.error: Optional[str] = None
+
+    @property
+    def backlog(self) -> int:
+        """Steps handed over and not yet started."""
+        return len(self.queue)
+
+    def submit(self, step: Optional[Step]) -> None:
+        with self.ready:
+            self.queue.append(step)
+            if self.idle:
+                self.ready.notify()
+
+    def run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        pending: collections.deque[tuple[Step, Link, list[Transfer], Send]] = collections.deque()
+        closing = False
+        try:
+            while not (closing and not pending):
+                with self.ready:
+                    while not self.queue and not pending and not closing:
+                        self.idle = True
+                        self.ready.wait()
+                        self.idle = False
+                    new = []
+                    while self.queue and (self.inflight < self.max_inflight or not pending):
+                        step = self.queue.popleft()
+                        if step is None:
+                            closing = True
+                            break
+                        new.append(step)
+                for step in new:
+                    self._start(step, pending)
+                if pending:
+                    self._finish_oldest(pending)
+        except Exception as exc:  # noqa: BLE001 - reported by the main loop
+            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            try:
+                self.wake.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        finally:
+            self.wake.close(0)
+
+    def _start(self, step: Step, pending) -> None:
+        for link, transfers in step.work:
+            for send in link.router.sends(transfers):
+                link.router.start(send)
+                pending.append((step, link, transfers, send))
+                step.open += 1
+                self.inflight += 1
+
+    def _finish_oldest(self, pending) -> None:
+        step, link, transfers, send = pending[0]
+        if self.nap_s:
+            left = send.t0 + self.nap_s - time.perf_counter()
+            if left > 0:
+                time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
+        link.router.finish(send)
+        pending.popleft()
+        self.inflight -= 1
+        link.router.after_send(send)
+        step.sends.append((link, send))
+        step.open -= 1
+        if not any(p[0] is step and p[1] is link for p in pending):
+            link.router.after_step(transfers)
+        if step.open == 0:
+            first = not self.done
+            self.done.append(step)
+            if first:  # the main loop drains every finished step at once
+                self.wake.send(b"", zmq.NOBLOCK)
+            self.log_decisions(step)
 
 
 class PrefillEndpoint:
-    """Prefill rank `rank`: hands its requests round-robin to every decode rank in
-    `decode_infos` (all-pairs when several prefill ranks run)."""
-
-    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log,
-                 decode_infos: list[dict], rank: int = 0):
-        self.cfg, self.plan, self.log = cfg, plan, log
-        ranks = cfg.endpoints.prefill_ranks
-        role = role_name("prefill", rank, ranks)
-        self.rid_base = rank * cfg.workload.requests
-        self.side = build_side(cfg, plan, role, run_dir, log, rank_gpu(plan, "prefill", rank))
+    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log, rank: int,
+                 secret: bytes):
+        self.cfg, self.plan, self.log, self.rank = cfg, plan, log, rank
+        self.run_dir = run_dir
+        self.name = proc_name("prefill", rank, cfg.endpoints.prefill_ranks)
+        self.side = build_side(cfg, plan, self.name, run_dir, log, process_gpu(plan, "prefill", rank))
         self.buffers = self.side.buffers
-        self.slots = SlotAllocator(cfg.buffers.size)
+        self.layout = describe(self.buffers.specs)
+        self.src = SlotAllocator(cfg.buffers.size)
         self.timeout_s = cfg.transport.timeout_s
-        self.auth: Authenticator = from_env(cfg.transport.secret_env)
-        self.faults = FaultInjector(cfg.faults)
+        self.auth = Authenticator(secret)
+        self.keys = Keys(secret)
+        self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
+        self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
+        self.tag_in_status = self.buffers.checksum_field is None
+        self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
+                      if plan.completion is CompletionSetting.nap else 0.0)
         self.ctx = zmq.Context()
-        self.links: list[Link] = []
         self.poller = zmq.Poller()
-        for j, info in enumerate(decode_infos):
-            ctl = new_socket(self.ctx, zmq.DEALER, self.timeout_s)
-            ctl.connect(info["control_endpoint"])
-            push = new_socket(self.ctx, zmq.PUSH, self.timeout_s)
-            push.connect(info["data_endpoint"])
-            router = AuxRouter(plan, self.buffers, self.side.transport, engine=self.side.engine,
-                               push=push,
-                               max_blocks_per_batch=cfg.transport.mooncake.max_blocks_per_batch)
-            self.links.append(Link(j, ctl, push, router))
-            self.poller.register(ctl, zmq.POLLIN)
-        self.router = self.links[0].router  # the benchmark drives one pair
-        self.in_flight: dict[int, Handoff] = {}
-        records = "requests.jsonl" if ranks == 1 else f"requests-{role}.jsonl"
-        self.tally = Tally(run_dir / records)
-        self.rejected_auth = 0
+        self.instances: list[Instance] = []
+        self.boot_id = boot_id()
+        self.rejected = 0
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
+        suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
+        self._decisions = decision_log(run_dir / f"decisions{suffix}.jsonl", self.name)
+        self.records_path = run_dir / f"requests{suffix}.jsonl"
+        self._static = {
+            "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
+            "route": plan.route.value, "reason": plan.route_reason.value,
+            "transport": self.side.transport, "row_bytes": self.buffers.row_bytes,
+            "fallback": plan.events[0].reason.value if plan.events else None,
+        }
+        self.wake_addr = f"inproc://wake-{id(self)}"
+        self.wake = self.ctx.socket(zmq.PAIR)
+        self.wake.bind(self.wake_addr)
+        self.poller.register(self.wake, zmq.POLLIN)
+        self.sender: Optional[Sender] = None
 
-    # ---- control channel ----------------------------------------------------------------
-    def _send(self, link: Link, payload: bytes) -> None:
-        link.control.send_multipart(self.auth.sign([payload]))
+    # ---- bootstrap ----------------------------------------------------------------------
+    def connect(self, decodes: list[list[dict]]) -> None:
+        """`decodes[i][t]`: what decode instance i's TP rank t said when it came up (its
+        control and data endpoints). Says hello to every rank, learns its engine session,
+        buffer pointers and layout, and keeps the leader's control channel for arrivals,
+        grants and verdicts."""
+        self.bulk_ptr = decodes[0][0].get("bulk_ptr")  # the benchmark's bandwidth target
+        for i, ranks in enumerate(decodes):
+            inst: Optional[Instance] = None
+            for t, info in enumerate(ranks):
+                ctl = new_socket(self.ctx, zmq.DEALER, self.timeout_s)
+                ctl.connect(info["control_endpoint"])
+                push = new_socket(self.ctx, zmq.PUSH, self.timeout_s)
+                push.connect(info["data_endpoint"])
+                router = AuxRouter(self.plan, self.buffers, self.auth, self.rank, self.side.engine, push,
+                                   max_blocks_per_batch=self.cfg.transport.mooncake.max_blocks_per_batch,
+                                   tag_in_status=self.tag_in_status)
+                name = proc_name("decode", i, len(decodes), t, len(ranks))
+                if inst is None:
+                    inst = Instance(i, ctl)
+                    self.poller.register(ctl, zmq.POLLIN)
+                inst.links.append(Link(i, t, push, wrap(router, self.cfg.faults), name))
+                self._bootstrap(inst, inst.links[-1], ctl)
+                if t > 0:
+                    ctl.close(0)
+            self.instances.append(inst)
+        self.sender = Sender(self.ctx, self.wake_addr, self._log_decisions, self.nap_s,
+                             self.cfg.transport.max_inflight_sends, self.buffers.device)
+        self.sender.start()
 
-    def _recv(self, timeout_s: float, link: Link) -> Optional[dict]:
-        """A decoded control message from `link`, {} for one that was dropped, None on timeout."""
-        if not link.control.poll(int(timeout_s * 1000)):
-            return None
-        return self._decode(link.control.recv_multipart())
+    def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
+        ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
+                                             fingerprint=fingerprint(self.layout))))
+        msg = self._recv_one(ctl, link.name)
+        if msg.get("type") == "error":
+            raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
+        if msg.get("type") != "bootstrap" or msg["tp_rank"] != link.tp_rank:
+            raise RuntimeError(f"{link.name} answered hello with {msg}")
+        diff = first_difference(self.layout, msg["layout"])
+        if diff is not None:
+            raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
+        peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
+                    msg["tp_rank"], msg["boot_id"])
+        link.router.connect(peer)
+        inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
+        if self.side.engine is not None:
+            self._probe_bounded(peer.session_id)
+        self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
+                      slots=peer.slots, same_clock=inst.same_clock)
 
-    def _recv_any(self, timeout_s: float) -> list[dict]:
-        """One message from EVERY decode rank that has one (fair: no rank starves another)."""
-        ready = self.poller.poll(int(timeout_s * 1000))
-        return [msg for sock, _ in ready if (msg := self._decode(sock.recv_multipart()))]
-
-    def _decode(self, frames: list[bytes]) -> dict:
-        """The decoded message, or {} for one that was dropped."""
-        body = self.auth.check(frames, 1)
-        if body is None:
-            self.rejected_auth += 1
-            self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
-            return {}
-        try:
-            return control.decode(body[0])
-        except control.ControlError as exc:
-            self.log.warning("control_dropped", error=str(exc))
-            return {}
-
-    def bootstrap(self) -> None:
-        for link in self.links:
-            self._send(link, control.encode("hello", item_lens=self.buffers.item_lens))
-            msg = self._recv(self.timeout_s, link)
-            if msg is None:
-                raise TimeoutError(f"decode rank {link.rank} did not answer hello within "
+    def _recv_one(self, ctl: zmq.Socket, name: str) -> dict:
+        deadline = _clock() + self.timeout_s
+        while True:
+            left = deadline - _clock()
+            if left <= 0 or not ctl.poll(int(left * 1000)):
+                raise TimeoutError(f"{name} did not answer hello within "
                                    f"transport.timeout_s={self.timeout_s:g}")
-            if msg.get("type") != "bootstrap":
-                raise RuntimeError(f"bootstrap refused by decode rank {link.rank}: "
-                                   f"{msg.get('detail', msg)}")
-            peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"])
-            link.router.connect(peer)
-            if self.side.engine is not None:
-                self._probe_bounded(peer.session_id)
-            self.log.info("bootstrapped", decode_rank=link.rank, peer_session=peer.session_id,
-                          slots=peer.slots)
+            msg = self._open(ctl.recv_multipart())
+            if msg:
+                return msg
 
     def _probe_bounded(self, session: str) -> None:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
@@ -213,149 +339,392 @@ class PrefillEndpoint:
         if not result.get("ok"):
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
 
-    # ---- one handoff --------------------------------------------------------------------
-    def _issue(self, rid: int) -> None:
-        """A prefill finished: fill its row, checksum it, ask a decode rank for a slot."""
-        gid = self.rid_base + rid  # unique across prefill ranks
-        link = self.links[rid % len(self.links)]
-        slot = self.slots.alloc()
-        req = make_request(self.cfg.workload, gid, self.cfg.buffers.hidden_size)
-        req.metadata_buffer_index = slot
-        self.buffers.set_buf(req)
-        now = time.perf_counter()
-        h = Handoff(gid, req.bootstrap_room, slot, self.buffers.row_checksum(slot), now,
-                    now + self.timeout_s, decode_rank=link.rank)
-        self.in_flight[h.room] = h
-        self._send(link, control.encode("grant_request", room=h.room, rid=gid))
+    # ---- messages -----------------------------------------------------------------------
+    def _send(self, inst: Instance, payload: bytes) -> None:
+        inst.control.send(self.auth.seal(payload))
 
-    def _on_grant(self, h: Handoff, dst_slot: int) -> None:
-        link = self.links[h.decode_rank]
-        h.dst_slot = dst_slot
-        fault = self.faults.for_request(h.rid)
-        h.t_send = time.perf_counter()
-        if fault is None:
-            decision = link.router.send_aux(h.room, h.slot, dst_slot)
-        else:
-            decision = self._send_with_fault(fault, link.router, h, dst_slot)
-        h.route, h.send_us = decision.route, round(decision.latency_us, 2)
-        status = "ok" if decision.outcome == "ok" else "error"
+    def _open(self, frames: list[bytes]) -> dict:
+        body = self.auth.unseal(frames[0]) if len(frames) == 1 else None
+        if body is None:
+            self.rejected += 1
+            self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
+            return {}
         try:
-            link.push.send_multipart(
-                self.auth.sign(zmq_aux.encode_status(h.room, dst_slot, status, h.checksum)))
-        except zmq.ZMQError as exc:  # the data plane is stuck: the peer-lost timer ends it
-            self.log.warning("status_send_failed", room=h.room, error=str(exc))
-        link.router.log(decision)
+            return wire.decode(body)
+        except wire.WireError as exc:
+            self.rejected += 1
+            self.log.warning("control_dropped", error=str(exc))
+            return {}
 
-    def _send_with_fault(self, fault: FaultKind, router: AuxRouter, h: Handoff, dst_slot: int):
-        h.fault = fault.value
-        self.log.info("fault_injected", fault=fault.value, rid=h.rid, room=h.room)
-        if fault is FaultKind.corrupt_byte:  # after the checksum was taken: "in transit"
-            self.buffers.flip_byte(h.slot, field_index=len(self.buffers.fields) // 2)
-            return router.send_aux(h.room, h.slot, dst_slot)
-        srcs, dsts, lens = router.blocks(h.slot, dst_slot)
-        if fault is FaultKind.bad_destination:
-            return router.send_aux(h.room, h.slot, dst_slot,
-                                   blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
-        if fault is FaultKind.wrong_session:
-            return router.send_aux(h.room, h.slot, dst_slot, session=UNSERVED_SESSION)
-        if fault is FaultKind.stale_room:
-            return router.send_aux(h.room, h.slot, dst_slot, blocks=(srcs[:-1], dsts[:-1], lens[:-1]))
-        raise ValueError(f"{fault} is not a per-request fault")
+    def _log_decisions(self, step: Step) -> None:
+        """One route_decision line per request and decode process (transfer thread)."""
+        for link, send in step.sends:
+            n = len(send.transfers)
+            for t in send.transfers:
+                self._decisions.info(
+                    "route_decision", rank=self.rank, rid=t.rid, room=t.room, slot=t.src_slot,
+                    dst_slot=t.dst_slot, decode=link.name, **self._static,
+                    send={"requests": n, "blocks": send.blocks, "bytes": send.nbytes},
+                    latency_us=round(send.latency_us, 2),
+                    outcome="ok" if send.error is None else "error", error=send.error)
 
-    def _finish(self, h: Handoff, outcome: str, detail: str) -> None:
-        h.outcome, h.detail = outcome, detail
-        now = time.perf_counter()
-        h.handoff_us = round((now - h.t_start) * 1e6, 2)
-        if h.t_send:
-            h.deliver_us = round((now - h.t_send) * 1e6, 2)
-        self.buffers.clear_room(h.slot)
-        self.slots.free(h.slot)
-        self.tally.add(h)
+    # ---- the workload -------------------------------------------------------------------
+    def fill_ahead(self) -> None:
+        """workload.fill=ahead: every slot's row once, from a distinct synthetic request."""
+        for slot in range(self.buffers.size):
+            self.buffers.set_buf(self.pool.get(slot, slot))
+        self.buffers.sync()
 
-    # ---- the loop -----------------------------------------------------------------------
-    def run(self, conn) -> float:
-        """Run the workload; returns the wall time in seconds."""
-        total = self.cfg.workload.requests
-        window = min(self.cfg.workload.concurrency, self.cfg.buffers.size)
-        warm = min(1000, total // 10)  # memory is sampled after warm-up and at the end
-        next_rid = 0
-        last_progress = t0 = time.perf_counter()
-        peer_lost: Optional[str] = None
-        while self.tally.count < total:
-            while next_rid < total and len(self.in_flight) < window and peer_lost is None:
-                self._issue(next_rid)
-                next_rid += 1
-            if peer_lost is not None or not self.in_flight:
-                break
-            msgs = self._recv_any(min(0.2, self.timeout_s))
-            now = time.perf_counter()
-            for msg in msgs:
-                h = self.in_flight.get(msg.get("room", -1))
-                if h is None:
-                    self.log.warning("unexpected_control", msg_type=msg["type"])
-                elif msg["type"] == "grant":
-                    self._on_grant(h, msg["slot"])
-                    h.deadline = time.perf_counter() + self.timeout_s
-                elif msg["type"] == "result":
-                    del self.in_flight[h.room]
-                    self._finish(h, msg["outcome"], msg["detail"])
-                    if self.tally.count == warm:
-                        self.memory["rss_kb_warm"] = rss_kb()
-            oldest = min((h.deadline for h in self.in_flight.values()), default=now)
-            if now > oldest:
-                peer_lost = f"decode silent for transport.timeout_s={self.timeout_s:g}"
-                self.log.error("peer_lost", detail=peer_lost, in_flight=len(self.in_flight))
-            if now - last_progress >= 0.25:
-                conn.send(("progress", self.tally.count))
-                last_progress = now
-        wall = time.perf_counter() - t0
-        for h in list(self.in_flight.values()):
-            self._finish(h, "failed", "peer_lost")
-        self.in_flight.clear()
-        for rid in range(next_rid, total):
-            self.tally.add(Handoff(self.rid_base + rid, 0, -1, "", 0, 0, decode_rank=rid % len(self.links),
-                                   outcome="failed", detail="not_sent_peer_lost"))
-        self.memory["rss_kb_end"] = rss_kb()
-        for link in self.links:
-            try:
-                self._send(link, control.encode("bye"))
-            except zmq.ZMQError:
-                pass
-        return wall
+    def run(self, phase: Phase, conn, checkpoint: Optional[Checkpoint] = None) -> RankResult:
+        """Run one phase to the end; returns what it measured."""
+        return _Loop(self, phase, conn, checkpoint).run()
 
     def close(self) -> None:
-        self.tally.close()
-        for link in self.links:
-            link.control.close(0)
-            link.push.close(0)
+        if self.sender is not None and self.sender.is_alive():
+            self.sender.submit(None)
+            self.sender.join(5)
+        for inst in self.instances:
+            try:
+                self._send(inst, wire.encode("bye"))
+            except zmq.ZMQError:
+                pass
+            inst.control.close(0)
+            for link in inst.links:
+                link.push.close(0)
+        self.wake.close(0)
         self.ctx.term()
 
 
-def run_workload(endpoint: PrefillEndpoint, conn, decode_info: dict) -> dict:
-    """The default driver: the configured workload through the full handoff protocol."""
-    wall = endpoint.run(conn)
-    return {"wall_s": wall, "row_bytes": endpoint.buffers.row_bytes, **endpoint.tally.result(),
-            "memory": endpoint.memory, "rejected_auth": endpoint.rejected_auth}
+class _Loop:
+    """The main loop of one phase (kept apart so the endpoint's set-up is reusable)."""
+
+    def __init__(self, ep: PrefillEndpoint, phase: Phase, conn, checkpoint: Optional[Checkpoint]):
+        self.ep, self.phase, self.conn, self.checkpoint = ep, phase, conn, checkpoint
+        self.w = w = ep.cfg.workload
+        self.total = phase.requests
+        self.res = RankResult(ep.rank, phase.requests, row_bytes=ep.buffers.row_bytes)
+        self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, ep.rank)
+        self.injector = Injector(ep.cfg.faults)
+        self.faulty = ep.cfg.faults.kind in PER_REQUEST
+        self.outstanding: dict[int, Req] = {}
+        self.ready: collections.deque[Req] = collections.deque()
+        self.next_i = 0
+        self.finished = 0
+        self.stopping = False
+        self.sink = open(ep.records_path, "a", buffering=1 << 16)
+        self.route = ep.plan.route.value
+        self.warm = min(1000, self.total // 10)
+        for inst in ep.instances:
+            for link in inst.links:
+                link.router.coalesce = phase.coalesce
+                link.router.status_mode = phase.status
+
+    # ---- request lifecycle ------------------------------------------------------------------
+    def arrive(self, i: int, t_arrive: float) -> None:
+        ep = self.ep
+        rid = self.phase.rid_base + i
+        inst = ep.instances[rid % len(ep.instances)]
+        room = room_of(self.w, rid)
+        req = Req(rid, room, inst.index, t_arrive, ep.keys.pad(ep.rank, rid))
+        if inst.lost:
+            req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
+            self.finish(req)
+            return
+        self.outstanding[rid] = req
+        inst.owed += 1
+        inst.announce.append([rid, room])
+
+    def flush_arrivals(self) -> None:
+        for inst in self.ep.instances:
+            if inst.announce:
+                if not inst.owed - len(inst.announce):
+                    inst.last_heard = _clock()  # nothing was owed before: the clock starts now
+                self.ep._send(inst, wire.encode("arrive", reqs=inst.announce,
+                                                contiguous=self.phase.coalesce))
+                inst.announce = []
+
+    def form_step(self) -> None:
+        ep, b = self.ep, self.ep.buffers
+        k = min(self.phase.batch_size, len(self.ready), ep.src.available)
+        if self.phase.coalesce:
+            slots = ep.src.alloc_run(k)
+        else:
+            slots = [ep.src.alloc() for _ in range(k)]
+        reqs = [self.ready.popleft() for _ in slots]
+        t_step = _clock()
+        pc = time.perf_counter
+        if self.phase.fill is FillMode.inline:
+            for req, slot in zip(reqs, slots):
+                r = ep.pool.get(req.rid, slot)
+                t0 = pc()
+                b.set_buf(r)
+                req.set_buf_us = (pc() - t0) * 1e6
+        else:
+            b.write_rooms(slots, [r.room for r in reqs])
+        tags, contents = ep.digest.sign(slots, [(ep.rank, r.rid) for r in reqs], [r.pad for r in reqs])
+        if b.checksum_field is not None:
+            b.write_checksums(slots, tags, SIGNATURE)
+        b.sync()
+        work: dict[int, tuple[Link, list[Transfer]]] = {}
+        for req, slot, tag, content in zip(reqs, slots, tags, contents):
+            req.src_slot, req.t_step, req.content, req.route = slot, t_step, content, self.route
+            inst = ep.instances[req.inst]
+            for link in inst.links:
+                work.setdefault(id(link), (link, []))[1].append(
+                    Transfer(req.rid, req.room, slot, req.dst_slot, tag))
+        ep.sender.submit(Step(reqs, list(work.values())))
+
+    def sent(self, step: Step) -> None:
+        """The transfer thread finished a step: free its source slots, note send times."""
+        by_rid = {r.rid: r for r in step.reqs}
+        for _, send in step.sends:
+            self.res.sends += 1
+            self.res.send_blocks += send.blocks
+            for t in send.transfers:
+                req = by_rid[t.rid]
+                req.send_us = max(req.send_us or 0.0, send.latency_us)
+        for req in step.reqs:
+            self.ep.src.free(req.src_slot)
+            req.sent = True
+            if req.verdict is not None:
+                self.finish(req)
+
+    def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
+        now = _clock()
+        for rid, outcome, detail, t_ns in verdicts:
+            req = self.outstanding.get(rid)
+            if req is None or req.inst != inst.index or req.verdict is not None:
+                self.res.rejected += 1  # not ours, or judged twice
+                continue
+            try:
+                o, d = Outcome.of(outcome), Detail.of(detail)
+            except KeyError:
+                self.res.rejected += 1
+                continue
+            t_verified = t_ns / 1e9 if inst.same_clock else now
+            req.verdict = (o, d, t_verified)
+            inst.owed -= 1
+            if req.sent or req.src_slot < 0:
+                self.finish(req)
+
+    def finish(self, req: Req) -> None:
+        if req.done:
+            return
+        req.done = True
+        outcome, detail, t_verified = req.verdict
+        self.outstanding.pop(req.rid, None)
+        verified = outcome is Outcome.verified and t_verified is not None
+        rec = Record(
+            req.rid, req.room, req.inst, req.dst_slot, req.route,
+            _r(req.set_buf_us), _r(req.send_us),
+            _r((t_verified - req.t_step) * 1e6) if verified and req.t_step else None,
+            _r((t_verified - req.t_arrive) * 1e6) if verified else None,
+            outcome, detail, req.content,
+            self.ep.cfg.faults.kind.value if self.faulty and self.injector.hits(req.rid) else None,
+            t_verdict=_clock())
+        self.res.add(rec)
+        self.sink.write(rec.line() + "\n")
+        self.finished += 1
+        if self.finished == self.warm:
+            self.ep.memory["rss_kb_warm"] = rss_kb()
+
+    def lose(self, inst: Instance, detail: Detail, why: str) -> None:
+        """Fail everything an instance still owes us (requests still being sent are
+        finished when their send completes)."""
+        inst.lost = True
+        self.ep.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
+        for req in list(self.outstanding.values()):
+            if req.inst == inst.index and req.verdict is None:
+                req.verdict = (Outcome.failed, detail, None)
+                if req.src_slot < 0 or req.sent:
+                    self.finish(req)
+        self.ready = collections.deque(r for r in self.ready if r.inst != inst.index)
+        inst.owed = 0
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> RankResult:
+        ep, phase = self.ep, self.phase
+        if phase.fill is FillMode.ahead:
+            ep.fill_ahead()
+        t0 = _clock()
+        self.res.t_start = t0
+        self.res.clock = "one_way" if all(i.same_clock for i in ep.instances) else "round_trip"
+        for inst in ep.instances:
+            inst.last_heard = t0
+        last_progress = last_iter = t0
+        conn_fd = self.conn.fileno() if self.conn is not None else None
+        if conn_fd is not None:
+            ep.poller.register(conn_fd, zmq.POLLIN)
+        try:
+            while self.finished < self.total:
+                now = _clock()
+                if now - last_iter > ep.timeout_s / 2:  # WE were stalled: nobody owed us anything
+                    for inst in ep.instances:
+                        inst.last_heard = now
+                last_iter = now
+                self.issue(now, t0)
+                while self.ready and ep.src.available and ep.sender.backlog < 2:
+                    self.form_step()
+                wait = self.wait_ms(now, t0)
+                events = dict(ep.poller.poll(wait))
+                if ep.wake in events:
+                    while True:
+                        try:
+                            ep.wake.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                if ep.sender.error:
+                    raise RuntimeError(f"transfer thread failed: {ep.sender.error}")
+                while ep.sender.done:
+                    self.sent(ep.sender.done.popleft())
+                for inst in ep.instances:
+                    if inst.control in events:
+                        self.drain(inst)
+                if conn_fd is not None and conn_fd in events and self.conn.poll():
+                    if self.conn.recv() == "stop":
+                        self.stop(Detail.interrupted)
+                if Stop.requested and not self.stopping:
+                    self.stop(Detail.interrupted)
+                now = _clock()
+                for inst in ep.instances:
+                    if not inst.lost and inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
+                        self.drain(inst)  # whatever already arrived counts first
+                        if inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
+                            self.lose(inst, Detail.peer_lost,
+                                      f"decode silent for transport.timeout_s={ep.timeout_s:g}")
+                if self.checkpoint is not None and self.checkpoint.due(self.finished, len(self.outstanding)):
+                    self.checkpoint.fire()
+                if self.conn is not None and now - last_progress >= 0.25:
+                    self.conn.send(("progress", self.finished))
+                    last_progress = now
+        finally:
+            if conn_fd is not None:
+                ep.poller.unregister(conn_fd)
+        ep.memory["rss_kb_end"] = rss_kb()
+        self.res.memory = dict(ep.memory)
+        self.res.rejected += ep.rejected
+        self.sink.close()
+        return self.res
+
+    def issue(self, now: float, t0: float) -> None:
+        if self.stopping:
+            return
+        cp = self.checkpoint
+        if self.offsets is None:
+            while (self.next_i < self.total and len(self.outstanding) < self.phase.concurrency
+                   and not (cp and cp.holds(self.next_i))):
+                self.arrive(self.next_i, now)
+                self.next_i += 1
+        else:
+            while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
+                   and not (cp and cp.holds(self.next_i))):
+                self.arrive(self.next_i, t0 + float(self.offsets[self.next_i]))
+                self.next_i += 1
+        self.flush_arrivals()
+
+    def wait_ms(self, now: float, t0: float) -> int:
+        if self.ready and self.ep.src.available and self.ep.sender.backlog < 2:
+            return 0
+        if self.offsets is not None and self.next_i < self.total and not self.stopping:
+            return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
+        return 50
+
+    def drain(self, inst: Instance) -> None:
+        """Every control message that has already arrived from this instance."""
+        while True:
+            try:
+                frames = inst.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.ep._open(frames)
+            if not msg:
+                continue
+            inst.last_heard = _clock()
+            kind = msg["type"]
+            if kind == "update":
+                for rid, slot in msg["grants"]:
+                    req = self.outstanding.get(rid)
+                    if req is None or req.inst != inst.index or req.dst_slot >= 0:
+                        self.res.rejected += 1
+                        continue
+                    req.dst_slot = slot
+                    self.ready.append(req)
+                self.judged(inst, msg["v"])
+            elif kind == "error":
+                self.ep.log.error("decode_error", decode=inst.index, detail=msg["detail"])
+            else:
+                self.res.rejected += 1
+
+    def stop(self, detail: Detail) -> None:
+        """Interrupted: announce nothing more, give what is in flight a moment, then fail
+        the rest with a reason."""
+        self.stopping = True
+        self.res.interrupted = True
+        deadline = _clock() + 0.5
+        while self.outstanding and _clock() < deadline:
+            events = dict(self.ep.poller.poll(20))
+            while self.ep.sender.done:
+                self.sent(self.ep.sender.done.popleft())
+            for inst in self.ep.instances:
+                if inst.control in events:
+                    self.drain(inst)
+        for req in list(self.outstanding.values()):
+            if req.verdict is None:
+                req.verdict = (Outcome.failed, detail, None)
+                self.finish(req)
+        for i in range(self.next_i, self.total):
+            rid = self.phase.rid_base + i
+            inst = rid % len(self.ep.instances)
+            self.finish(Req(rid, room_of(self.w, rid), inst, 0.0, (0, 0),
+                            verdict=(Outcome.failed, Detail.not_sent_interrupted, None)))
+        self.next_i = self.total
 
 
-def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, decode_infos: list[dict],
-                 conn, driver=run_workload, rank: int = 0) -> None:
-    """Process entry (multiprocessing spawn) of prefill rank `rank`. `driver(endpoint, conn,
-    decode_info)` does the work once bootstrapped and returns the result dict (the benchmark
-    passes its own; it gets the first decode rank's info)."""
+def _r(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v, 2)
+
+
+def workload_driver(endpoint: PrefillEndpoint, conn) -> RankResult:
+    """The default driver: the configured workload, once."""
+    cfg = endpoint.cfg
+    checkpoint = Checkpoint(cfg.faults, endpoint.rank, lambda kind: _ask_runner(conn, kind))
+    return endpoint.run(Phase.of(cfg, endpoint.rank), conn, checkpoint)
+
+
+def _ask_runner(conn, kind: str) -> None:
+    """A process fault: the runner acts (kill, stop) and answers; wait for it."""
+    conn.send(("fault", kind))
+    while True:
+        msg = conn.recv()
+        if msg == "fault_done":
+            return
+
+
+def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn,
+                 rank: int = 0, driver=workload_driver) -> None:
+    """Process entry (multiprocessing spawn) of prefill rank `rank`: build buffers and
+    engine (in parallel with the decode side), wait for the decode endpoints, bootstrap,
+    run `driver(endpoint, conn)` and send back what it returns."""
     run_path = Path(run_dir)
-    log = start_process(role_name("prefill", rank, cfg.endpoints.prefill_ranks), run_path)
+    name = proc_name("prefill", rank, cfg.endpoints.prefill_ranks)
+    log = start_process(name, run_path, cfg.logging.console)
     endpoint = None
     try:
-        endpoint = PrefillEndpoint(cfg, plan, run_path, log, decode_infos, rank)
-        conn.send(("transport", endpoint.side.transport))
-        endpoint.bootstrap()
-        conn.send(("result", driver(endpoint, conn, decode_infos[0])))
+        endpoint = PrefillEndpoint(cfg, plan, run_path, log, rank, secret)
+        conn.send(("up", {"transport": endpoint.side.transport}))
+        kind, decodes = conn.recv()
+        if kind != "decodes":
+            return
+        endpoint.connect(decodes)
+        conn.send(("running", None))
+        conn.send(("result", driver(endpoint, conn)))
     except Exception as exc:
-        log.error("prefill_failed", error=f"{type(exc).__name__}: {exc}")
+        log.error("prefill_failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         if endpoint is not None and endpoint.stuck:
+            import os
+
             os._exit(1)  # a Mooncake call is still blocked inside the engine: do not wait on it
         if endpoint is not None:
             endpoint.close()

@@ -52,23 +52,24 @@ _fd_lock = threading.Lock()
 
 @contextmanager
 def captured_stderr(log_path: Optional[str]) -> Iterator[list[str]]:
-    """Redirect file descriptor 2 (where glog writes) to a file; yield a list that receives
-    what was written. The text is appended to `log_path` when given."""
+    """Send file descriptor 2 (where glog writes) straight into `log_path` (appending), so
+    what the engine printed survives even when it aborts the process; yield a list that
+    receives the text written while inside. Without a path, a temporary file is used."""
     out: list[str] = []
-    with _fd_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
-        saved = os.dup(2)
-        try:
-            os.dup2(tmp.fileno(), 2)
-            yield out
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            text = tmp.read().decode(errors="replace")
-            out.append(text)
-            if log_path:
-                with open(log_path, "a") as fh:
-                    fh.write(text)
+    with _fd_lock:
+        fh = open(log_path, "a+b") if log_path else tempfile.TemporaryFile(mode="w+b")
+        with fh:
+            fh.seek(0, os.SEEK_END)
+            start = fh.tell()
+            saved = os.dup(2)
+            try:
+                os.dup2(fh.fileno(), 2)
+                yield out
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                fh.seek(start)
+                out.append(fh.read().decode(errors="replace"))
 
 
 def listening_sockets() -> list[str]:
@@ -166,11 +167,26 @@ class MooncakeEngine:
     def probe(self, session: str) -> bool:
         return self._engine.send_probe(session) == 0
 
+    def submit(self, session: str, srcs: Sequence[int], dsts: Sequence[int],
+               lengths: Sequence[int]) -> int:
+        """Start one batch write; returns its batch id (wait() for it)."""
+        batch = self._engine.batch_transfer_async_write(session, srcs, dsts, lengths)
+        if batch == 0:
+            raise EngineError("batch_transfer_async_write", -1, session=session,
+                              blocks=len(srcs), bytes=sum(lengths))
+        return batch
+
+    def wait(self, batch: int, **context) -> None:
+        """Until the batch has landed (Mooncake polls its status in a loop). Raises
+        EngineError: Mooncake writes the good blocks of a failed batch anyway (no rollback),
+        so the receiver must never trust a slot whose sender saw this raise."""
+        rc = self._engine.get_batch_transfer_status([batch])
+        if rc != 0:
+            raise EngineError("get_batch_transfer_status", rc, **context)
+
     def batch_write(self, session: str, srcs: Sequence[int], dsts: Sequence[int],
                     lengths: Sequence[int]) -> None:
-        """One synchronous batch write. Raises EngineError: Mooncake writes the good blocks
-        of a failed batch anyway (no rollback), so the receiver must never trust a slot
-        whose sender saw this raise."""
+        """One synchronous batch write (SGLang's call)."""
         rc = self._engine.batch_transfer_sync_write(session, srcs, dsts, lengths)
         if rc != 0:
             raise EngineError("batch_transfer_sync_write", rc, session=session,

@@ -1,0 +1,213 @@
+"""Typed results: what a prefill rank measured (RankResult), what a decode process judged
+(DecodeResult), and one run (RunResult: both, keyed by process name, the same shape for one
+rank or many). Endpoints fill them in; the runner merges them; orchestrator.report renders
+them. Times are CLOCK_MONOTONIC seconds of the process that took them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from .outcomes import Detail, Outcome
+from .stats import LatencyHistogram
+
+LATENCIES = ("set_buf_us", "send_us", "handoff_us", "e2e_us")
+RECORD_FIELDS = ("rid", "room", "decode", "dst_slot", "route", "set_buf_us", "send_us",
+                 "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault")
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as its prefill rank saw it end (a line of requests.jsonl)."""
+
+    rid: int
+    room: int
+    decode: int  # decode instance
+    dst_slot: int
+    route: str
+    set_buf_us: Optional[float]
+    send_us: Optional[float]
+    handoff_us: Optional[float]  # forward step done -> decode verified it
+    e2e_us: Optional[float]  # arrival -> decode verified it
+    outcome: Outcome
+    detail: Detail
+    checksum: str  # content fingerprint (public digest columns)
+    fault: Optional[str] = None
+    t_verdict: Optional[float] = None  # not written: the prefill's clock at the verdict
+
+    def line(self) -> str:
+        d = {k: getattr(self, k) for k in RECORD_FIELDS}
+        d["outcome"], d["detail"] = self.outcome.value, self.detail.value
+        return json.dumps(d)
+
+    @classmethod
+    def from_line(cls, text: str) -> "Record":
+        d = json.loads(text)
+        d["outcome"], d["detail"] = Outcome(d["outcome"]), Detail(d["detail"])
+        return cls(**{k: d.get(k) for k in RECORD_FIELDS})
+
+
+@dataclass
+class PairStats:
+    """One prefill rank -> decode instance pair, measured on its own verdict times."""
+
+    outcomes: Counter = field(default_factory=Counter)
+    handoff_us: LatencyHistogram = field(default_factory=LatencyHistogram)
+    first_verdict: Optional[float] = None
+    last_verdict: Optional[float] = None
+
+    def add(self, rec: Record) -> None:
+        self.outcomes[rec.outcome] += 1
+        if rec.outcome is Outcome.verified:
+            if rec.handoff_us is not None:
+                self.handoff_us.add(rec.handoff_us)
+            t = rec.t_verdict
+            if t is not None:
+                self.first_verdict = t if self.first_verdict is None else min(self.first_verdict, t)
+                self.last_verdict = t if self.last_verdict is None else max(self.last_verdict, t)
+
+    @property
+    def verified(self) -> int:
+        return self.outcomes[Outcome.verified]
+
+    @property
+    def rate(self) -> Optional[float]:
+        """Verified handoffs per second between this pair's own first and last verdict."""
+        n = self.verified
+        if n < 2 or not self.last_verdict or self.last_verdict <= self.first_verdict:
+            return None
+        return (n - 1) / (self.last_verdict - self.first_verdict)
+
+
+@dataclass
+class RankResult:
+    """What one prefill rank measured in one phase."""
+
+    rank: int
+    requests: int
+    outcomes: Counter = field(default_factory=Counter)  # Outcome -> count
+    details: Counter = field(default_factory=Counter)  # Detail -> count (not verified)
+    routes: Counter = field(default_factory=Counter)
+    latency: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {k: LatencyHistogram() for k in LATENCIES})
+    pairs: dict[int, PairStats] = field(default_factory=dict)
+    t_start: Optional[float] = None  # first arrival of the phase
+    t_last: Optional[float] = None  # last verdict
+    sends: int = 0  # send calls (batch writes, or sets of AUX_DATA frames)
+    send_blocks: int = 0
+    row_bytes: int = 0
+    clock: str = "one_way"  # "round_trip" when decode's clock is not this host's
+    rejected: int = 0  # messages dropped: bad MAC or malformed
+    memory: dict[str, int] = field(default_factory=dict)
+    interrupted: bool = False
+    error: Optional[str] = None
+
+    def add(self, rec: Record) -> None:
+        self.outcomes[rec.outcome] += 1
+        if rec.route:
+            self.routes[rec.route] += 1
+        if rec.outcome is not Outcome.verified:
+            self.details[rec.detail] += 1
+        for key in LATENCIES:
+            value = getattr(rec, key)
+            if value is not None and (key in ("set_buf_us", "send_us") or rec.outcome is Outcome.verified):
+                self.latency[key].add(value)
+        self.pairs.setdefault(rec.decode, PairStats()).add(rec)
+        if rec.t_verdict is not None:
+            self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
+
+    @property
+    def finished(self) -> int:
+        return sum(self.outcomes.values())
+
+    @property
+    def verified(self) -> int:
+        return self.outcomes[Outcome.verified]
+
+    @property
+    def wall_s(self) -> Optional[float]:
+        """The handoff phase: first arrival to last verdict (start-up excluded)."""
+        if self.t_start is None or self.t_last is None or self.t_last <= self.t_start:
+            return None
+        return self.t_last - self.t_start
+
+
+@dataclass
+class DecodeResult:
+    """What one decode process judged, and what it refused to act on."""
+
+    name: str
+    outcomes: Counter = field(default_factory=Counter)
+    details: Counter = field(default_factory=Counter)
+    rejected_auth: int = 0  # messages without a valid MAC
+    dropped_data: int = 0  # malformed data-plane messages
+    dropped_control: int = 0  # malformed control messages
+    unexpected: int = 0  # well-formed, authentic, but for no grant of ours
+    ambiguous: int = 0  # a bare SGLang status whose room matches several grants
+    gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
+    grants: int = 0
+    steps: int = 0
+    verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # per judged batch
+    batch: LatencyHistogram = field(default_factory=LatencyHistogram)  # requests per judged batch
+    tp: dict[str, Any] = field(default_factory=dict)  # TP group statistics (decode_tp > 1)
+    memory: dict[str, int] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def judged(self) -> int:
+        return sum(self.outcomes.values())
+
+
+def counter_dict(c: Counter) -> dict[str, int]:
+    return {(k.value if hasattr(k, "value") else str(k)): v for k, v in sorted(
+        c.items(), key=lambda kv: str(getattr(kv[0], "value", kv[0])))}
+
+
+def decode_dict(d: DecodeResult) -> dict[str, Any]:
+    return {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
+            "rejected_auth": d.rejected_auth, "dropped_data": d.dropped_data,
+            "dropped_control": d.dropped_control, "unexpected": d.unexpected,
+            "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "grants": d.grants,
+            "steps": d.steps, "verify_us_per_batch": d.verify_us.summary(),
+            "batch_mean": d.batch.mean, "tp": d.tp, "memory": d.memory, "error": d.error}
+
+
+def read_records(path: Path) -> Iterable[Record]:
+    """The complete lines of a requests file (a torn last line is skipped)."""
+    if not path.exists():
+        return
+    with open(path) as fh:
+        for line in fh:
+            if line.endswith("\n"):
+                try:
+                    yield Record.from_line(line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file so that a reader sees the old or the new content, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        import os
+
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return jsonable(asdict(obj))
+    if isinstance(obj, dict):
+        return {str(getattr(k, "value", k)): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "value") and hasattr(obj, "name"):
+        return obj.value
+    return obj

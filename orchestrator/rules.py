@@ -1,0 +1,67 @@
+"""The rule book: can this profile run on this machine, and how? One function answers it
+for the run, the doctor and export_env alike, so they can never disagree.
+
+check_profile(cfg, platform) returns the Plan or raises ConfigError (one line: key, value,
+what is allowed). It applies, in order:
+  1. every config section's own range and form checks (orchestrator.config);
+  2. the plan's rules: device, route, engine transport, fallback, GPU placement,
+     allocator settings (orchestrator.plan);
+  3. what a fault needs (a route, TP ranks);
+  4. the secret: a named one must be set; a run across hosts must name one;
+  5. the digest: blake2b reads rows on the host;
+  6. the metadata service the runner would start.
+Pure: the machine is described by `platform` (its env snapshot included).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from .auth import secret_from_env
+from .config import ConfigError, DigestKind, FaultKind, OrchestratorConfig, Role
+from .faults import ENGINE_ONLY
+from .plan import Device, Plan, Platform, Route, make_plan
+
+
+def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+    cfg.check()
+    plan = make_plan(cfg, platform)
+    f = cfg.faults
+    if f.kind in ENGINE_ONLY and plan.route is not Route.engine:
+        raise ConfigError("faults.kind", f.kind.value,
+                          "decode_killed, decode_stopped, prefill_killed, silent_control, "
+                          "corrupt_byte or status_first with the tcp route (the others need the "
+                          "engine route)")
+    if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
+        raise ConfigError("faults.rank", f.rank,
+                          f"a decode TP rank below endpoints.decode_tp={cfg.endpoints.decode_tp}")
+    t = cfg.transport
+    if t.secret_env is not None:
+        secret_from_env(t.secret_env, platform.env)
+    remote = not ipaddress.IPv4Address(t.host).is_loopback
+    if (remote or cfg.role is not Role.both) and t.secret_env is None:
+        why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
+        raise ConfigError("transport.secret_env", None,
+                          f"the name of an environment variable holding a secret shared by both "
+                          f"sides: {why} means two hosts, and a run's own generated secret "
+                          "cannot cross to the other one")
+    if cfg.verify.digest is DigestKind.blake2b and plan.buffer_device is not Device.cpu:
+        raise ConfigError("verify.digest", "blake2b",
+                          f"linear with {plan.buffer_device.value} buffers (blake2b reads rows "
+                          "on the host)")
+    mc = t.mooncake
+    if mc.start_metadata_server:
+        url = urlsplit(mc.metadata_server)
+        if url.scheme != "http" or not _loopback(url.hostname):
+            raise ConfigError("transport.mooncake.start_metadata_server", True,
+                              "false unless transport.mooncake.metadata_server is an "
+                              "http://127.x.x.x:PORT/metadata address the run can serve itself")
+    return plan
+
+
+def _loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.IPv4Address(host).is_loopback
+    except ValueError:
+        return False

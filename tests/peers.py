@@ -1,0 +1,120 @@
+"""A hand-written prefill for tests: real sockets against a real decode process, every
+message built with the project's own encoders (and the secret given), so a test can also
+send what a well-behaved prefill never would."""
+
+from __future__ import annotations
+
+import torch
+import zmq
+
+from orchestrator import MetadataBuffers, wire
+from orchestrator.auth import Authenticator
+from orchestrator.digest import SIGNATURE, Keys, RowDigest
+from orchestrator.layout import describe, fingerprint
+from orchestrator.outcomes import Detail, KVPoll, Outcome
+from orchestrator.workload import RequestPool, Shapes
+
+from .conftest import DecodeProcess
+
+
+class PrefillPeer:
+    """Plays prefill rank `rank` against a DecodeProcess."""
+
+    def __init__(self, cfg, tmp_path, rank: int = 0, secret: bytes = b"test-secret", decode=None):
+        self.cfg, self.rank = cfg, rank
+        self.decode = decode or DecodeProcess(cfg, tmp_path, secret)
+        self.info, self.plan = self.decode.info, self.decode.plan
+        self.auth = Authenticator(secret)
+        self.keys = Keys(secret)
+        self.z = zmq.Context()
+        self.control = self.z.socket(zmq.DEALER)
+        self.control.connect(self.info["control_endpoint"])
+        self.push = self.z.socket(zmq.PUSH)
+        self.push.connect(self.info["data_endpoint"])
+        b = cfg.buffers
+        self.buffers = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value,
+                                       b.max_sampling_mask_tokens, b.max_top_logprobs_num, None,
+                                       b.output_dsa_topk_indices_dim, layout=cfg.layout,
+                                       kv_checksum_enabled=b.kv_checksum_enabled,
+                                       enable_sampling_mask=b.enable_sampling_mask, device="cpu")
+        self.digest = RowDigest(self.buffers, self.keys)
+        self.pool = RequestPool(cfg.workload, Shapes(b.hidden_size, self.buffers.sizes.hidden_states_dtype))
+        layout = describe(self.buffers.specs)
+        self.send_control(wire.encode("hello", rank=rank, layout=layout, fingerprint=fingerprint(layout)))
+        self.bootstrap = self.recv()
+        self.grants: dict[int, int] = {}
+        self.verdicts: dict[int, tuple[Outcome, Detail]] = {}
+
+    # ---- control --------------------------------------------------------------------------
+    def send_control(self, payload: bytes) -> None:
+        self.control.send(self.auth.seal(payload))
+
+    def recv(self, timeout_ms: int = 20000) -> dict:
+        assert self.control.poll(timeout_ms), "decode did not answer"
+        body = self.auth.unseal(self.control.recv())
+        assert body is not None, "the decode's reply is not authentic"
+        msg = wire.decode(body)
+        if msg["type"] == "update":
+            self.grants.update({rid: slot for rid, slot in msg["grants"]})
+            self.verdicts.update({rid: (Outcome.of(o), Detail.of(d)) for rid, o, d, _ in msg["v"]})
+        return msg
+
+    def arrive(self, rid: int, room: int) -> int:
+        """Announce a request; returns the slot decode granted it."""
+        self.send_control(wire.encode("arrive", reqs=[[rid, room]], contiguous=False))
+        while rid not in self.grants:
+            self.recv()
+        return self.grants[rid]
+
+    def verdict(self, rid: int, timeout_ms: int = 20000) -> tuple[Outcome, Detail]:
+        while rid not in self.verdicts:
+            self.recv(timeout_ms)
+        return self.verdicts[rid]
+
+    # ---- rows ---------------------------------------------------------------------------
+    def fill(self, rid: int, slot: int = 0, room=None) -> tuple[int, int]:
+        """Fill local row `slot` for request `rid` (its own room unless `room` is given);
+        returns (room, tag) of the row as the real prefill would digest it."""
+        req = self.pool.get(rid, slot)
+        if room is not None:
+            req.bootstrap_room = room
+        self.buffers.set_buf(req)
+        (tag,), _ = self.digest.sign([slot], [(self.rank, rid)])
+        if self.buffers.checksum_field is not None:
+            self.buffers.write_checksums([slot], [tag], SIGNATURE)
+        return req.bootstrap_room, tag
+
+    def rows(self, slot: int = 0) -> list[bytes]:
+        ptrs, _, lens = self.buffers.get_buf_infos()
+        return wire.read_rows(ptrs, lens, slot)
+
+    def send_frames(self, room: int, dst_slot: int, rows, skip=(), sign: bool = True) -> None:
+        for i, payload in enumerate(rows):
+            if i not in skip:
+                frames = wire.encode_aux(room, i, dst_slot, payload)
+                self.push.send_multipart(self.auth.sign(frames) if sign else frames)
+
+    def status(self, room: int, rid: int, dst_slot: int, tag: int, status=KVPoll.Success,
+               sign: bool = True) -> None:
+        frames = wire.encode_status(room, status, self.rank, rid, dst_slot,
+                                    tag if self.buffers.checksum_field is None else 0)
+        self.push.send_multipart(self.auth.sign(frames) if sign else frames)
+
+    def handoff(self, rid: int, corrupt=None) -> tuple[Outcome, Detail]:
+        """A whole tcp-route handoff of request `rid` from local row 0."""
+        room, tag = self.fill(rid)
+        slot = self.arrive(rid, room)
+        rows = self.rows()
+        if corrupt is not None:
+            field, offset = corrupt
+            rows[field] = rows[field][:offset] + bytes([rows[field][offset] ^ 0xFF]) + rows[field][offset + 1:]
+        self.send_frames(room, slot, rows)
+        self.status(room, rid, slot, tag)
+        return self.verdict(rid)
+
+    def close(self):
+        stats = self.decode.stop()
+        self.control.close(0)
+        self.push.close(0)
+        self.z.term()
+        return stats
