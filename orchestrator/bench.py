@@ -41,7 +41,7 @@ from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
 from .plan import Device, Plan, Route
 from .platform import detect
-from .results import RankResult
+from .results import STAGES, RankResult
 from .router import Send, Transfer
 from .rules import check_profile
 from .runner import run_handoffs
@@ -72,7 +72,8 @@ class PhaseResult:
     handoff_us: dict
     set_buf_us: dict
     send_us: dict
-    blocks_per_send: Optional[float]
+    requests_per_send: Optional[float]
+    stages_p50_us: dict
 
 
 @dataclass
@@ -96,7 +97,8 @@ def _phase_result(name: str, res: RankResult, phase: Phase) -> PhaseResult:
     return PhaseResult(name, res.requests, res.verified, phase.batch_size, phase.concurrency,
                        round(rate, 1) if rate else None, res.latency["handoff_us"].summary(),
                        res.latency["set_buf_us"].summary(), res.latency["send_us"].summary(),
-                       round(res.send_blocks / res.sends, 2) if res.sends else None)
+                       round(res.finished / res.sends, 2) if res.sends else None,
+                       {k: h.percentile(50) for k, h in res.stages.items()})
 
 
 @dataclass
@@ -316,7 +318,7 @@ def ratios(paths: list[dict]) -> dict[str, Any]:
 
 def markdown(results: dict) -> str:
     B = results["batch_size"]
-    rows = ["| path | phase | batch | in flight | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | blocks/send |",
+    rows = ["| path | phase | batch | in flight | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | requests/send |",
             "|---|---|---|---|---|---|---|---|---|"]
     for p in results["paths"]:
         if "error" in p:
@@ -325,7 +327,7 @@ def markdown(results: dict) -> str:
         for name, ph in p["phases"].items():
             rows.append(f"| {p['path']} | {name} | {ph['batch_size']} | {ph['concurrency']} | "
                         f"{ph['handoffs_per_s']} | {ph['handoff_us'].get('p50')} | "
-                        f"{ph['handoff_us'].get('p99')} | {ph['set_buf_us'].get('p50')} | {ph['blocks_per_send']} |")
+                        f"{ph['handoff_us'].get('p99')} | {ph['set_buf_us'].get('p50')} | {ph['requests_per_send']} |")
     raw = ["", "| path | our send_aux p50 us | raw batch write p50 us | ours/raw | raw writes/s (1 request) | "
                f"raw rows/s ({B}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
     for p in results["paths"]:
@@ -333,6 +335,15 @@ def markdown(results: dict) -> str:
             raw.append(f"| {p['path']} | {p['ours_send_aux']['p50']} | {p['raw_batch_write']['p50']} | "
                        f"{p['ours_over_raw_p50']} | {p['raw_rows_per_s']} | {p['raw_run_rows_per_s']} | "
                        f"{(p.get('bulk') or {}).get('gb_per_s')} |")
+    stages = ["", "Where a one-in-flight handoff's time goes (p50 us of each stage; forward step done "
+                  "-> verified):", "", "| path | " + " | ".join(STAGES) + " | handoff p50 |",
+              "|---|" + "---|" * (len(STAGES) + 1)]
+    for p in results["paths"]:
+        ph = p.get("phases", {}).get("handoff 1-in-flight")
+        if ph:
+            stages.append(f"| {p['path']} | " + " | ".join(str(ph["stages_p50_us"].get(k)) for k in STAGES)
+                          + f" | {ph['handoff_us'].get('p50')} |")
+    raw += stages
     first = next((p for p in results["paths"] if "row_bytes" in p), {})
     lines = rows + raw + ["", f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
                               "handoff = row ready on the prefill -> verified on the decode", "",

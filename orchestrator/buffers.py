@@ -254,6 +254,9 @@ class MetadataBuffers:
         if self._rooms_np is not None:
             self._rooms_np[list(slots), 0] = [_as_i64(r) for r in rooms]
             return
+        if len(slots) == 1:  # one kernel, no index upload
+            self._rooms[slots[0], 0] = _as_i64(rooms[0])
+            return
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
         val = torch.tensor([_as_i64(r) for r in rooms], dtype=torch.int64, device=self.device)
         self._rooms[idx, 0] = val
@@ -262,6 +265,10 @@ class MetadataBuffers:
         """kv_checksum[slot] = (digest, signature) for a batch of slots."""
         if self._checksums_np is not None:
             self._checksums_np[list(slots), :2] = [[_as_i64(d), _as_i64(signature)] for d in digests]
+            return
+        if len(slots) == 1:
+            self._checksums[slots[0], 0] = _as_i64(digests[0])
+            self._checksums[slots[0], 1] = _as_i64(signature)
             return
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
         val = torch.tensor([[_as_i64(d), _as_i64(signature)] for d in digests], dtype=torch.int64,

@@ -1,15 +1,19 @@
 """Row digests, computed in batch where the rows live.
 
-Every field's row of a slot (all but the kv_checksum field itself) is read as little-endian
-16-bit words x_1..x_n, and
+Every field's row of a slot (all but the kv_checksum field itself) is read as signed
+little-endian 16-bit words x_1..x_n, and
 
     c_j = (sum_i x_i * w_ij) mod P            P = 16,777,213 (prime, < 2^24), j = 0..3
 
-with weights w_ij in [1, 2^24). Each product is below 2^40 and a row of up to 8,192 words
-sums below 2^53, so the sums are exact in float64 and one matrix product on the rows' device
-(numpy on the host, torch on CUDA) gives every column for a whole step; longer rows are
-summed in 8,192-word chunks. Changing any one byte changes one word by a nonzero amount
-below 2^16 < P, which changes every c_j: a single flipped byte is always caught.
+with weights w_ij in [1, 2^24). Each product is below 2^39 in size and 8,192 of them sum
+below 2^52, so the sums are exact in float64: one matrix product on the rows' device (numpy
+on the host, torch on CUDA) gives every column for a whole step; longer rows are summed in
+8,192-word chunks. Changing any one byte changes one word by a nonzero amount below
+2^16 < P, which changes every c_j: a single flipped byte is always caught.
+
+The same product also returns the room's and the landed tag's words (one-hot weight
+columns), so reading a step's rows costs one gather, one product and one small copy to the
+host, whatever the number of rows.
 
 Columns 0 and 1 use weights drawn from the run's secret and are masked with a pad that
 depends on the secret and the request's identity (prefill rank, request id):
@@ -22,7 +26,11 @@ registered memory reveal nothing about the weights), and a row moved to another 
 slot carries the wrong pad. Columns 2 and 3 use public weights: they fingerprint the content
 alone, identically in every run (requests.jsonl, replay).
 
-verify.digest=blake2b computes a keyed blake2b per row on the host instead (host rows only).
+The digest is linear, so with workload.fill=ahead (every row filled once before the timed
+phase, a request writing only its room) the sender takes each slot's sums once on the device
+(freeze) and adds its room's words on the host per request. The receiver always reads the
+bytes that landed. verify.digest=blake2b computes a keyed blake2b per row on the host
+instead (host rows only).
 """
 
 from __future__ import annotations
@@ -41,11 +49,11 @@ from .config import DigestKind
 P = 16_777_213
 CHUNK_WORDS = 8192
 MARK = 1 << 62
-MASK24 = (1 << 24) - 1
 # kv_checksum[slot, 1]: marks a digest of this tool's (an SGLang decode skips the comparison
 # of digests whose signature differs from its own KV layout signature)
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
 _PUBLIC_SEED = 0x5EED_0A0C
+_U64 = (1 << 64) - 1
 
 
 def _weights(seed: int, words: int, cols: int) -> np.ndarray:
@@ -55,6 +63,20 @@ def _weights(seed: int, words: int, cols: int) -> np.ndarray:
 
 def pack_tag(c0: int, c1: int, pad: tuple[int, int]) -> int:
     return ((c0 + pad[0]) % P) | (((c1 + pad[1]) % P) << 24) | MARK
+
+
+def _u64(words: Sequence[int]) -> int:
+    """Four little-endian signed 16-bit words as the uint64 they spell."""
+    return sum((int(w) & 0xFFFF) << (16 * i) for i, w in enumerate(words)) & _U64
+
+
+def _split(value: int) -> list[int]:
+    """The inverse of _u64: a uint64 as four signed 16-bit words."""
+    out = []
+    for i in range(4):
+        w = (value >> (16 * i)) & 0xFFFF
+        out.append(w - 0x10000 if w >= 0x8000 else w)
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,6 @@ class Keys:
         material = h.digest()
         self.weight_seed = int.from_bytes(material[:16], "little")
         self.pad_key = material[16:]
-        self.secret = secret
 
     def pad(self, rank: int, rid: int) -> tuple[int, int]:
         raw = hashlib.blake2b(struct.pack("<IQ", rank, rid), key=self.pad_key, digest_size=8).digest()
@@ -89,80 +110,113 @@ class RowDigest:
     def __init__(self, buffers: MetadataBuffers, keys: Keys, kind: DigestKind = DigestKind.linear):
         self.b, self.keys, self.kind = buffers, keys, kind
         self.device = buffers.device
-        self.covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
+        self.frozen: Optional[np.ndarray] = None  # (slots, 4) sums without the room (fill=ahead)
         if kind is DigestKind.blake2b:
             if self.device.type != "cpu":
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
             return
+        covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
         base, step = [], []
-        for i in self.covered:
+        room_at = tag_at = None
+        for i in covered + ([buffers.checksum_field] if buffers.checksum_field is not None else []):
             n = buffers.item_lens[i]
             assert n % 2 == 0 and buffers.offsets[i] % 2 == 0, "fields hold 16-bit words"
+            if i == buffers.room_field:
+                room_at = sum(len(b) for b in base)
+            if i == buffers.checksum_field:
+                tag_at = sum(len(b) for b in base)
             start = buffers.offsets[i] // 2
             base.append(np.arange(start, start + n // 2, dtype=np.int64))
             step.append(np.full(n // 2, n // 2, dtype=np.int64))
-        self.words = int(sum(len(b) for b in base))
-        weights = np.concatenate([_weights(keys.weight_seed, self.words, 2),
-                                  _weights(_PUBLIC_SEED ^ self.words, self.words, 2)], axis=1)
-        base_np, step_np = np.concatenate(base), np.concatenate(step)
-        room_off = buffers.offsets[buffers.room_field] // 8
-        room_step = buffers.item_lens[buffers.room_field] // 8
-        ck = buffers.checksum_field
+        self.base, self.step = np.concatenate(base), np.concatenate(step)
+        n_idx = len(self.base)
+        self.words = tag_at if tag_at is not None else n_idx  # the digested words come first
+        weights = np.zeros((n_idx, 12), dtype=np.float64)
+        weights[:self.words, :2] = _weights(keys.weight_seed, self.words, 2)
+        weights[:self.words, 2:4] = _weights(_PUBLIC_SEED ^ self.words, self.words, 2)
+        for j in range(4):  # one-hot columns: the room's words, and the landed tag's
+            weights[room_at + j, 4 + j] = 1.0
+            if tag_at is not None:
+                weights[tag_at + j, 8 + j] = 1.0
+        self.room_rows = weights[room_at:room_at + 4, :4].copy()  # for the frozen sums
+        self.has_tag = tag_at is not None
         if self.device.type == "cpu":
-            self._u16 = buffers.arena.numpy().view(np.uint16)
-            self._i64 = buffers.arena.numpy().view(np.int64)
-            self._base, self._step, self._w = base_np, step_np, weights
+            self._u16 = buffers.arena.numpy().view(np.int16)
+            self._w = weights
         else:
             dev = self.device
             self._u16 = buffers.arena.view(torch.int16)
-            self._i64 = buffers.arena.view(torch.int64)
-            self._base = torch.from_numpy(base_np).to(dev)
-            self._step = torch.from_numpy(step_np).to(dev)
             self._w = torch.from_numpy(weights).to(dev)
-        self._room = (room_off, room_step)
-        self._ck = (buffers.offsets[ck] // 8, buffers.item_lens[ck] // 8) if ck is not None else None
+            slots = torch.arange(buffers.size, dtype=torch.int64)
+            self._table = (slots[:, None] * torch.from_numpy(self.step) + torch.from_numpy(self.base)).to(dev)
 
-    # ---- the sums -----------------------------------------------------------------------
+    # ---- the product ----------------------------------------------------------------------
     def _sums(self, slots: Sequence[int]) -> np.ndarray:
-        """(k, 6) int64 host array: c_0..c_3, room, landed tag (0 without kv_checksum)."""
+        """(k, 12) int64 host array: c_0..c_3 (not yet reduced mod P), the room's 4 words,
+        the landed tag's 4 words."""
+        slots = list(slots)
         k = len(slots)
         if self.device.type == "cpu":
-            s = np.asarray(slots, dtype=np.int64)
-            idx = s[:, None] * self._step + self._base
+            idx = np.asarray(slots, dtype=np.int64)[:, None] * self.step + self.base
             x = self._u16[idx]
-            c = np.zeros((k, 4), dtype=np.int64)
-            for lo in range(0, self.words, CHUNK_WORDS):
-                part = x[:, lo:lo + CHUNK_WORDS].astype(np.float64) @ self._w[lo:lo + CHUNK_WORDS]
-                c = (c + part.astype(np.int64)) % P
-            room = self._i64[self._room[0] + s * self._room[1]]
-            tag = self._i64[self._ck[0] + s * self._ck[1]] if self._ck else np.zeros(k, np.int64)
-            return np.concatenate([c, room[:, None], tag[:, None]], axis=1)
-        s = torch.tensor(list(slots), dtype=torch.int64).to(self.device, non_blocking=True)
-        idx = s[:, None] * self._step + self._base
+            out = np.zeros((k, 12), dtype=np.int64)
+            for lo in range(0, x.shape[1], CHUNK_WORDS):
+                out += (x[:, lo:lo + CHUNK_WORDS].astype(np.float64) @ self._w[lo:lo + CHUNK_WORDS]).astype(np.int64)
+            return out
+        first = slots[0]
+        if slots == list(range(first, first + k)):
+            idx = self._table[first:first + k]  # a view: no index upload
+        else:
+            idx = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
         x = self._u16[idx]
-        c = torch.zeros((k, 4), dtype=torch.int64, device=self.device)
-        for lo in range(0, self.words, CHUNK_WORDS):
-            xs = x[:, lo:lo + CHUNK_WORDS].to(torch.int32).bitwise_and_(0xFFFF).to(torch.float64)
-            c = (c + (xs @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)) % P
-        room = self._i64[self._room[0] + s * self._room[1]]
-        tag = (self._i64[self._ck[0] + s * self._ck[1]] if self._ck
-               else torch.zeros(k, dtype=torch.int64, device=self.device))
-        return torch.cat([c, room[:, None], tag[:, None]], dim=1).cpu().numpy()  # one D2H
+        n = x.shape[1]
+        if n <= CHUNK_WORDS + 8:  # exact integers in float64: converted on the host
+            return (x.to(torch.float64) @ self._w).cpu().numpy().astype(np.int64)
+        out = sum((x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
+                  for lo in range(0, n, CHUNK_WORDS))
+        return out.cpu().numpy()  # one small copy to the host
 
-    # ---- sender --------------------------------------------------------------------------
+    # ---- sender ---------------------------------------------------------------------------
     def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
              pads: Optional[Sequence[tuple[int, int]]] = None) -> tuple[list[int], list[str]]:
-        """(tags, content fingerprints) of `slots`, whose requests are `idents` (prefill
-        rank, request id). `pads` may be given when they were derived ahead of time."""
+        """(tags, content fingerprints) of the rows in `slots`, whose requests are `idents`
+        (prefill rank, request id). `pads` may be given when they were derived ahead."""
         pads = pads if pads is not None else [self.keys.pad(r, q) for r, q in idents]
         if self.kind is DigestKind.blake2b:
             out = [self._blake(slot, ident) for slot, ident in zip(slots, idents)]
             return [t for t, _ in out], [c for _, c in out]
-        sums = self._sums(slots).tolist()
-        tags = [pack_tag(row[0], row[1], pad) for row, pad in zip(sums, pads)]
-        return tags, [f"{row[2] | row[3] << 24:012x}" for row in sums]
+        c = np.mod(self._sums(slots)[:, :4], P).tolist()
+        return self._tags(c, pads)
 
-    # ---- receiver ------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """fill=ahead: every slot's sums without its room, taken once on the device."""
+        if self.kind is DigestKind.blake2b:
+            return
+        sums = self._sums(range(self.b.size))
+        rooms = sums[:, 4:8].astype(np.float64)
+        self.frozen = np.mod(sums[:, :4] - (rooms @ self.room_rows).astype(np.int64), P)
+        self._frozen_rows = self.frozen.tolist()  # Python ints: a step of a few rows is host arithmetic
+        self._room_rows = self.room_rows.astype(np.int64).tolist()
+
+    def sign_rooms(self, slots: Sequence[int], rooms: Sequence[int],
+                   pads: Sequence[tuple[int, int]], idents: Sequence[tuple[int, int]]) -> tuple[list[int], list[str]]:
+        """fill=ahead: the tags of frozen rows that now hold `rooms` (host arithmetic)."""
+        if self.frozen is None:
+            return self.sign(slots, idents, pads)
+        frozen, rr = self._frozen_rows, self._room_rows
+        c = []
+        for slot, room in zip(slots, rooms):
+            w = _split(room)
+            c.append([(frozen[slot][j] + w[0] * rr[0][j] + w[1] * rr[1][j] + w[2] * rr[2][j]
+                       + w[3] * rr[3][j]) % P for j in range(4)])
+        return self._tags(c, pads)
+
+    @staticmethod
+    def _tags(c: list[list[int]], pads) -> tuple[list[int], list[str]]:
+        tags = [pack_tag(row[0], row[1], pad) for row, pad in zip(c, pads)]
+        return tags, [f"{row[2] | row[3] << 24:012x}" for row in c]
+
+    # ---- receiver ---------------------------------------------------------------------------
     def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]]) -> list[RowCheck]:
         """What landed in `slots`: sums, content, room and tag, in one pass (one D2H)."""
         if self.kind is DigestKind.blake2b:
@@ -172,9 +226,11 @@ class RowDigest:
                 landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
             return out
-        sums = self._sums(slots).tolist()
-        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", row[4] & ((1 << 64) - 1),
-                         row[5] & ((1 << 64) - 1)) for row in sums]
+        sums = self._sums(slots)
+        c = np.mod(sums[:, :4], P).tolist()
+        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
+                         _u64(s[8:12]) if self.has_tag else 0)
+                for row, s in zip(c, sums.tolist())]
 
     def expected_tag(self, check: RowCheck, pad: tuple[int, int]) -> int:
         if self.kind is DigestKind.blake2b:
@@ -182,7 +238,8 @@ class RowDigest:
         return pack_tag(check.keyed[0], check.keyed[1], pad)
 
     def _blake(self, slot: int, ident: tuple[int, int]) -> tuple[int, str]:
-        snap = self.b.row_snapshot(slot, skip=[self.b.checksum_field] if self.b.checksum_field is not None else ())
+        skip = [self.b.checksum_field] if self.b.checksum_field is not None else []
+        snap = self.b.row_snapshot(slot, skip=skip)
         keyed = hashlib.blake2b(snap, key=self.keys.pad_key, digest_size=8,
                                 person=struct.pack("<IQ", *ident)).digest()
         tag = (int.from_bytes(keyed, "little") & ((1 << 62) - 1)) | MARK

@@ -47,10 +47,12 @@ class FaultyRouter:
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "cfg", "kind", "inj"):
+        if name in ("inner", "cfg", "kind", "inj", "starts_in_caller"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
+
+    starts_in_caller = False  # a fault may sleep or alter the send: the transfer thread does it
 
     def _targeted(self) -> bool:
         return self.kind is not FaultKind.status_first or self.inner.peer.tp_rank == self.cfg.rank

@@ -43,6 +43,7 @@ class Detail(Enum):
     checksum_mismatch = "checksum_mismatch"  # the row's bytes are not what the sender digested
     room_mismatch = "room_mismatch"  # the row carries another request's room
     room_never_landed = "room_never_landed"  # "done" arrived, the room stayed 0 past the timeout
+    taken_unready = "taken_unready"  # judged while its room was still 0 (no readiness gate)
     sender_error = "sender_error"  # the sender's write failed (no rollback: never trust the slot)
     peer_lost = "peer_lost"  # in flight when the decode side went silent
     not_sent_peer_lost = "not_sent_peer_lost"  # never sent: the decode side was already lost
@@ -52,6 +53,7 @@ class Detail(Enum):
     not_sent_interrupted = "not_sent_interrupted"  # never sent: the run was interrupted
     run_error = "run_error"  # the run could not start or an endpoint failed
     tp_disagreement = "tp_disagreement"  # ranks of one decode TP group judged it differently
+    decode_overloaded = "decode_overloaded"  # the decode's arrival queue was full: shed
 
     @property
     def code(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from .config import OrchestratorConfig
 from .outcomes import Outcome
 from .plan import Plan
-from .results import RankResult, counter_dict, decode_dict, write_atomic
+from .results import STAGES, RankResult, counter_dict, decode_dict, write_atomic
 from .runner import RunResult
 from .stats import LatencyHistogram
 
@@ -38,6 +38,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
     details: Counter = Counter()
     routes: Counter = Counter()
     lat = {k: LatencyHistogram() for k in ("set_buf_us", "send_us", "handoff_us", "e2e_us")}
+    stages = {k: LatencyHistogram() for k in STAGES}
     pairs: dict[str, dict] = {}
     sends = blocks = rejected = 0
     for r in ranks:
@@ -46,6 +47,8 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         routes.update(r.routes)
         for k, h in r.latency.items():
             lat[k].merge(h)
+        for k, h in r.stages.items():
+            stages[k].merge(h)
         for j, p in sorted(r.pairs.items()):
             rate = p.rate
             pairs[f"p{r.rank}->d{j}"] = {
@@ -81,6 +84,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "latency_us": {"set_buf": lat["set_buf_us"].summary(), "send_aux": lat["send_us"].summary(),
                        "handoff": lat["handoff_us"].summary(), "e2e": lat["e2e_us"].summary()},
         "latency_clock": ranks[0].clock if ranks else None,
+        "handoff_stages_us": {k: h.summary() for k, h in stages.items()},
         "handoffs_per_s": round(verified / wall, 1) if wall and verified else None,
         "mb_per_s": round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
         "bytes_per_request": row_bytes,

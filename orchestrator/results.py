@@ -16,8 +16,14 @@ from .outcomes import Detail, Outcome
 from .stats import LatencyHistogram
 
 LATENCIES = ("set_buf_us", "send_us", "handoff_us", "e2e_us")
+# Where a handoff's time goes (forward step done -> verified), in order; they add up to it.
+STAGES = ("fill_digest", "write", "status_out", "to_decode", "judge")
 RECORD_FIELDS = ("rid", "room", "decode", "dst_slot", "route", "set_buf_us", "send_us",
                  "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault")
+
+
+def _j(v: Optional[float]) -> str:
+    return "null" if v is None else repr(v)
 
 
 @dataclass(slots=True)
@@ -40,9 +46,13 @@ class Record:
     t_verdict: Optional[float] = None  # not written: the prefill's clock at the verdict
 
     def line(self) -> str:
-        d = {k: getattr(self, k) for k in RECORD_FIELDS}
-        d["outcome"], d["detail"] = self.outcome.value, self.detail.value
-        return json.dumps(d)
+        """The requests.jsonl line (formatted directly: this runs once per request)."""
+        return (f'{{"rid": {self.rid}, "room": {self.room}, "decode": {self.decode}, '
+                f'"dst_slot": {self.dst_slot}, "route": "{self.route}", "set_buf_us": {_j(self.set_buf_us)}, '
+                f'"send_us": {_j(self.send_us)}, "handoff_us": {_j(self.handoff_us)}, '
+                f'"e2e_us": {_j(self.e2e_us)}, "outcome": "{self.outcome.value}", '
+                f'"detail": "{self.detail.value}", "checksum": "{self.checksum}", '
+                f'"fault": {json.dumps(self.fault)}}}')
 
     @classmethod
     def from_line(cls, text: str) -> "Record":
@@ -95,6 +105,8 @@ class RankResult:
     latency: dict[str, LatencyHistogram] = field(
         default_factory=lambda: {k: LatencyHistogram() for k in LATENCIES})
     pairs: dict[int, PairStats] = field(default_factory=dict)
+    stages: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {k: LatencyHistogram() for k in STAGES})
     t_start: Optional[float] = None  # first arrival of the phase
     t_last: Optional[float] = None  # last verdict
     sends: int = 0  # send calls (batch writes, or sets of AUX_DATA frames)
@@ -119,6 +131,13 @@ class RankResult:
         self.pairs.setdefault(rec.decode, PairStats()).add(rec)
         if rec.t_verdict is not None:
             self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
+
+    def add_stages(self, *times: float) -> None:
+        """One verified request's stage times (all on one clock): step start, row ready,
+        write landed, status out, status read by the decode, verified."""
+        for name, a, b in zip(STAGES, times, times[1:]):
+            if a and b:
+                self.stages[name].add(max(0.0, (b - a) * 1e6))
 
     @property
     def finished(self) -> int:

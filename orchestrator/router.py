@@ -33,7 +33,7 @@ from .outcomes import KVPoll
 from .plan import Plan, Route
 from .transport.engine import EngineError, MooncakeEngine
 
-_now = time.perf_counter
+_now = time.monotonic
 
 
 class LayoutMismatch(ValueError):
@@ -74,7 +74,8 @@ class Send:
     nbytes: int = 0
     latency_us: float = 0.0
     error: Optional[str] = None
-    t0: float = 0.0
+    t0: float = 0.0  # CLOCK_MONOTONIC when it started
+    t_status: float = 0.0  # when its status went out
     handles: list = field(default_factory=list)  # batch ids of the writes in flight
     fault: Optional[object] = None  # set by a fault wrapper for the sends it alters
 
@@ -120,6 +121,12 @@ class AuxRouter:
         if self.route is Route.engine and not peer.session_id:
             raise LayoutMismatch("the decode side has no engine session for the engine route")
         self.peer = peer
+
+    @property
+    def starts_in_caller(self) -> bool:
+        """An engine-route send can be submitted from any thread (Mooncake's submit is
+        asynchronous); a tcp-route send pushes frames, which the socket's own thread must."""
+        return self.route is Route.engine
 
     @property
     def status_per_step(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 _BASE_US = 0.1
 _RATIO = 1.005  # bucket width: 0.5%; values are reported at the bucket's geometric middle
 _LOG_RATIO = math.log(_RATIO)
@@ -28,10 +30,13 @@ class LatencyHistogram:
     """Log-bucketed counts of latencies in microseconds (at most ~4,200 buckets from 0.1 us
     to 100 s)."""
 
+    BUFFER = 4096  # values kept before they are folded into buckets (vectorized)
+
     def __init__(self, values: Iterable[float] = ()):
         self.counts: dict[int, int] = {}
         self.n = 0
         self.total = 0.0
+        self._pending: list[float] = []
         for v in values:
             self.add(v)
 
@@ -40,12 +45,31 @@ class LatencyHistogram:
         return int(math.log(us / _BASE_US) / _LOG_RATIO) if us > _BASE_US else 0
 
     def add(self, us: float) -> None:
-        b = self._bucket(us)
-        self.counts[b] = self.counts.get(b, 0) + 1
-        self.n += 1
-        self.total += us
+        self._pending.append(us)
+        if len(self._pending) >= self.BUFFER:
+            self.fold()
+
+    def fold(self) -> "LatencyHistogram":
+        """Fold buffered values into the buckets (one vectorized pass)."""
+        if not self._pending:
+            return self
+        v = np.asarray(self._pending, dtype=np.float64)
+        self._pending = []
+        b = np.where(v > _BASE_US, np.log(np.maximum(v, _BASE_US) / _BASE_US) / _LOG_RATIO, 0).astype(np.int64)
+        keys, counts = np.unique(b, return_counts=True)
+        for k, c in zip(keys.tolist(), counts.tolist()):
+            self.counts[k] = self.counts.get(k, 0) + c
+        self.n += len(v)
+        self.total += float(v.sum())
+        return self
+
+    def __getstate__(self):
+        self.fold()
+        return self.__dict__
 
     def merge(self, other: "LatencyHistogram") -> "LatencyHistogram":
+        self.fold()
+        other.fold()
         for b, c in other.counts.items():
             self.counts[b] = self.counts.get(b, 0) + c
         self.n += other.n
@@ -53,6 +77,7 @@ class LatencyHistogram:
         return self
 
     def percentile(self, q: float) -> Optional[float]:
+        self.fold()
         if not self.n:
             return None
         rank = max(1, math.ceil(q / 100 * self.n))
@@ -69,9 +94,11 @@ class LatencyHistogram:
 
     @property
     def mean(self) -> Optional[float]:
+        self.fold()
         return round(self.total / self.n, 2) if self.n else None
 
     def to_dict(self) -> dict:
+        self.fold()
         return {"n": self.n, "total": self.total, "counts": {str(b): c for b, c in self.counts.items()}}
 
     @classmethod

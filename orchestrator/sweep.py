@@ -33,9 +33,11 @@ PNG_NAME = "summary.png"
 RESULT_COLUMNS = [
     "status", "requests", "verified", "corrupted", "failed", "routes", "mem_pool", "route",
     "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
-    "handoff_p50_us", "handoff_p99_us", "handoff_p999_us",
-    "handoffs_per_s", "mb_per_s", "bytes_per_request", "effective_transport", "error",
+    "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
+    "handoffs_per_s", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
+    "exit_code", "error",
 ]
+RATE_KEY = "workload.rate"
 
 
 class SweepError(ValueError):
@@ -95,7 +97,7 @@ def _row(job_dir: Path) -> dict[str, Any]:
     requests, verified = res.get("requests"), res.get("verified")
     if error is not None:
         status = "error"
-    elif requests is not None and verified == requests:
+    elif requests and verified == requests:
         status = "ok"
     else:
         status = "failed"
@@ -113,8 +115,12 @@ def _row(job_dir: Path) -> dict[str, Any]:
         mb_per_s=res.get("mb_per_s"),
         bytes_per_request=res.get("bytes_per_request"),
         effective_transport=res.get("effective_transport"),
+        startup_s=res.get("startup_s"),
+        exit_code=res.get("exit_code"),
         error=error,
     )
+    for q in ("p50", "p99"):
+        row[f"e2e_{q}_us"] = _get(res, "latency_us", "e2e", q)
     for kind in ("send_aux", "handoff"):
         for q in ("p50", "p99", "p999"):
             row[f"{kind}_{q}_us"] = _get(res, "latency_us", kind, q)
@@ -202,9 +208,15 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = [("send_aux_p50_us", "send_aux p50 latency (us)"), ("handoffs_per_s", "handoffs/s")]
     ok = [r for r in rows if r["status"] == "ok"]
     x_key, x_label = _x_axis(swept, rows)
+    load = x_key == RATE_KEY  # a latency-vs-load sweep: offered load on x, p50 and p99 from arrival
+    if load:
+        panels = [("e2e_p50_us", "latency from arrival (us): p50 solid, p99 dashed"),
+                  ("handoffs_per_s", "verified handoffs/s vs offered")]
+        x_label = "offered load (requests/s per prefill rank)"
+    else:
+        panels = [("send_aux_p50_us", "send_aux p50 latency (us)"), ("handoffs_per_s", "handoffs/s")]
     # One line per (mem_pool, route); other swept keys that vary among the plotted rows (not
     # the x axis, not mem_pool, which the plan already names) split lines further, so that a
     # line never zig-zags between two configurations at the same x.
@@ -226,7 +238,13 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
             px = [x for x, r in pts if _number(r.get(key)) is not None]
             py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
             name = f"{label[0]} / {label[1]}" + "".join(f", {e}" for e in label[2:])
-            ax.plot(px, py, marker="o", label=name)
+            line, = ax.plot(px, py, marker="o", label=name)
+            if load and key == "e2e_p50_us":
+                qx = [x for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
+                qy = [_number(r.get("e2e_p99_us")) for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
+                ax.plot(qx, qy, marker="x", linestyle="--", color=line.get_color())
+        if load and key == "handoffs_per_s" and xs:
+            ax.plot(sorted(set(xs)), sorted(set(xs)), color="gray", linestyle=":", label="offered")
         ax.set_title(title)
         ax.set_xlabel(x_label)
         ax.set_ylabel(title)
@@ -238,7 +256,10 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
             ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
             ax.minorticks_off()
         if series:
-            ax.set_ylim(bottom=0)
+            if load and key == "e2e_p50_us":
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(bottom=0)
             ax.legend(title="mem_pool / route", fontsize="small")
         else:
             ax.text(0.5, 0.5, "no successful jobs", ha="center", va="center",

@@ -6,8 +6,9 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
                        contiguous}, bye {}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id}, update {grants: [[rid, slot], ...],
-                       v: [[rid, outcome, detail, t_ns], ...]} (new grants and verdicts, one
-                       message per loop), error {detail}
+                       v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
+                       grants and verdicts, one message per loop; times are the decode's
+                       CLOCK_MONOTONIC), error {detail}
 A request is announced ("arrive") when it arrives, as SGLang's decode pre-allocates while the
 request bootstraps, so the slot is known before its prefill finishes.
 
@@ -88,7 +89,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "bye": {},
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str},
-    "update": {"grants": _rows(2), "v": _rows(4)},
+    "update": {"grants": _rows(2), "v": _rows(5)},
     "error": {"detail": _str},
 }
 

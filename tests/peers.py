@@ -56,7 +56,7 @@ class PrefillPeer:
         msg = wire.decode(body)
         if msg["type"] == "update":
             self.grants.update({rid: slot for rid, slot in msg["grants"]})
-            self.verdicts.update({rid: (Outcome.of(o), Detail.of(d)) for rid, o, d, _ in msg["v"]})
+            self.verdicts.update({rid: (Outcome.of(o), Detail.of(d)) for rid, o, d, *_ in msg["v"]})
         return msg
 
     def arrive(self, rid: int, room: int) -> int:

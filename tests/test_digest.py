@@ -107,3 +107,14 @@ def test_blake2b_refused_for_device_rows():
         pytest.skip("needs CUDA")
     with pytest.raises(ValueError):
         RowDigest(_filled("cuda"), Keys(SECRET), DigestKind.blake2b)
+
+
+def test_frozen_rows_plus_room_equal_the_full_digest():
+    b = _filled()
+    d = RowDigest(b, Keys(SECRET))
+    d.freeze()
+    slots, rooms = [0, 3, 4], [5, (1 << 63) + 17, 123456789]
+    idents = [(0, i) for i in range(3)]
+    pads = [Keys(SECRET).pad(*i) for i in idents]
+    b.write_rooms(slots, rooms)
+    assert d.sign_rooms(slots, rooms, pads, idents) == d.sign(slots, idents, pads)

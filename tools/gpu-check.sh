@@ -1,40 +1,58 @@
 #!/usr/bin/env bash
-# Reproduces the GPU results in BENCHMARKS.md on a 2-GPU H200 machine (no network there).
+# The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
-# Run there:     bash tools/gpu-check.sh [OUTDIR]    (carry .whl along)
+# Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
+# STEPS: any of tests,bench,profile,sweep,pairs,tp (default: all of them)
 set -uo pipefail
 out=${1:-${OUT:-outputs/gpu-check}}
+steps=${2:-tests,bench,profile,sweep,pairs,tp}
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || exit 1
 export PYTHONPATH="$site:$PWD"
+want() { [[ ",$steps," == *",$1,"* ]]; }
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nvidia-smi topo -m
   python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
   ls "$site" | grep -i mooncake
-  nproc
+  nproc; git log --oneline -1 2>/dev/null
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-echo "== GPU tests"
-timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu-tests.txt"
-echo "== default INTRA_NODE_NVLINK profile"
-timeout 300 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK hydra.run.dir="$out/run-intra-node-nvlink" 2>&1 \
-  | grep -v '\[info' | tail -12
-echo "== experiment=deepseek_v3_mtp (2000 handoffs, 16 in flight)"
-timeout 300 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek-v3-mtp" 2>&1 \
-  | grep -v '\[info' | tail -12
-python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('decode verify_us', r['decode_stats'].get('verify_us'), 'gate_waits', r['decode_stats'].get('gate_waits'))" "$out/run-deepseek-v3-mtp/results.json"
-for rep in 1 2 3; do
-  echo "== bench #$rep: experiment=deepseek_v3_mtp shape (10 blocks / 15,872 B per request)"
-  timeout 200 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench-$rep" > "$out/bench-$rep.log" 2>&1
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['path'], 'decode verify_us', p.get('decode_verify_us')) for p in r['paths']]" "$out/bench-$rep/bench.json"
-  cp "$out/bench-$rep/bench.md" "$out/bench-$rep.md"
-done
-echo "== where a GPU-side verification goes"
-timeout 60 python3 tools/profile_verify.py 7168 bfloat16
-echo "== all pairs: 4 prefill x 4 decode ranks (on 2 GPUs they alternate), NVLink vs tcp route"
-timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp hydra.sweep.dir="$out/pd-4x4" 2>&1 | grep -v '\[info' | grep -E "mem_pool=|requests|send_aux|handoffs/s|pair|ERROR" | head -44
-cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
-for rep in 1 2 3; do echo "== bench #$rep table"; cat "$out/bench-$rep.md"; done
+if want tests; then
+  echo "== GPU tests"
+  timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$out/gpu-tests.txt"
+fi
+if want bench; then
+  echo "== bench: experiment=deepseek_v3_mtp (10 blocks / 15,872 B per request)"
+  timeout 400 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench" > "$out/bench.log" 2>&1
+  cp "$out/bench/bench.md" "$out/bench.md" 2>/dev/null; cp "$out/bench/bench.json" "$out/bench.json" 2>/dev/null
+  cat "$out/bench.md" 2>/dev/null || tail -30 "$out/bench.log"
+fi
+if want profile; then
+  echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
+  timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek" 2>&1 | tail -8
+  timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp workload.fill=ahead hydra.run.dir="$out/run-deepseek-ahead" 2>&1 | tail -8
+fi
+if want sweep; then
+  echo "== latency vs offered load: rate x mem_pool (INTRA_NODE_NVLINK vs NONE over the tcp route)"
+  timeout 400 python3 -m orchestrator -m experiment=deepseek_v3_mtp workload.requests=6000 workload.concurrency=512 \
+    workload.rate=2000,8000,16000,32000,64000 mem_pool=INTRA_NODE_NVLINK,NVLINK hydra.sweep.dir="$out/rate-sweep" 2>&1 \
+    | grep -E "sweep summary|job failed" ; cp "$out/rate-sweep/summary.png" "$out/rate-sweep.png" 2>/dev/null
+  cut -d, -f1-4,13-14,20-24 "$out/rate-sweep/summary.csv" 2>/dev/null
+fi
+if want pairs; then
+  echo "== all pairs: 4 prefill x 4 decode ranks (on 2 GPUs they alternate), NVLink vs tcp route, fill ahead"
+  timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp workload.fill=ahead hydra.sweep.dir="$out/pd-4x4" 2>&1 \
+    | grep -E "mem_pool=|requests|handoffs/s|pairs|ERROR" | head -20
+  cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
+fi
+if want tp; then
+  echo "== decode TP=2 on both GPUs, prefill on GPU 0: gate on, then gate off with the race fault"
+  timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
+    endpoints.decode_gpus=[0,1] workload.requests=4000 hydra.run.dir="$out/tp-gate-on" 2>&1 | tail -8
+  timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
+    endpoints.decode_gpus=[0,1] workload.requests=4000 faults=status_first gate.readiness=false \
+    hydra.run.dir="$out/tp-gate-off" 2>&1 | tail -8
+fi

@@ -21,7 +21,6 @@ Requests are identified by (prefill rank, request id), never by room alone.
 from __future__ import annotations
 
 import collections
-import json
 import time
 import traceback
 from dataclasses import dataclass
@@ -84,9 +83,9 @@ class DecodeEndpoint:
         self.zero_on_free = decode_setup(self.buffers, cfg.faults, cfg.gate.zero_room_on_free)
         self.group = group or single()
         self.leader = self.group.rank == 0
-        self.grants: dict[tuple[int, int], Grant] = {}
+        self.grants: dict[tuple[int, int], Grant] = {}  # in grant order (a TP group's shared order)
         self.by_slot: dict[int, Grant] = {}
-        self.queue: list[Grant] = []  # in grant order: every TP rank has the same
+        self.ready: dict[tuple[int, int], Grant] = {}  # grants whose status arrived, not yet judged
         self.waiting: collections.deque = collections.deque()  # arrivals without a free slot
         self.waiting_cap = max(4 * cfg.buffers.size, 1024)
         self.next_slot: dict[int, int] = {}  # prefill rank -> the slot after its last grant
@@ -95,7 +94,6 @@ class DecodeEndpoint:
         self.verdicts: dict[int, list[list[int]]] = collections.defaultdict(list)
         self.granted: dict[int, list[list[int]]] = collections.defaultdict(list)
         self.to_clear: list[int] = []
-        self.removed = False  # the queue holds released grants until the end of the step
         self.res = DecodeResult(self.name)
         self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "a", buffering=1 << 16)
         self.host_rows = self.buffers.device.type == Device.cpu.value
@@ -149,9 +147,12 @@ class DecodeEndpoint:
                 self._drop("unexpected", "arrive_before_hello")
                 return
             for rid, room in msg["reqs"]:
-                if len(self.waiting) >= self.waiting_cap:
-                    self._drop("dropped_control", "arrival_dropped",
+                if len(self.waiting) >= self.waiting_cap:  # shed, and say so
+                    self._drop("dropped_control", "arrival_shed",
                                error=f"{len(self.waiting)} arrivals already wait for a slot")
+                    now_ns = time.monotonic_ns()
+                    self.verdicts[prank].append([rid, Outcome.failed.code, Detail.decode_overloaded.code,
+                                                 now_ns, now_ns])
                     continue
                 self.waiting.append((prank, rid, room, msg["contiguous"]))
             self.grant_waiting()
@@ -198,12 +199,11 @@ class DecodeEndpoint:
     def _add(self, g: Grant) -> None:
         self.grants[(g.prank, g.rid)] = g
         self.by_slot[g.slot] = g
-        self.queue.append(g)
         self.res.grants += 1
 
     def release_prefill(self, prank: int, why: str) -> None:
         """A prefill that said bye (or died) writes nothing more: its slots go back."""
-        gone = [g for g in self.queue if g.prank == prank and self.grants.get((g.prank, g.rid)) is g]
+        gone = [g for g in self.grants.values() if g.prank == prank]
         for g in gone:
             self._remove(g)
         self._flush()
@@ -251,7 +251,7 @@ class DecodeEndpoint:
     def _status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
                 tag: int, reason: str) -> None:
         if rid is None:  # a bare SGLang status: only its room identifies the request
-            found = [g for g in self.queue if g.prank == prank and g.room == room]
+            found = [g for g in self.grants.values() if g.prank == prank and g.room == room]
             if len(found) != 1:
                 self._drop("ambiguous" if found else "unexpected", "status_without_identity",
                            prefill=prank, room=room, matches=len(found))
@@ -265,6 +265,7 @@ class DecodeEndpoint:
         if status not in (KVPoll.Success, KVPoll.Failed) or g.status is not None:
             return  # non-terminal, or a second status: SGLang ignores those too
         g.status, g.tag, g.reason, g.t_status = status, tag, reason, _clock()
+        self.ready[(g.prank, g.rid)] = g
 
     def _drop(self, counter: str, event: str, **kw) -> None:
         """Count a message not acted on; log the first few of each kind, then every 1000th."""
@@ -275,53 +276,37 @@ class DecodeEndpoint:
 
     # ---- judging ------------------------------------------------------------------------
     def step(self) -> None:
-        """One decode step: share new grants (TP), poll the queue, agree, act."""
+        """One decode step: judge what has a status (a TP group first agrees on it)."""
         self.group.share_grants(self)
-        candidates = [g for g in self.queue if g.status is not None]
-        if self.group.size == 1 and not candidates:
+        if self.group.size > 1:
+            self.group.step(self)
+            return
+        if not self.ready:
             return
         t0 = time.perf_counter()
-        rows = self.digest.read([g.slot for g in candidates], [(g.prank, g.rid) for g in candidates]) \
-            if candidates else []
-        read = {id(g): r for g, r in zip(candidates, rows)}
-        polls = []
-        for g in self.queue:
-            r = read.get(id(g))
-            if r is None:
-                polls.append(int(KVPoll.Transferring))
-            elif g.status == KVPoll.Failed:
-                polls.append(int(KVPoll.Failed))
-            elif r.room == 0 and self.readiness:
-                polls.append(int(KVPoll.Transferring))
+        cands = list(self.ready.values())
+        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands])
+        now, now_ns = _clock(), time.monotonic_ns()
+        for g, r in zip(cands, rows):
+            if g.status == KVPoll.Failed:
+                self._finish(g, Outcome.failed, Detail.sender_error, now_ns)
+            elif r.room == 0 and self.readiness:  # the gate: not landed yet
+                if now - g.t_status > self.timeout_s:
+                    self._finish(g, Outcome.failed, Detail.room_never_landed, now_ns)
+                else:
+                    self.res.gate_waits += 1
             else:
-                polls.append(int(KVPoll.Success))
-        agreed = self.group.agree(self, polls)
-        now_ns = time.monotonic_ns()
-        judged: list[tuple[Grant, Outcome, Detail]] = []
-        for g, local, poll in zip(list(self.queue), polls, agreed):
-            r = read.get(id(g))
-            if poll == KVPoll.Failed:
-                judged.append((g, Outcome.failed, Detail.sender_error if g.status == KVPoll.Failed
-                               else Detail.tp_disagreement))
-            elif poll == KVPoll.Success:
-                judged.append((g, *self._judge(g, r)))
-            elif r is not None and r.room == 0 and _clock() - g.t_status > self.timeout_s:
-                judged.append((g, Outcome.failed, Detail.room_never_landed))
-            elif r is not None and r.room == 0:
-                self.res.gate_waits += 1
-        if self.group.size > 1:
-            judged = self.group.combine(self, judged)
-        for g, outcome, detail in judged:
-            self._finish(g, outcome, detail, now_ns)
-        if candidates:
-            self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
-            self.res.batch.add(len(candidates))
+                self._finish(g, *self._judge(g, r), now_ns)
+        self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
+        self.res.batch.add(len(cands))
         self.res.steps += 1
         self._flush()
 
     def _judge(self, g: Grant, r) -> tuple[Outcome, Detail]:
         if r is None:  # agreed by the group, never seen here (TP divergence)
             return Outcome.failed, Detail.tp_disagreement
+        if r.room == 0:  # taken before its row landed: what a decode without the gate does
+            return Outcome.corrupted, Detail.taken_unready
         if r.room != g.room:
             return Outcome.corrupted, Detail.room_mismatch
         landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
@@ -336,27 +321,25 @@ class DecodeEndpoint:
             self.log.warning("handoff_rejected", prefill=g.prank, rid=g.rid, slot=g.slot, room=g.room,
                              outcome=outcome.value, detail=detail.value)
         if self.leader:
-            self.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns])
-        self.records.write(json.dumps({"prefill": g.prank, "rid": g.rid, "outcome": outcome.value,
-                                       "detail": detail.value}) + "\n")
+            self.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns,
+                                           int(g.t_status * 1e9)])
+        self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{outcome.value}", '
+                           f'"detail": "{detail.value}"}}\n')
         self._remove(g)
         if self.res.judged == self.warm:
             self.res.memory["rss_kb_warm"] = rss_kb()
 
     def _remove(self, g: Grant) -> None:
-        del self.grants[(g.prank, g.rid)]
+        key = (g.prank, g.rid)
+        del self.grants[key]
         del self.by_slot[g.slot]
-        self.removed = True
+        self.ready.pop(key, None)
         if self.zero_on_free:
             self.to_clear.append(g.slot)
         self.slots.free(g.slot)
 
     def _flush(self) -> None:
         """End of a step: zero the freed rooms, send the verdicts, grant what waits."""
-        if self.removed:
-            self.queue = [g for g in self.queue if (g.prank, g.rid) in self.grants
-                          and self.grants[(g.prank, g.rid)] is g]
-            self.removed = False
         if self.to_clear:
             self.buffers.clear_slots(self.to_clear)
             self.to_clear = []
@@ -377,8 +360,7 @@ class DecodeEndpoint:
         poller.register(conn.fileno(), zmq.POLLIN)
         lockstep = self.group.size > 1
         while True:
-            waiting_gate = any(g.status is not None for g in self.queue)
-            events = dict(poller.poll(1 if (waiting_gate or lockstep) else 50))
+            events = dict(poller.poll(1 if (self.ready or lockstep) else 50))
             if self.control in events:
                 for _ in range(1024):
                     try:
@@ -392,7 +374,7 @@ class DecodeEndpoint:
                     except zmq.Again:
                         break
             self.step()
-            if self.granted:
+            if self.granted or self.verdicts:
                 self._flush()
             stop = False
             if conn.fileno() in events and conn.poll():

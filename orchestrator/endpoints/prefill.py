@@ -83,7 +83,11 @@ class Req:
     pad: tuple[int, int]
     dst_slot: int = -1
     src_slot: int = -1
-    t_step: float = 0.0
+    t_step: float = 0.0  # the forward step that finished it began
+    t_ready: float = 0.0  # its row filled and digested
+    t_landed: float = 0.0  # its write(s) finished
+    t_status_out: float = 0.0  # its status sent
+    t_status_in: float = 0.0  # its status read by the decode (decode's clock)
     set_buf_us: Optional[float] = None
     send_us: Optional[float] = None
     content: str = ""
@@ -114,6 +118,9 @@ class Instance:
     last_heard: float = 0.0
     lost: bool = False
     owed: int = 0  # requests announced to it and not yet judged
+    ungranted: int = 0  # announced, no slot yet: at most `slots` (backpressure)
+    slots: int = 0  # the leader's buffer rows
+    backlog: collections.deque = field(default_factory=collections.deque)  # arrived, not announced
     announce: list[list[int]] = field(default_factory=list)
     same_clock: bool = True
 
@@ -121,7 +128,8 @@ class Instance:
 @dataclass
 class Step:
     reqs: list[Req]
-    work: list[tuple[Link, list[Transfer]]]
+    work: list[tuple[Link, list[Transfer], list[Send]]]  # per decode process: its sends
+    started: bool = False  # the engine sends were submitted by the main thread already
     sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
     open: int = 0  # sends started and not finished
 
@@ -194,9 +202,10 @@ class Sender(threading.Thread):
             self.wake.close(0)
 
     def _start(self, step: Step, pending) -> None:
-        for link, transfers in step.work:
-            for send in link.router.sends(transfers):
-                link.router.start(send)
+        for link, transfers, sends in step.work:
+            for send in sends:
+                if not step.started:
+                    link.router.start(send)
                 pending.append((step, link, transfers, send))
                 step.open += 1
                 self.inflight += 1
@@ -204,13 +213,14 @@ class Sender(threading.Thread):
     def _finish_oldest(self, pending) -> None:
         step, link, transfers, send = pending[0]
         if self.nap_s:
-            left = send.t0 + self.nap_s - time.perf_counter()
+            left = send.t0 + self.nap_s - time.monotonic()
             if left > 0:
                 time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
         link.router.finish(send)
         pending.popleft()
         self.inflight -= 1
         link.router.after_send(send)
+        send.t_status = time.monotonic()
         step.sends.append((link, send))
         step.open -= 1
         if not any(p[0] is step and p[1] is link for p in pending):
@@ -307,6 +317,8 @@ class PrefillEndpoint:
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
                     msg["tp_rank"], msg["boot_id"])
         link.router.connect(peer)
+        if link.tp_rank == 0:
+            inst.slots = peer.slots
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
         if self.side.engine is not None:
             self._probe_bounded(peer.session_id)
@@ -374,6 +386,7 @@ class PrefillEndpoint:
         for slot in range(self.buffers.size):
             self.buffers.set_buf(self.pool.get(slot, slot))
         self.buffers.sync()
+        self.digest.freeze()
 
     def run(self, phase: Phase, conn, checkpoint: Optional[Checkpoint] = None) -> RankResult:
         """Run one phase to the end; returns what it measured."""
@@ -431,11 +444,19 @@ class _Loop:
             self.finish(req)
             return
         self.outstanding[rid] = req
-        inst.owed += 1
-        inst.announce.append([rid, room])
+        inst.backlog.append(req)
 
     def flush_arrivals(self) -> None:
+        """Announce arrivals, at most as many ungranted at a time as the decode has slots
+        (the rest wait here, their latency still counted from arrival)."""
         for inst in self.ep.instances:
+            while inst.backlog and inst.ungranted < inst.slots:
+                req = inst.backlog.popleft()
+                if req.verdict is not None:
+                    continue
+                inst.owed += 1
+                inst.ungranted += 1
+                inst.announce.append([req.rid, req.room])
             if inst.announce:
                 if not inst.owed - len(inst.announce):
                     inst.last_heard = _clock()  # nothing was owed before: the clock starts now
@@ -453,26 +474,39 @@ class _Loop:
         reqs = [self.ready.popleft() for _ in slots]
         t_step = _clock()
         pc = time.perf_counter
+        idents, pads = [(ep.rank, r.rid) for r in reqs], [r.pad for r in reqs]
         if self.phase.fill is FillMode.inline:
             for req, slot in zip(reqs, slots):
                 r = ep.pool.get(req.rid, slot)
                 t0 = pc()
                 b.set_buf(r)
                 req.set_buf_us = (pc() - t0) * 1e6
-        else:
-            b.write_rooms(slots, [r.room for r in reqs])
-        tags, contents = ep.digest.sign(slots, [(ep.rank, r.rid) for r in reqs], [r.pad for r in reqs])
+            tags, contents = ep.digest.sign(slots, idents, pads)
+        else:  # the rows were filled (and digested) before the phase: write the rooms only
+            rooms = [r.room for r in reqs]
+            b.write_rooms(slots, rooms)
+            tags, contents = ep.digest.sign_rooms(slots, rooms, pads, idents)
         if b.checksum_field is not None:
             b.write_checksums(slots, tags, SIGNATURE)
         b.sync()
-        work: dict[int, tuple[Link, list[Transfer]]] = {}
+        per_link: dict[int, tuple[Link, list[Transfer]]] = {}
         for req, slot, tag, content in zip(reqs, slots, tags, contents):
             req.src_slot, req.t_step, req.content, req.route = slot, t_step, content, self.route
             inst = ep.instances[req.inst]
             for link in inst.links:
-                work.setdefault(id(link), (link, []))[1].append(
+                per_link.setdefault(id(link), (link, []))[1].append(
                     Transfer(req.rid, req.room, slot, req.dst_slot, tag))
-        ep.sender.submit(Step(reqs, list(work.values())))
+        work = [(link, transfers, link.router.sends(transfers)) for link, transfers in per_link.values()]
+        step = Step(reqs, work)
+        t_ready = _clock()
+        if all(link.router.starts_in_caller for link, _, _ in work):
+            for link, _, sends in work:  # submitted here: the write starts before any thread hop
+                for send in sends:
+                    link.router.start(send)
+            step.started = True
+        for req in reqs:
+            req.t_ready = t_ready
+        ep.sender.submit(step)
 
     def sent(self, step: Step) -> None:
         """The transfer thread finished a step: free its source slots, note send times."""
@@ -483,6 +517,8 @@ class _Loop:
             for t in send.transfers:
                 req = by_rid[t.rid]
                 req.send_us = max(req.send_us or 0.0, send.latency_us)
+                req.t_landed = max(req.t_landed, send.t0 + send.latency_us / 1e6)
+                req.t_status_out = max(req.t_status_out, send.t_status)
         for req in step.reqs:
             self.ep.src.free(req.src_slot)
             req.sent = True
@@ -491,7 +527,7 @@ class _Loop:
 
     def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
         now = _clock()
-        for rid, outcome, detail, t_ns in verdicts:
+        for rid, outcome, detail, t_ns, t_status_ns in verdicts:
             req = self.outstanding.get(rid)
             if req is None or req.inst != inst.index or req.verdict is not None:
                 self.res.rejected += 1  # not ours, or judged twice
@@ -503,7 +539,10 @@ class _Loop:
                 continue
             t_verified = t_ns / 1e9 if inst.same_clock else now
             req.verdict = (o, d, t_verified)
+            req.t_status_in = t_status_ns / 1e9 if inst.same_clock else 0.0
             inst.owed -= 1
+            if req.dst_slot < 0:
+                inst.ungranted -= 1
             if req.sent or req.src_slot < 0:
                 self.finish(req)
 
@@ -523,6 +562,9 @@ class _Loop:
             self.ep.cfg.faults.kind.value if self.faulty and self.injector.hits(req.rid) else None,
             t_verdict=_clock())
         self.res.add(rec)
+        if verified and req.t_status_in and req.t_step:
+            self.res.add_stages(req.t_step, req.t_ready, req.t_landed, req.t_status_out,
+                                req.t_status_in, t_verified)
         self.sink.write(rec.line() + "\n")
         self.finished += 1
         if self.finished == self.warm:
@@ -539,7 +581,8 @@ class _Loop:
                 if req.src_slot < 0 or req.sent:
                     self.finish(req)
         self.ready = collections.deque(r for r in self.ready if r.inst != inst.index)
-        inst.owed = 0
+        inst.backlog.clear()
+        inst.owed = inst.ungranted = 0
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self) -> RankResult:
@@ -648,6 +691,7 @@ class _Loop:
                         self.res.rejected += 1
                         continue
                     req.dst_slot = slot
+                    inst.ungranted -= 1
                     self.ready.append(req)
                 self.judged(inst, msg["v"])
             elif kind == "error":
