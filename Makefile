@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[$(MOONCAKE),test]"
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	@touch $@
 
 run: setup

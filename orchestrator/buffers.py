@@ -16,6 +16,7 @@ import ctypes
 import os
 import random
 import secrets
+import warnings
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -45,22 +46,32 @@ def _to_torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def _env_flag(name: str) -> bool:
-    """SGLang's EnvBool: true/1/yes/y, false/0/no/n (case-insensitive), unset = False."""
+    """SGLang's EnvBool: true/1/yes/y, false/0/no/n (case-insensitive), unset = False; any
+    other value warns and reads as the default (False), as SGLang's EnvField.get does."""
     value = os.environ.get(name)
     if value is None:
         return False
-    value = value.lower()
-    if value in ("true", "1", "yes", "y"):
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes", "y"):
         return True
-    if value in ("false", "0", "no", "n"):
-        return False
-    raise ValueError(f'"{value}" is not a valid boolean value')
+    if lowered not in ("false", "0", "no", "n"):
+        warnings.warn(f'Invalid value for {name}: "{lowered}" is not a valid boolean value, '
+                      'using default "False"')
+    return False
 
 
 def _as_i64(value: int) -> int:
     """The int64 with the same 8 bytes as the uint64 `value` (rooms are uint64 in SGLang)."""
     value &= _U64
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _sglang_scalar(value: int) -> int:
+    """What SGLang's `uint64_tensor[i] = value` accepts: torch unpacks the Python int as a
+    signed 64-bit value, so 2**63 and above raise (SGLang's rooms are below 2**63)."""
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ValueError("Overflow when unpacking long long")
+    return value
 
 
 class MetadataBuffers:
@@ -177,8 +188,8 @@ class MetadataBuffers:
 
     def set_kv_checksum(self, req: Any, digest: int, signature: int) -> None:
         row = self._checksums[req.metadata_buffer_index]
-        row[0] = _as_i64(digest)
-        row[1] = _as_i64(signature)
+        row[0] = _sglang_scalar(digest)
+        row[1] = _sglang_scalar(signature)
 
     def get_kv_checksum(self, idx: int) -> tuple[int, int]:
         """(digest, signature); (0, 0) means no digest was written."""
@@ -243,7 +254,7 @@ class MetadataBuffers:
                 else:
                     self.output_dsa_topk_indices[slot].fill_(-1)
         room = req.bootstrap_room
-        self._rooms[slot, 0] = _as_i64(room if room is not None else 0)
+        self._rooms[slot, 0] = _sglang_scalar(room if room is not None else 0)
 
     # ---- what the orchestrator adds ---------------------------------------------------
     def room(self, slot: int) -> int:

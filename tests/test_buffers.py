@@ -135,8 +135,10 @@ def test_kv_checksum_api_and_clear_slot():
     req = _req(slot=3, hidden=16)
     b.set_buf(req)
     assert b.get_kv_checksum(3) == (0, 0)
-    b.set_kv_checksum(req, (1 << 64) - 5, 77)
-    assert b.get_kv_checksum(3) == ((1 << 64) - 5, 77)
+    b.set_kv_checksum(req, (1 << 63) - 5, 77)
+    assert b.get_kv_checksum(3) == ((1 << 63) - 5, 77)
+    with pytest.raises(ValueError):  # as SGLang's uint64 item assignment does
+        b.set_kv_checksum(req, 1 << 63, 77)
     b.clear_slot(3)
     assert b.get_kv_checksum(3) == (0, 0) and b.room(3) == 0
 
