@@ -18,11 +18,17 @@ from .platform import detect
 from .progress import Progress
 from .results import write_atomic
 from .rules import check_profile
-from .runner import run_handoffs
+from .runner import Signals, run_handoffs
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
-    """Raises ConfigError for user mistakes (before anything starts)."""
+    """Raises ConfigError for user mistakes (before anything starts). SIGINT and SIGTERM
+    end the job with what it measured (results.json says interrupted)."""
+    with Signals() as signals:
+        return _run_job(cfg, run_dir, signals)
+
+
+def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     obj = validate(cfg)
     plan = check_profile(obj, detect())
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
@@ -35,7 +41,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, An
     total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
     progress = Progress(total, log)
     try:
-        out = run_handoffs(obj, plan, run_dir, progress=progress)
+        out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
     finally:
         progress.close()
     results = report.build_results(obj, plan, out)

@@ -135,6 +135,7 @@ class FaultKind(Enum):
     decode_killed = "decode_killed"  # SIGKILL the decode process after `at_request` handoffs
     decode_stopped = "decode_stopped"  # SIGSTOP it for `duration_s`, then SIGCONT
     prefill_killed = "prefill_killed"  # SIGKILL prefill rank 0 once `at_request` handoffs are done
+    prefill_stopped = "prefill_stopped"  # SIGSTOP prefill rank 0 there for `duration_s`, then SIGCONT
     silent_control = "silent_control"  # prefill's control peer accepts TCP and never answers
     silent_peer = "silent_peer"  # the engine session id points at a port that never answers
     bad_destination = "bad_destination"  # one block of the batch aims outside the registration

@@ -19,7 +19,9 @@ PER_REQUEST = {FaultKind.bad_destination, FaultKind.wrong_session, FaultKind.sta
                FaultKind.corrupt_byte}
 ENGINE_ONLY = {FaultKind.bad_destination, FaultKind.wrong_session, FaultKind.stale_room,
                FaultKind.silent_peer}
-PROCESS = {FaultKind.decode_killed, FaultKind.decode_stopped, FaultKind.prefill_killed}
+PROCESS = {FaultKind.decode_killed, FaultKind.decode_stopped, FaultKind.prefill_killed,
+           FaultKind.prefill_stopped}
+PREFILL_SIDE = {FaultKind.prefill_killed, FaultKind.prefill_stopped}
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration
 STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
@@ -135,12 +137,12 @@ class Checkpoint:
     def holds(self, issued: int) -> bool:
         """Whether the prefill must stop announcing new requests (the fault is due at
         `at_request` and the decode faults want nothing in flight when they strike)."""
-        return self.armed and self.kind is not FaultKind.prefill_killed and issued >= self.at
+        return self.armed and self.kind not in PREFILL_SIDE and issued >= self.at
 
     def due(self, finished: int, in_flight: int) -> bool:
         if not self.armed or finished < self.at:
             return False
-        return self.kind is FaultKind.prefill_killed or in_flight == 0
+        return self.kind in PREFILL_SIDE or in_flight == 0
 
     def fire(self) -> None:
         self.fired = True

@@ -73,8 +73,9 @@ class _Proc:
     done: bool = False
 
 
-class _Signals:
-    """SIGINT/SIGTERM handlers for the run's duration (main thread only)."""
+class Signals:
+    """SIGINT/SIGTERM handlers for a job's duration (main thread only): a signal is noted,
+    and the run winds down with what it measured."""
 
     def __init__(self):
         self.caught: Optional[str] = None
@@ -92,6 +93,17 @@ class _Signals:
     def __exit__(self, *exc):
         for sig, handler in self._saved.items():
             signal.signal(sig, handler)
+
+
+def spawn(proc: mp.Process) -> None:
+    """Start a child with SIGINT and SIGTERM blocked: a Ctrl-C on the terminal reaches every
+    process of the group, and a child still importing would die with a traceback. The child
+    installs its own handlers, then unblocks them (endpoints.common.start_process)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _free_port(host: str) -> int:
@@ -120,7 +132,8 @@ def _kill(p: _Proc) -> None:
 
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[Callable] = None,
-                 driver=None, bulk_bytes: int = 0, secret: Optional[bytes] = None) -> RunResult:
+                 driver=None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
+                 signals: Optional[Signals] = None) -> RunResult:
     """Start every decode process and every prefill rank; run `driver` in the prefill ranks
     (default: the configured workload); watch them; return what they measured."""
     log = structlog.get_logger("orchestrator.runner")
@@ -137,15 +150,17 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     decodes: list[_Proc] = []
     prefills: list[_Proc] = []
     silent = None
-    with _Signals() as signals:
+    with (signals or Signals()) as signals:
         try:
+            if signals.caught:
+                raise Interrupted
             for i in range(e.decode_ranks):
                 for t in range(e.decode_tp):
                     conn, child = ctx.Pipe()
                     name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
                     proc = ctx.Process(target=decode_main, name=name, daemon=True,
                                        args=(cfg, plan, str(run_dir), secret, child, i, t, bulk_bytes))
-                    proc.start()
+                    spawn(proc)
                     decodes.append(_Proc(name, proc, conn, "decode", i, t))
             for r in range(e.prefill_ranks):
                 conn, child = ctx.Pipe()
@@ -153,7 +168,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                 kwargs = {"rank": r} if driver is None else {"rank": r, "driver": driver}
                 proc = ctx.Process(target=prefill_main, name=name, daemon=True,
                                    args=(cfg, plan, str(run_dir), secret, child), kwargs=kwargs)
-                proc.start()
+                spawn(proc)
                 prefills.append(_Proc(name, proc, conn, "prefill", r))
             if e.decode_tp > 1:
                 backend = "nccl" if plan.buffer_device is Device.cuda else "gloo"
@@ -312,6 +327,8 @@ def _process_fault(cfg, kind: str, p: _Proc, decodes, out: RunResult, log) -> No
     if kind == FaultKind.prefill_killed.value:
         os.kill(p.proc.pid, signal.SIGKILL)
         return
+    if kind == FaultKind.prefill_stopped.value:  # it reads the answer once it runs again
+        victim = p
     if kind == FaultKind.decode_killed.value:
         os.kill(victim.proc.pid, signal.SIGKILL)
     else:

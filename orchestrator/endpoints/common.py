@@ -50,6 +50,7 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     <role>.stderr.log; structured logs to <role>.log."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see runner.spawn
     err = open(run_dir / f"{role}.stderr.log", "ab", buffering=0)
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -58,6 +59,17 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     # default 5 ms switch interval it would wait behind the scheduler thread for that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return configure(run_dir, role, console_level=30 if not console else 20)
+
+
+def report_failure(log, event: str, exc: BaseException) -> str:
+    """An endpoint's fatal error: one line for the console and the runner, the traceback in
+    the process's log file only."""
+    import traceback
+
+    line = f"{type(exc).__name__}: {exc}"
+    log.error(event, error=line)
+    log.info(f"{event}_traceback", traceback=traceback.format_exc())
+    return line
 
 
 def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -40,7 +39,7 @@ from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan
 from ..results import DecodeResult
 from ..transport.engine import exposed, listening_sockets
-from .common import (Stop, bind_random, boot_id, build_side, new_socket, proc_name, process_gpu,
+from .common import (report_failure, Stop, bind_random, boot_id, build_side, new_socket, proc_name, process_gpu,
                      rss_kb, start_process)
 from .tp import Group, single
 
@@ -435,9 +434,9 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes
         endpoint.serve(conn)
         conn.send(("stats", endpoint.res))
     except Exception as exc:  # reported to the runner, which owns the user-facing message
-        log.error("decode_failed", error=str(exc), traceback=traceback.format_exc())
+        line = report_failure(log, "decode_failed", exc)
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(("error", line))
         except (BrokenPipeError, OSError):
             pass
     finally:

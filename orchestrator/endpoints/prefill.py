@@ -42,10 +42,10 @@ from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
 from ..logs import decision_log
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Plan
-from ..results import RankResult, Record
+from ..results import PairStats, RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..workload import RequestPool, arrival_offsets, room_of
-from .common import (Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
+from .common import (report_failure, Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
                      shapes, start_process)
 from ..layout import describe, fingerprint, first_difference
 
@@ -704,7 +704,7 @@ class _Loop:
         the rest with a reason."""
         self.stopping = True
         self.res.interrupted = True
-        deadline = _clock() + 0.5
+        deadline = _clock() + 0.3
         while self.outstanding and _clock() < deadline:
             events = dict(self.ep.poller.poll(20))
             while self.ep.sender.done:
@@ -716,11 +716,28 @@ class _Loop:
             if req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
                 self.finish(req)
+        self.fail_unsent(Detail.not_sent_interrupted)
+
+    def fail_unsent(self, detail: Detail) -> None:
+        """Every request not announced yet fails with `detail`: one record line each, the
+        counts in bulk (an interrupted run may leave most of its requests here)."""
+        n_inst = len(self.ep.instances)
+        lines, per_inst = [], [0] * n_inst
         for i in range(self.next_i, self.total):
             rid = self.phase.rid_base + i
-            inst = rid % len(self.ep.instances)
-            self.finish(Req(rid, room_of(self.w, rid), inst, 0.0, (0, 0),
-                            verdict=(Outcome.failed, Detail.not_sent_interrupted, None)))
+            rec = Record(rid, room_of(self.w, rid), rid % n_inst, -1, "", None, None, None, None,
+                         Outcome.failed, detail, "")
+            lines.append(rec.line())
+            per_inst[rec.decode] += 1
+        n = len(lines)
+        if n:
+            self.sink.write("\n".join(lines) + "\n")
+            self.res.outcomes[Outcome.failed] += n
+            self.res.details[detail] += n
+            for j, k in enumerate(per_inst):
+                if k:
+                    self.res.pairs.setdefault(j, PairStats()).outcomes[Outcome.failed] += k
+        self.finished += n
         self.next_i = self.total
 
 
@@ -763,8 +780,7 @@ def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: byte
         conn.send(("running", None))
         conn.send(("result", driver(endpoint, conn)))
     except Exception as exc:
-        log.error("prefill_failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", report_failure(log, "prefill_failed", exc)))
     finally:
         if endpoint is not None and endpoint.stuck:
             import os

@@ -1,0 +1,228 @@
+"""A verdict must be beyond doubt and the counts must match what happened: forged statuses,
+rows and frames are refused (the run's own generated secret or a configured one), duplicate
+rooms each get their own verdict, a side that dies or stalls leaves honest counts, and an
+interrupt leaves results. Real processes, real Mooncake engines, real sockets."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator import MetadataBuffers, wire
+from orchestrator.auth import Authenticator
+from orchestrator.config import ConfigError
+from orchestrator.digest import SIGNATURE, Keys, RowDigest
+from orchestrator.outcomes import Detail, KVPoll, Outcome
+from orchestrator.plan import Platform
+from orchestrator.report import build_results
+from orchestrator.results import read_records, write_atomic
+from orchestrator.rules import check_profile
+from orchestrator.runner import run_handoffs
+from orchestrator.transport.engine import MooncakeEngine
+
+from .conftest import ROOT, compose_cfg, typed_cfg
+from .peers import PrefillPeer
+
+pytestmark = pytest.mark.integration
+CPU = Platform()
+
+
+def _run(tmp_path: Path, *overrides: str):
+    cfg = typed_cfg("transport.timeout_s=3", "transport.mooncake.tcp_progress_timeout_s=2", *overrides)
+    plan = check_profile(cfg, CPU)
+    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+    records = [r for f in sorted(tmp_path.glob("requests*.jsonl")) for r in read_records(f)]
+    return res, records
+
+
+# ---- forged statuses, rows and frames --------------------------------------------------------
+def test_forged_status_is_rejected_and_never_acted_on(tmp_path):
+    peer = PrefillPeer(typed_cfg("mem_pool=NVLINK", "transport.timeout_s=1"), tmp_path)
+    try:
+        room, tag = peer.fill(1)
+        slot = peer.arrive(1, room)
+        peer.send_frames(room, slot, peer.rows())
+        peer.status(room, 1, slot, tag, sign=False)  # no MAC
+        forged = Authenticator(b"guessed").sign(wire.encode_status(room, KVPoll.Failed, 0, 1, slot, 0, "x"))
+        peer.push.send_multipart(forged)  # another secret's MAC: a forged error status
+        assert not peer.control.poll(500)  # no verdict on either
+        peer.status(room, 1, slot, tag)  # the real one
+        assert peer.verdict(1) == (Outcome.verified, Detail.none)
+    finally:
+        stats = peer.close()
+    assert stats.rejected_auth == 2 and stats.outcomes[Outcome.failed] == 0
+
+
+def test_forged_frames_are_rejected_and_never_corrupt_a_handoff(tmp_path):
+    peer = PrefillPeer(typed_cfg("mem_pool=NVLINK"), tmp_path)
+    try:
+        room, tag = peer.fill(1)
+        slot = peer.arrive(1, room)
+        peer.send_frames(room, slot, peer.rows())
+        garbage = [bytes(len(r)) for r in peer.rows()]
+        peer.send_frames(room, slot, garbage, sign=False)  # overwrite attempt without a MAC
+        peer.status(room, 1, slot, tag)
+        assert peer.verdict(1) == (Outcome.verified, Detail.none)
+    finally:
+        stats = peer.close()
+    assert stats.rejected_auth == len(garbage) and stats.outcomes[Outcome.corrupted] == 0
+
+
+def test_forged_row_written_through_another_mooncake_engine_is_refused(tmp_path):
+    """Mooncake authenticates nobody: anyone who reaches its port can write registered
+    memory. A forged row with a digest computed without the run's secret, and a genuine row
+    replayed into another request's slot, must both be refused."""
+    cfg = typed_cfg("mem_pool=NONE", "buffers.kv_checksum_enabled=true")
+    peer = PrefillPeer(cfg, tmp_path)  # the real prefill, with the run's secret
+    try:
+        dst_ptrs, session = peer.bootstrap["aux_ptrs"], peer.bootstrap["session_id"]
+        attacker = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "tcp", env=peer.plan.mc_env)
+        rows = MetadataBuffers(4, cfg.buffers.hidden_size, torch.float32, cfg.buffers.max_sampling_mask_tokens,
+                               kv_checksum_enabled=True, device="cpu")
+        attacker.register(rows.arena_ptr, rows.arena_bytes)
+        ptrs, _, lens = rows.get_buf_infos()
+
+        def write(src_slot, dst_slot):
+            attacker.batch_write(session, [p + n * src_slot for p, n in zip(ptrs, lens)],
+                                 [d + n * dst_slot for d, n in zip(dst_ptrs, lens)], lens)
+
+        # 1. a forged row for request 1, digested with a key the attacker made up
+        room = peer.pool.get(1, 0).bootstrap_room
+        slot = peer.arrive(1, room)
+        rows.set_buf(peer.pool.get(1, 0))
+        rows.output_ids[0, 0] = 424242  # the attacker's first token
+        (tag,), _ = RowDigest(rows, Keys(b"attacker")).sign([0], [(0, 1)])
+        rows.write_checksums([0], [tag], SIGNATURE)
+        write(0, slot)
+        peer.status(room, 1, slot, 0)  # even with the real prefill's authentic "done"
+        assert peer.verdict(1) == (Outcome.corrupted, Detail.checksum_mismatch)
+
+        # 2. request 2's genuine row (its valid digest included) replayed into request 3's slot
+        room2, _ = peer.fill(2, slot=1)
+        genuine = [f[1].clone() for f in peer.buffers.fields]
+        for f, t in zip(rows.fields, genuine):
+            f[1].copy_(t)
+        slot3 = peer.arrive(3, room2)  # a duplicate room: the gate's room check passes
+        write(1, slot3)
+        peer.status(room2, 3, slot3, 0)
+        assert peer.verdict(3) == (Outcome.corrupted, Detail.checksum_mismatch)
+    finally:
+        stats = peer.close()
+    assert stats.outcomes[Outcome.verified] == 0
+
+
+# ---- identity: duplicate rooms ---------------------------------------------------------------
+@pytest.mark.parametrize("route,group", [("engine", 2), ("engine", 4), ("tcp", 2), ("tcp", 4)])
+def test_duplicate_rooms_each_get_their_own_slot_and_verdict(tmp_path, route, group):
+    res, records = _run(tmp_path, f"transport.route={route}", f"workload.duplicate_rooms={group}",
+                        "workload.requests=200", "workload.concurrency=16", "buffers.size=16")
+    assert (res["verified"], res["failed"], res["corrupted"]) == (200, 0, 0), res
+    assert sorted(r.rid for r in records) == list(range(200))  # one record per request
+    rooms = {}
+    for r in records:
+        rooms.setdefault(r.room, []).append(r.rid)
+    assert {len(v) for v in rooms.values()} == {group}
+    verdicts = [json.loads(x) for x in (tmp_path / "verdicts-decode.jsonl").read_text().splitlines()]
+    assert sorted(v["rid"] for v in verdicts) == list(range(200))  # one verdict each
+
+
+# ---- honest counts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["engine", "tcp"])
+def test_prefill_killed_report_matches_requests_file_and_decode(tmp_path, route):
+    res, records = _run(tmp_path, f"transport.route={route}", "faults=prefill_killed",
+                        "faults.at_request=300", "workload.requests=2000", "workload.concurrency=16")
+    assert res["lost"] and "prefill" in res["lost"] and res["exit_code"] == 3
+    verdicts = [json.loads(x) for x in (tmp_path / "verdicts-decode.jsonl").read_text().splitlines()]
+    decode_verified = sum(v["outcome"] == "verified" for v in verdicts)
+    file_verified = sum(r.outcome is Outcome.verified for r in records)
+    assert len(records) == 2000 and sorted(r.rid for r in records) == list(range(2000))
+    assert res["verified"] == file_verified == decode_verified >= 300
+    assert res["decode_verified"] == decode_verified
+    assert set(res["failure_reasons"]) == {"prefill_lost"}
+
+
+def test_stalled_prefill_resumes_without_dropping_a_healthy_decode(tmp_path):
+    t0 = time.monotonic()
+    res, records = _run(tmp_path, "endpoints.prefill_ranks=2", "faults=prefill_stopped",
+                        "faults.at_request=100", "faults.duration_s=5", "workload.requests=1500")
+    assert res["faults_applied"] and res["faults_applied"][0]["fault"] == "prefill_stopped"
+    assert (res["verified"], res["failed"]) == (3000, 0), res["failure_reasons"]
+    assert time.monotonic() - t0 > 5
+
+
+def test_faulted_run_replays_identical(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "orchestrator", "faults=decode_killed", "faults.at_request=100",
+            "workload.requests=600", "transport.timeout_s=2", f"hydra.run.dir={run_dir}"]
+    first = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert first.returncode == 3, first.stderr
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.replay", str(run_dir), "--out",
+                           str(tmp_path / "replay")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "deterministic outputs: IDENTICAL" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0
+
+
+# ---- interrupts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_stops_within_two_seconds_with_results_and_no_traceback(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=100000",
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(run_dir.glob("requests*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # handoffs under way
+    proc.send_signal(sig)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 2.5
+    assert proc.returncode == code
+    assert "Traceback" not in out + err and "terminate called" not in out + err
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["interrupted"] is True and res["exit_code"] == code
+    records = list(read_records(run_dir / "requests.jsonl"))
+    assert len(records) == 100000
+    assert res["verified"] == sum(r.outcome is Outcome.verified for r in records) > 0
+    assert set(res["failure_reasons"]) <= {"interrupted", "not_sent_interrupted"}
+
+
+# ---- config and files ------------------------------------------------------------------------
+@pytest.mark.parametrize("override,key", [
+    ("workload.seed=9223372036854775808", "workload.seed"),
+    ("workload.seed=-1", "workload.seed"),
+    ("transport.mooncake.metadata_server=redis://127.0.0.1:6379", "transport.mooncake.metadata_server"),
+    ("transport.mooncake.metadata_server=http://127.0.0.1:8080/other", "transport.mooncake.metadata_server"),
+    ("workload.duplicate_rooms=0", "workload.duplicate_rooms"),
+])
+def test_seeds_rooms_and_metadata_servers_are_checked(override, key):
+    from orchestrator.config import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose_cfg(override))
+    assert info.value.key == key
+    for ok in ("transport.mooncake.metadata_server=etcd://10.0.0.1:2379",
+               "transport.mooncake.metadata_server=http://127.0.0.1:8080/metadata"):
+        validate(compose_cfg(ok))
+
+
+def test_results_are_written_atomically(tmp_path, monkeypatch):
+    """A disk that fills mid-write leaves the previous results.json whole, never a torn one."""
+    path = tmp_path / "results.json"
+    write_atomic(path, '{"old": true}')
+
+    def full(_fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", full)
+    with pytest.raises(OSError):
+        write_atomic(path, '{"new": true}' + " " * 100000)
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"old": True}
