@@ -374,7 +374,7 @@ class FaultsConfig:
     at_request: int = 50  # first request (or handoff count) the fault hits
     every: int = 10  # per-request faults: then every Nth request
     duration_s: float = 2.0  # decode_stopped: how long the process stays stopped
-    margin_us: float = 2000.0  # status_first: how far the status runs ahead of the aux
+    margin_us: float = 20000.0  # status_first: how far the status runs ahead of the aux
     rank: int = 1  # status_first: the decode TP rank whose aux is delayed
 
     def check(self) -> None:

@@ -7,7 +7,9 @@ configured."""
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -36,6 +38,34 @@ class Injector:
         return rid >= self.at and (rid - self.at) % self.every == 0
 
 
+class _Delayer(threading.Thread):
+    """status_first: starts a target rank's sends `margin` after their statuses went out,
+    off the transfer thread (which goes on with the other ranks). The tcp route's frames go
+    on a socket of its own (a ZMQ socket belongs to one thread)."""
+
+    def __init__(self, inner: AuxRouter):
+        super().__init__(name="delayer", daemon=True)
+        self.inner = inner
+        self.q: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        import zmq
+
+        push = None
+        while True:
+            due, send, done = self.q.get()
+            left = due - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+            if push is None and self.inner.route.value == "tcp":
+                endpoint = self.inner.push.getsockopt(zmq.LAST_ENDPOINT).decode()
+                push = self.inner.push.context.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                push.connect(endpoint)
+            self.inner.start(send, push=push)
+            done.set()
+
+
 class FaultyRouter:
     """AuxRouter's interface, with per-request faults applied to the requests they hit:
     each hit request travels in a send of its own, altered at start()."""
@@ -44,12 +74,15 @@ class FaultyRouter:
         self.inner, self.cfg = inner, faults
         self.kind = faults.kind
         self.inj = Injector(faults)
+        self._lead: dict[int, list[Transfer]] = {}  # status_first: a step's first hit send
+        self._held: dict[int, threading.Event] = {}  # status_first: sends the delayer starts
+        self._delayer: Optional[_Delayer] = None
 
     def __getattr__(self, name):  # connect, peer, route, coalesce, ... come from the real router
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "cfg", "kind", "inj", "starts_in_caller"):
+        if name in ("inner", "cfg", "kind", "inj", "starts_in_caller", "_lead", "_held", "_delayer"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
@@ -64,6 +97,12 @@ class FaultyRouter:
             return self.inner.sends(transfers)
         hit = [t for t in transfers if self.inj.hits(t.rid)]
         out = self.inner.sends([t for t in transfers if not self.inj.hits(t.rid)])
+        if self.kind is FaultKind.status_first and hit:
+            sends = self.inner.sends(hit)  # coalesced as usual; the first one leads
+            for send in sends:
+                send.fault = FaultKind.status_first
+            self._lead[id(sends[0])] = hit
+            return sends + out
         for t in hit:
             send = Send([t])
             send.fault = self.kind
@@ -79,10 +118,17 @@ class FaultyRouter:
             inner.buffers.flip_byte(slot, len(inner.buffers.fields) // 2)
             inner.buffers.sync()
             return inner.start(send)
-        if kind is FaultKind.status_first:  # the status overtakes the aux by margin_us
-            inner.send_status(send.transfers)
-            time.sleep(self.cfg.margin_us / 1e6)
-            return inner.start(send)
+        if kind is FaultKind.status_first:  # every hit status goes now, the rows margin_us later
+            lead = self._lead.pop(id(send), None)
+            if lead is not None:
+                inner.send_status(lead)
+            if self._delayer is None:
+                self._delayer = _Delayer(inner)
+                self._delayer.start()
+            send.t0 = time.monotonic()
+            done = self._held[id(send)] = threading.Event()
+            self._delayer.q.put((time.monotonic() + self.cfg.margin_us / 1e6, send, done))
+            return
         srcs, dsts, lens = inner.blocks(send)
         if kind is FaultKind.bad_destination:
             return inner.start(send, blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
@@ -95,7 +141,14 @@ class FaultyRouter:
                                              [lens[i] for i in keep]))
         raise ValueError(f"{kind} is not a send-path fault")
 
+    def ready(self, send: Send) -> bool:
+        held = self._held.get(id(send))
+        return held is None or held.is_set()
+
     def finish(self, send: Send) -> None:
+        held = self._held.pop(id(send), None)
+        if held is not None:
+            held.wait()
         self.inner.finish(send)
         if send.fault is FaultKind.corrupt_byte:  # the source row stays as it was filled
             self.inner.buffers.flip_byte(send.transfers[0].src_slot, len(self.inner.buffers.fields) // 2)

@@ -91,7 +91,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
 
 def decision_log(path: Path, role: str):
     """A structlog logger writing one JSON line per routing decision to `path`."""
-    fh = open(path, "a", buffering=1)
+    fh = open(path, "w", buffering=1)
     return structlog.wrap_logger(
         structlog.WriteLogger(fh),
         processors=[structlog.processors.TimeStamper(fmt="iso", utc=True), _event_first,

@@ -34,7 +34,8 @@ def _jsonl(path: Path) -> list[dict]:
 def _fill(run_dir: Path) -> str:
     import yaml
 
-    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+    path = run_dir / ".hydra" / "config.yaml"
+    cfg = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
     return str((cfg.get("workload") or {}).get("fill", "inline"))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import OrchestratorConfig
-from .outcomes import Outcome
+from .outcomes import Detail, Outcome
 from .plan import Plan
 from .results import STAGES, RankResult, counter_dict, decode_dict, write_atomic
 from .runner import RunResult
@@ -116,8 +116,37 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "plan": plan.as_dict(),
         "error": out.error,
     }
+    results["tp"] = _tp(cfg, out)
     results["exit_code"] = exit_code(results)
     return results
+
+
+def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
+    """Decode TP groups: where ranks disagreed before agreeing, what a decode without this
+    tool's digest would have taken silently, what hung, and what the agreement cost."""
+    if cfg.endpoints.decode_tp == 1:
+        return None
+    ranks = [d for d in out.decodes.values() if d.tp]
+    leaders = [d.tp for d in ranks if d.tp.get("rank") == 0]
+    hist = LatencyHistogram()
+    per_step = [d.tp.get("allreduce_mean_us") for d in ranks if d.tp.get("allreduce_mean_us")]
+    return {
+        "ranks": cfg.endpoints.decode_tp,
+        "gate": {"readiness": cfg.gate.readiness, "zero_room_on_free": cfg.gate.zero_room_on_free},
+        "steps": sum(t.get("steps", 0) for t in leaders),
+        "steps_disagreed": sum(t.get("steps_disagreed", 0) for t in leaders),
+        "requests_disagreed": sum(t.get("requests_disagreed", 0) for t in leaders),
+        "silent_corruptions": sum(d.tp.get("taken_unready", 0) + d.tp.get("taken_wrong_room", 0)
+                                  for d in ranks),
+        "taken_unready": sum(d.tp.get("taken_unready", 0) for d in ranks),
+        "taken_wrong_room": sum(d.tp.get("taken_wrong_room", 0) for d in ranks),
+        "hung": sum(d.details.get(Detail.room_never_landed, 0) for d in ranks),
+        "per_rank": {d.name: {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
+                              **{k: d.tp.get(k) for k in ("taken_unready", "taken_wrong_room", "gate_waits")}}
+                     for d in ranks},
+        "allreduce_us_mean": round(sum(per_step) / len(per_step), 1) if per_step else None,
+        "allreduce_us": {d.name: d.tp.get("allreduce_us") for d in ranks},
+    }
 
 
 def exit_code(results: dict[str, Any]) -> int:
@@ -176,6 +205,13 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     if results["interrupted"]:
         problems.append(f"interrupted ({results['signal']}): counts so far")
     lines = problems[:2] + lines
+    tp = results.get("tp")
+    if tp:
+        lines.append(f"decode TP x{tp['ranks']} (readiness gate {'on' if tp['gate']['readiness'] else 'OFF'}, "
+                     f"zero room on free {'on' if tp['gate']['zero_room_on_free'] else 'OFF'}): "
+                     f"{tp['steps_disagreed']} steps disagreed before the all-reduce, "
+                     f"{tp['silent_corruptions']} taken unready or with a wrong room (silent in "
+                     f"SGLang), {tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
     pairs = results["pairs"]
     if len(pairs) > 1:
         rates = [p["handoffs_per_s"] for p in pairs.values() if p["handoffs_per_s"]]

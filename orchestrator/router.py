@@ -154,10 +154,11 @@ class AuxRouter:
 
     # ---- moving bytes -------------------------------------------------------------------
     def start(self, send: Send, session: Optional[str] = None,
-              blocks: Optional[tuple[list[int], list[int], list[int]]] = None) -> None:
+              blocks: Optional[tuple[list[int], list[int], list[int]]] = None,
+              push: Optional[zmq.Socket] = None) -> None:
         """Submit a send (batch writes of at most max_blocks_per_batch blocks; on the tcp
-        route its frames go out now). `session` and `blocks` replace the planned ones
-        (fault injection). Never raises: an error is recorded on the send."""
+        route its frames go out now). `session`, `blocks` and `push` replace the planned
+        ones (fault injection). Never raises: an error is recorded on the send."""
         send.t0 = _now()
         try:
             if self.route is Route.engine:
@@ -172,9 +173,13 @@ class AuxRouter:
                 msgs = self.frames(send)
                 send.blocks, send.nbytes = len(msgs), sum(len(m[5]) for m in msgs)
                 for m in msgs:
-                    self.push.send_multipart(m, copy=False)
+                    (push or self.push).send_multipart(m, copy=False)
         except (EngineError, zmq.ZMQError) as exc:
             send.error = str(exc)
+
+    def ready(self, send: Send) -> bool:
+        """Whether finish() may be called now (a started send can always be waited for)."""
+        return True
 
     def finish(self, send: Send) -> None:
         """Wait until a started send has landed; record its latency and error."""

@@ -150,6 +150,8 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     decodes: list[_Proc] = []
     prefills: list[_Proc] = []
     silent = None
+    if e.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off in NCCL
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     with (signals or Signals()) as signals:
         try:
             if signals.caught:

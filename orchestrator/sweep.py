@@ -35,7 +35,7 @@ RESULT_COLUMNS = [
     "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
     "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
     "handoffs_per_s", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
-    "exit_code", "error",
+    "silent_corruptions", "steps_disagreed", "exit_code", "error",
 ]
 RATE_KEY = "workload.rate"
 
@@ -116,6 +116,8 @@ def _row(job_dir: Path) -> dict[str, Any]:
         bytes_per_request=res.get("bytes_per_request"),
         effective_transport=res.get("effective_transport"),
         startup_s=res.get("startup_s"),
+        silent_corruptions=_get(res, "tp", "silent_corruptions"),
+        steps_disagreed=_get(res, "tp", "steps_disagreed"),
         exit_code=res.get("exit_code"),
         error=error,
     )
@@ -189,16 +191,54 @@ def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[s
     path.write_text("\n".join(lines) + "\n")
 
 
-def _x_axis(swept: list[str], rows: list[dict[str, Any]]) -> tuple[str, str]:
+def _x_axis(swept: list[str], rows: list[dict[str, Any]]) -> tuple[Optional[str], str]:
     """(row key, axis label): the first swept key whose values are all numeric and not all
-    the same (a key given one value, e.g. workload.requests=200, is not swept), else
-    bytes_per_request."""
+    the same (a key given one value, e.g. workload.requests=200, is not swept); None when
+    no swept key is numeric (the jobs are then compared side by side as bars)."""
     for key in swept:
         values = [row.get(key) for row in rows if row.get(key) not in (None, "")]
         numbers = [_number(v) for v in values]
         if numbers and None not in numbers and len(set(numbers)) > 1:
             return key, key
-    return "bytes_per_request", "bytes per request"
+    return None, ""
+
+
+def _varying(swept: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    return [k for k in swept if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
+    """A sweep over categorical keys (gate.readiness=true,false faults=...): per job, its
+    outcomes (verified / corrupted / failed) and its rate, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = _varying(swept, rows) or swept
+    labels = ["\n".join(f"{k.split('.')[-1]}={r.get(k)}" for k in keys) for r in rows]
+    x = list(range(len(rows)))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(rows) + 4), 5))
+    bottom = [0.0] * len(rows)
+    for key, color in (("verified", "tab:green"), ("corrupted", "tab:red"), ("failed", "tab:gray")):
+        vals = [_number(r.get(key)) or 0.0 for r in rows]
+        axes[0].bar(x, vals, bottom=bottom, color=color, label=key)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        silent = _number(r.get("silent_corruptions"))
+        if silent:
+            axes[0].annotate(f"{silent:g} silent", (i, bottom[i]), ha="center", va="bottom", fontsize="small")
+    axes[0].set_title("outcomes per job (silent: taken before the row landed)")
+    axes[1].bar(x, [_number(r.get("handoffs_per_s")) or 0.0 for r in rows], color="tab:blue")
+    axes[1].set_title("verified handoffs/s")
+    for ax in axes:
+        ax.set_xticks(x, labels, fontsize="small")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"{sweep_dir}  ({sum(r['status'] == 'ok' for r in rows)}/{len(rows)} jobs ok)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
@@ -207,9 +247,12 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    x_key, x_label = _x_axis(swept, rows)
+    if x_key is None:
+        plt.close("all")
+        return _write_bars(path, sweep_dir, swept, rows)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     ok = [r for r in rows if r["status"] == "ok"]
-    x_key, x_label = _x_axis(swept, rows)
     load = x_key == RATE_KEY  # a latency-vs-load sweep: offered load on x, p50 and p99 from arrival
     if load:
         panels = [("e2e_p50_us", "latency from arrival (us): p50 solid, p99 dashed"),

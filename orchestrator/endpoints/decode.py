@@ -59,6 +59,7 @@ class Grant:
     tag: int = 0  # from the status, when the row has no kv_checksum field
     t_status: float = 0.0
     identity: bytes = b""  # the prefill's control identity (leader only)
+    shared: bool = True  # a TP leader's grant goes out only once every rank knows it
 
 
 class DecodeEndpoint:
@@ -91,10 +92,11 @@ class DecodeEndpoint:
         self.prefills: dict[int, bytes] = {}  # prefill rank -> control identity
         self.new_grants: list[Grant] = []  # granted since the last step (the leader shares them)
         self.verdicts: dict[int, list[list[int]]] = collections.defaultdict(list)
-        self.granted: dict[int, list[list[int]]] = collections.defaultdict(list)
+        self.granted: dict[int, list[Grant]] = collections.defaultdict(list)  # not yet told
+        self.pending_releases: list[int] = []  # prefills released since the last TP step
         self.to_clear: list[int] = []
         self.res = DecodeResult(self.name)
-        self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "a", buffering=1 << 16)
+        self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
         self.host_rows = self.buffers.device.type == Device.cpu.value
         self.boot_id = boot_id()
         self.warm = 1000
@@ -190,18 +192,30 @@ class DecodeEndpoint:
                     self._drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
                 g = Grant(prank, rid, room, slot, self.keys.pad(prank, rid), _clock(),
-                          identity=self.prefills[prank])
+                          identity=self.prefills[prank], shared=self.group.size == 1)
                 self._add(g)
                 self.new_grants.append(g)
-                self.granted[prank].append([rid, slot])
+                self.granted[prank].append(g)
 
     def _add(self, g: Grant) -> None:
         self.grants[(g.prank, g.rid)] = g
         self.by_slot[g.slot] = g
         self.res.grants += 1
 
+    def adopt_grant(self, prank: int, rid: int, slot: int, room: int) -> Grant:
+        """A TP follower learns a grant its leader made (the same slot in its own buffers)."""
+        self.slots._take(slot)
+        g = Grant(prank, rid, room, slot, self.keys.pad(prank, rid), _clock())
+        self._add(g)
+        return g
+
     def release_prefill(self, prank: int, why: str) -> None:
-        """A prefill that said bye (or died) writes nothing more: its slots go back."""
+        """A prefill that said bye (or died) writes nothing more: its slots go back (in a TP
+        group, on every rank at the next step)."""
+        if self.group.size > 1:
+            if self.leader:
+                self.pending_releases.append(prank)
+            return
         gone = [g for g in self.grants.values() if g.prank == prank]
         for g in gone:
             self._remove(g)
@@ -313,17 +327,20 @@ class DecodeEndpoint:
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
 
-    def _finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int) -> None:
-        self.res.outcomes[outcome] += 1
-        if outcome is not Outcome.verified:
-            self.res.details[detail] += 1
+    def _finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int, own=None) -> None:
+        """The request's verdict (in a TP group: every rank's combined; `own` is this rank's
+        judgement, which its counts and records keep)."""
+        mine, why = own if own is not None else (outcome, detail)
+        self.res.outcomes[mine] += 1
+        if mine is not Outcome.verified:
+            self.res.details[why] += 1
             self.log.warning("handoff_rejected", prefill=g.prank, rid=g.rid, slot=g.slot, room=g.room,
-                             outcome=outcome.value, detail=detail.value)
+                             outcome=mine.value, detail=why.value)
         if self.leader:
             self.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns,
                                            int(g.t_status * 1e9)])
-        self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{outcome.value}", '
-                           f'"detail": "{detail.value}"}}\n')
+        self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{mine.value}", '
+                           f'"detail": "{why.value}"}}\n')
         self._remove(g)
         if self.res.judged == self.warm:
             self.res.memory["rss_kb_warm"] = rss_kb()
@@ -345,11 +362,15 @@ class DecodeEndpoint:
         if self.leader and self.waiting:
             self.grant_waiting()
         for prank in set(self.verdicts) | set(self.granted):
-            grants, v = self.granted.get(prank, []), self.verdicts.get(prank, [])
-            if grants or v:
-                self._reply(self.prefills[prank], wire.encode("update", grants=grants, v=v))
-        self.verdicts.clear()
-        self.granted.clear()
+            told = [g for g in self.granted.get(prank, []) if g.shared]
+            v = self.verdicts.pop(prank, [])
+            if told or v:
+                self._reply(self.prefills[prank], wire.encode("update", grants=[[g.rid, g.slot] for g in told], v=v))
+            left = [g for g in self.granted.get(prank, []) if not g.shared]
+            if left:
+                self.granted[prank] = left
+            else:
+                self.granted.pop(prank, None)
 
     # ---- loop ---------------------------------------------------------------------------
     def serve(self, conn) -> None:
@@ -373,7 +394,7 @@ class DecodeEndpoint:
                     except zmq.Again:
                         break
             self.step()
-            if self.granted or self.verdicts:
+            if self.verdicts or any(g.shared for gs in self.granted.values() for g in gs):
                 self._flush()
             stop = False
             if conn.fileno() in events and conn.poll():
@@ -387,9 +408,12 @@ class DecodeEndpoint:
                 stop = self.group.any(stop)
             if stop:
                 self.res.memory["rss_kb_end"] = rss_kb()
+                if self.group.size > 1:
+                    self.res.tp = self.group.summary()
                 return
 
     def close(self) -> None:
+        self.group.close()
         self.records.close()
         if self._silent is not None:
             self._silent.close()
@@ -415,7 +439,8 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes
 
             kind, rendezvous = conn.recv()
             group = join(plan, rendezvous, tp_rank, e.decode_tp, cfg.transport.timeout_s,
-                         process_gpu(plan, "decode", instance * e.decode_tp + tp_rank))
+                         process_gpu(plan, "decode", instance * e.decode_tp + tp_rank),
+                         run_path / f"tp-{name}.jsonl")
         endpoint = DecodeEndpoint(cfg, plan, run_path, log, secret, instance, tp_rank, group)
         info = {
             "control_endpoint": endpoint.control_endpoint,

@@ -211,13 +211,19 @@ class Sender(threading.Thread):
                 self.inflight += 1
 
     def _finish_oldest(self, pending) -> None:
-        step, link, transfers, send = pending[0]
+        """Finish the oldest send that can be finished (in order, unless a send is held
+        back: then the ones behind it go first)."""
+        i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
+        if i is None:
+            time.sleep(50e-6)
+            return
+        step, link, transfers, send = pending[i]
         if self.nap_s:
             left = send.t0 + self.nap_s - time.monotonic()
             if left > 0:
                 time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
         link.router.finish(send)
-        pending.popleft()
+        del pending[i]
         self.inflight -= 1
         link.router.after_send(send)
         send.t_status = time.monotonic()
@@ -261,6 +267,7 @@ class PrefillEndpoint:
         suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
         self._decisions = decision_log(run_dir / f"decisions{suffix}.jsonl", self.name)
         self.records_path = run_dir / f"requests{suffix}.jsonl"
+        self.records_path.write_text("")  # this process's records start here (phases append)
         self._static = {
             "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
             "route": plan.route.value, "reason": plan.route_reason.value,
