@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from . import fingerprint, report
-from .config import ConfigError, OrchestratorConfig, validate
+from .config import ConfigError, OrchestratorConfig, Role, resolve_host, validate
 from .logs import configure
 from .platform import detect
 from .progress import Progress
@@ -30,6 +30,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, An
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     obj = validate(cfg)
+    resolve_host(obj)
     plan = check_profile(obj, detect())
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
                     console_level=logging.INFO if obj.logging.console else logging.WARNING)
@@ -39,15 +40,18 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     write_atomic(run_dir / "fingerprint.json", json.dumps(fingerprint.collect(obj, plan), indent=2) + "\n")
 
     total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
-    progress = Progress(total, log)
+    progress = Progress(total, log) if obj.role is not Role.decode else None
     try:
         out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
     finally:
-        progress.close()
-    results = report.build_results(obj, plan, out)
+        if progress is not None:
+            progress.close()
+    results = (report.build_decode_side(obj, plan, out) if obj.role is Role.decode
+               else report.build_results(obj, plan, out))
+    results["role"], results["run_dir"] = obj.role.value, str(run_dir)
     report.write(run_dir, results)
-    log.info("results", **{k: results[k] for k in ("requests", "verified", "corrupted", "failed",
-                                                  "routes", "effective_transport", "exit_code")})
+    log.info("results", **{k: results.get(k) for k in ("requests", "verified", "corrupted", "failed",
+                                                      "routes", "effective_transport", "exit_code")})
     print(report.summary(results, run_dir), flush=True)
     return results
 

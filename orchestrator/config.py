@@ -276,18 +276,26 @@ class TransportConfig:
     status: StatusMode = StatusMode.per_request
     max_inflight_sends: int = 16  # batch writes the transfer thread keeps in flight
     bootstrap_port: int = 0  # role=decode: where the bootstrap address listens (0 = any)
+    # role=decode also writes its bootstrap address to this file; role=prefill without a
+    # peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)
+    bootstrap_file: Optional[str] = None
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def check(self) -> None:
         _require(self.timeout_s > 0, "transport.timeout_s", self.timeout_s, "seconds > 0")
-        try:
-            host = ipaddress.IPv4Address(self.host)
-        except ValueError:
-            raise ConfigError("transport.host", self.host,
-                              "an IPv4 address to bind (127.0.0.1 by default)") from None
-        _require(host.is_loopback or self.allow_remote, "transport.host", self.host,
-                 "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
-                 "expose the data and control planes on that address")
+        if self.host == "auto":
+            _require(self.allow_remote, "transport.host", self.host,
+                     "auto (this host's address on its default route) only with "
+                     "transport.allow_remote=true")
+        else:
+            try:
+                host = ipaddress.IPv4Address(self.host)
+            except ValueError:
+                raise ConfigError("transport.host", self.host,
+                                  "an IPv4 address to bind (127.0.0.1 by default), or auto") from None
+            _require(host.is_loopback or self.allow_remote, "transport.host", self.host,
+                     "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
+                     "expose the data and control planes on that address")
         _positive("transport.max_inflight_sends", self.max_inflight_sends)
         _require(0 <= self.bootstrap_port <= 65535, "transport.bootstrap_port",
                  self.bootstrap_port, "0 (any free port) or a TCP port 1-65535")
@@ -433,8 +441,10 @@ class OrchestratorConfig:
         self.faults.check()
         self.bench.check()
         if self.role is Role.prefill:
-            _require(self.peer is not None and _host_port(self.peer) is not None, "peer",
-                     self.peer, "the decode side's bootstrap address HOST:PORT (it prints it)")
+            _require((self.peer is not None and _host_port(self.peer) is not None)
+                     or (self.peer is None and self.transport.bootstrap_file is not None), "peer",
+                     self.peer, "the decode side's bootstrap address HOST:PORT (it prints it), "
+                     "or null with transport.bootstrap_file naming the file the decode side writes")
         else:
             _require(self.peer is None, "peer", self.peer, "null unless role=prefill")
 
@@ -450,10 +460,46 @@ def _host_port(text: str) -> Optional[tuple[str, int]]:
     return host, int(port)
 
 
-def peer_address(cfg: OrchestratorConfig) -> tuple[str, int]:
-    addr = _host_port(cfg.peer or "")
-    assert addr is not None, "checked by OrchestratorConfig.check"
-    return addr
+def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, int]:
+    """The decode side's bootstrap address: `peer`, or what the decode side wrote to
+    transport.bootstrap_file (waited for up to `timeout_s`)."""
+    if cfg.peer is not None:
+        addr = _host_port(cfg.peer)
+        assert addr is not None, "checked by OrchestratorConfig.check"
+        return addr
+    import json
+    import time
+    from pathlib import Path
+
+    path = Path(cfg.transport.bootstrap_file)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            addr = _host_port(json.loads(path.read_text())["address"])
+            if addr is not None:
+                return addr
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() >= deadline:
+            raise ConfigError("transport.bootstrap_file", str(path),
+                              "a file the decode side (role=decode) writes its address to; none "
+                              f"appeared within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def resolve_host(cfg: OrchestratorConfig) -> None:
+    """transport.host=auto: this host's IPv4 address on its default route (no packet sent)."""
+    if cfg.transport.host != "auto":
+        return
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outgoing interface
+            cfg.transport.host = s.getsockname()[0]
+        except OSError:
+            raise ConfigError("transport.host", "auto", "an explicit IPv4 address: this host has "
+                                                         "no default route to pick one from") from None
 
 
 _SCHEMAS = {c.__name__: c for c in (MemPoolConfig, FieldConfig, LayoutConfig, BuffersConfig,

@@ -149,6 +149,33 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
     }
 
 
+def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[str, Any]:
+    """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
+    leaders = [d for d in out.decodes.values() if "." not in d.name or d.name.endswith(".0")]
+    outcomes, details = Counter(), Counter()
+    for d in leaders:
+        outcomes.update(d.outcomes)
+        details.update(d.details)
+    judged = sum(outcomes.values())
+    transports = set(out.transports.values())
+    results = {
+        "role": "decode", "bootstrap": out.bootstrap, "prefills_seen": out.prefills_seen,
+        "requests": judged, "verified": outcomes[Outcome.verified],
+        "corrupted": outcomes[Outcome.corrupted], "failed": outcomes[Outcome.failed],
+        "failure_reasons": counter_dict(details),
+        "decode": {name: decode_dict(d) for name, d in out.decodes.items()},
+        "startup_s": out.startup_s,
+        "effective_transport": transports.pop() if len(transports) == 1 else None,
+        "declared_transport": plan.declared_transport, "endpoint_transports": out.transports,
+        "engine_listeners_beyond_loopback": out.engine_exposed, "lost": out.lost,
+        "interrupted": out.interrupted is not None, "signal": out.interrupted,
+        "engine_log": out.engine_log, "plan": plan.as_dict(), "error": out.error,
+        "tp": _tp(cfg, out),
+    }
+    results["exit_code"] = exit_code(results)
+    return results
+
+
 def exit_code(results: dict[str, Any]) -> int:
     if results.get("signal"):
         return EXIT_SIGNAL.get(results["signal"], 130)
@@ -178,6 +205,8 @@ def _fmt(d: dict) -> str:
 
 def summary(results: dict[str, Any], run_dir: Path) -> str:
     """At most 8 lines for a default run: what ran, what happened, how fast, where."""
+    if results.get("role") == "decode":
+        return decode_summary(results, run_dir)
     lat = results["latency_us"]
     plan = results["plan"]
     routes = ", ".join(f"{k}={v}" for k, v in sorted(results["routes"].items())) or "none"
@@ -222,8 +251,39 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def decode_summary(results: dict[str, Any], run_dir: Path) -> str:
+    lines = [f"decode side at {results['bootstrap']}: buffers on {results['plan']['buffer_device']}, "
+             f"transport {results['effective_transport'] or results['declared_transport']}",
+             f"judged {results['requests']} from prefill ranks {results['prefills_seen']}: verified "
+             f"{results['verified']}, corrupted {results['corrupted']}, failed {results['failed']}"]
+    if results["error"]:
+        lines.insert(0, f"ERROR: {results['error']}")
+    if results["interrupted"]:
+        lines.insert(0, f"interrupted ({results['signal']}): counts so far")
+    lines.append(f"run dir: {rel(run_dir)}")
+    return "\n".join(lines)
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, bool]:
+    """The summary of a run split across hosts, from its two run dirs' results: the
+    prefill side's verdicts, the decode side's own counts, and whether they agree."""
+    sides = {r.get("role", "both"): r for r in (a, b)}
+    if set(sides) != {"prefill", "decode"}:
+        raise ValueError("expected the run dirs of one role=prefill and one role=decode run")
+    p, d = sides["prefill"], sides["decode"]
+    agree = p["verified"] == d["verified"]
+    lines = [summary(p, Path(p.get("run_dir", "prefill"))).rsplit("\n", 1)[0],
+             f"decode side at {d['bootstrap']} judged {d['requests']}: verified {d['verified']}, "
+             f"corrupted {d['corrupted']}, failed {d['failed']}",
+             "both sides agree" if agree else
+             f"THE SIDES DISAGREE: prefill verified {p['verified']}, decode verified {d['verified']}"]
+    return "\n".join(lines), agree and p["exit_code"] == 0 and d["exit_code"] == 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.report <sweep_dir>`: rebuild summary.csv, .md and .png."""
+    """`python -m orchestrator.report SWEEP_DIR`: rebuild summary.csv, .md and .png;
+    `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run
+    split across hosts."""
     import argparse
     import sys
 
@@ -231,11 +291,25 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.report",
-        description="Rebuild summary.csv, summary.md and summary.png of a Hydra sweep dir.")
-    parser.add_argument("sweep_dir", type=Path, help="e.g. outputs/multirun/<date>/<time>")
+        description="Rebuild the summary of a Hydra sweep dir, or merge the run dirs of the two "
+                    "sides of a run across hosts into one summary.")
+    parser.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
+                        help="a sweep dir (outputs/multirun/<date>/<time>), or two run dirs")
     args = parser.parse_args(argv)
+    if len(args.dirs) == 2:
+        try:
+            a, b = (json.loads((d / "results.json").read_text()) for d in args.dirs)
+            text, ok = merge(a, b)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        print(text, flush=True)
+        return 0 if ok else 1
+    if len(args.dirs) != 1:
+        print("error: one sweep dir, or two run dirs", file=sys.stderr, flush=True)
+        return 2
     try:
-        paths = summarize(args.sweep_dir)
+        paths = summarize(args.dirs[0])
     except SweepError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -23,6 +23,9 @@ from .config import ConfigError, DigestKind, FaultKind, OrchestratorConfig, Role
 from .faults import ENGINE_ONLY
 from .plan import Device, Plan, Platform, Route, make_plan
 
+SPLIT_FAULTS = {FaultKind.none, FaultKind.corrupt_byte, FaultKind.bad_destination,
+                FaultKind.wrong_session, FaultKind.prefill_killed, FaultKind.prefill_stopped}
+
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     cfg.check()
@@ -36,10 +39,14 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
         raise ConfigError("faults.rank", f.rank,
                           f"a decode TP rank below endpoints.decode_tp={cfg.endpoints.decode_tp}")
+    if cfg.role is not Role.both and f.kind not in SPLIT_FAULTS:
+        raise ConfigError("faults.kind", f.kind.value,
+                          f"one of {', '.join(sorted(k.value for k in SPLIT_FAULTS))} with "
+                          f"role={cfg.role.value} (the other faults act on both sides at once)")
     t = cfg.transport
     if t.secret_env is not None:
         secret_from_env(t.secret_env, platform.env)
-    remote = not ipaddress.IPv4Address(t.host).is_loopback
+    remote = t.host == "auto" or not ipaddress.IPv4Address(t.host).is_loopback
     if (remote or cfg.role is not Role.both) and t.secret_env is None:
         why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
         raise ConfigError("transport.secret_env", None,

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import structlog
 
 from .auth import run_secret
-from .config import FaultKind, OrchestratorConfig
+from .config import ConfigError, FaultKind, OrchestratorConfig, Role
 from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
@@ -45,6 +45,10 @@ class Interrupted(Exception):
     pass
 
 
+class _Done(Exception):
+    """The decode side's prefills all said bye."""
+
+
 @dataclass
 class RunResult:
     """One run: every prefill rank's result and every decode process's, keyed by name."""
@@ -59,6 +63,9 @@ class RunResult:
     error: Optional[str] = None  # the run could not start, or an endpoint failed
     engine_log: Optional[str] = None  # the last line an engine printed before a failure
     interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
+    bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
+    prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
+    run_dir: str = ""
 
 
 @dataclass
@@ -145,18 +152,23 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
     out = RunResult()
+    out.run_dir = str(run_dir)
     e = cfg.endpoints
     t_spawn = _clock()
     decodes: list[_Proc] = []
     prefills: list[_Proc] = []
     silent = None
+    role = cfg.role
     if e.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off in NCCL
         os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    metadata = None
     with (signals or Signals()) as signals:
         try:
             if signals.caught:
                 raise Interrupted
-            for i in range(e.decode_ranks):
+            if cfg.transport.mooncake.start_metadata_server:
+                metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, run_dir)
+            for i in range(e.decode_ranks if role is not Role.prefill else 0):
                 for t in range(e.decode_tp):
                     conn, child = ctx.Pipe()
                     name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
@@ -164,7 +176,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                                        args=(cfg, plan, str(run_dir), secret, child, i, t, bulk_bytes))
                     spawn(proc)
                     decodes.append(_Proc(name, proc, conn, "decode", i, t))
-            for r in range(e.prefill_ranks):
+            for r in range(e.prefill_ranks if role is not Role.decode else 0):
                 conn, child = ctx.Pipe()
                 name = proc_name("prefill", r, e.prefill_ranks)
                 kwargs = {"rank": r} if driver is None else {"rank": r, "driver": driver}
@@ -180,6 +192,12 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                         if p.index == i:
                             p.conn.send(("rendezvous", {"init_method": init, "backend": backend}))
             infos = _startup(cfg, decodes, prefills, out, log, signals)
+            if role is Role.decode:
+                out.startup_s = round(_clock() - t_spawn, 3)
+                _serve_bootstrap(cfg, secret, infos, decodes, out, log, signals)
+                raise Interrupted if signals.caught else _Done
+            if role is Role.prefill:
+                infos = lookup(cfg, secret, signals)
             if cfg.faults.kind is FaultKind.silent_control:
                 silent = silent_listener(cfg.transport.host)
                 infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
@@ -195,7 +213,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
         except RunFailed as exc:
             out.error = str(exc)
             log.error("run_failed", error=out.error)
-        except Interrupted:
+        except (Interrupted, _Done):
             pass
         finally:
             if signals.caught:
@@ -203,6 +221,9 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
             _finish(cfg, run_dir, prefills, decodes, out, log)
             if silent is not None:
                 silent.close()
+            if metadata is not None:
+                metadata.terminate()
+                metadata.wait(5)
     if out.error and out.engine_log is None:
         for p in decodes + prefills:
             if p.name in (out.error or "") or not p.proc.is_alive():
@@ -239,7 +260,148 @@ def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[
             raise RunFailed(f"{', '.join(pending)} did not start within endpoints.startup_timeout_s="
                             f"{cfg.endpoints.startup_timeout_s:g}")
     e = cfg.endpoints
+    if not decodes:
+        return []
     return [[infos[(i, t)] for t in range(e.decode_tp)] for i in range(e.decode_ranks)]
+
+
+def _public(info: dict) -> dict:
+    return {k: info.get(k) for k in ("control_endpoint", "data_endpoint", "transport", "session_id")}
+
+
+def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log,
+                     signals) -> None:
+    """role=decode: serve the decode endpoints at transport.host:transport.bootstrap_port to
+    authenticated prefill sides, until every prefill rank said bye to every instance."""
+    import zmq
+
+    from . import wire
+    from .auth import Authenticator
+
+    auth = Authenticator(secret)
+    host, want = cfg.transport.host, cfg.endpoints.prefill_ranks
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if cfg.transport.bootstrap_port:
+        sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
+        port = cfg.transport.bootstrap_port
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    out.bootstrap = f"{host}:{port}"
+    record = json.dumps({"address": out.bootstrap}) + "\n"
+    (Path(out.run_dir) / "bootstrap.json").write_text(record)
+    if cfg.transport.bootstrap_file:
+        from .results import write_atomic
+
+        write_atomic(Path(cfg.transport.bootstrap_file), record)
+    print(f"decode side up: bootstrap address {out.bootstrap} (start the prefill side with "
+          f"role=prefill peer={out.bootstrap})", flush=True)
+    log.info("bootstrap_listening", address=out.bootstrap)
+    reply = wire.encode("decodes", infos=[[_public(i) for i in inst] for inst in infos], prefill_ranks=want)
+    byes: dict[int, set[int]] = {}
+    leaders = [d for d in decodes if d.tp_rank == 0]
+    try:
+        while not signals.caught:
+            if sock.poll(20):
+                frames = sock.recv_multipart()
+                body = auth.unseal(frames[1]) if len(frames) == 2 else None
+                try:
+                    msg = wire.decode(body) if body is not None else None
+                except wire.WireError:
+                    msg = None
+                if msg is None or msg["type"] != "lookup":
+                    log.warning("bootstrap_rejected", reason="not an authentic lookup")
+                elif msg["prefill_ranks"] != want:
+                    sock.send_multipart([frames[0], auth.seal(wire.encode(
+                        "error", detail=f"this decode side expects endpoints.prefill_ranks={want}, "
+                                        f"the prefill side has {msg['prefill_ranks']}"))])
+                else:
+                    sock.send_multipart([frames[0], auth.seal(reply)])
+            for d in decodes:
+                while d.conn.poll(0):
+                    try:
+                        kind, value = d.conn.recv()
+                    except (EOFError, OSError):
+                        raise RunFailed(f"{d.name} closed its pipe") from None
+                    if kind == "bye" and d in leaders:
+                        byes.setdefault(d.index, set()).add(value)
+                    elif kind == "error":
+                        raise RunFailed(f"{d.name} endpoint failed: {value}")
+                if not d.proc.is_alive():
+                    raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
+            if leaders and all(len(byes.get(d.index, ())) >= want for d in leaders):
+                out.prefills_seen = sorted(set().union(*byes.values()))
+                return
+    finally:
+        sock.close(0)
+        zctx.term()
+
+
+def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
+    """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
+    again every second until endpoints.startup_timeout_s: that side may start later)."""
+    import zmq
+
+    from . import wire
+    from .auth import Authenticator
+    from .config import peer_address
+
+    auth = Authenticator(secret)
+    deadline = _clock() + cfg.endpoints.startup_timeout_s
+    try:
+        host, port = peer_address(cfg, cfg.endpoints.startup_timeout_s)
+    except ConfigError as exc:
+        raise RunFailed(str(exc)) from None
+    zctx = zmq.Context()
+    try:
+        while _clock() < deadline and not signals.caught:
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks)))
+            got = sock.poll(1000)
+            frame = sock.recv() if got else None
+            sock.close(0)
+            if frame is None:
+                continue
+            body = auth.unseal(frame)
+            if body is None:
+                raise RunFailed(f"the decode side at {host}:{port} answered without a valid MAC: "
+                                "both sides need the same secret (transport.secret_env)")
+            msg = wire.decode(body)
+            if msg["type"] == "error":
+                raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
+            return msg["infos"]
+        if signals.caught:
+            raise Interrupted
+        raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
+                        f"{cfg.endpoints.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
+    finally:
+        zctx.term()
+
+
+def start_metadata_server(url: str, run_dir: Path):
+    """Mooncake's own HTTP metadata server (mooncake_http_metadata_server, in the wheel) for
+    an http://HOST:PORT/metadata address on this host; returns the process."""
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    log = open(run_dir / "metadata_server.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", u.hostname,
+                             "--port", str(u.port)], stdout=log, stderr=log, start_new_session=True)
+    deadline = _clock() + 20
+    while _clock() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((u.hostname, u.port)) == 0:
+                return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise RunFailed(f"mooncake_http_metadata_server did not come up at {url} (see metadata_server.log)")
 
 
 def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -> None:

@@ -4,6 +4,9 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
 (no code-executing decoder) and checked against SCHEMA:
     prefill -> decode: hello {rank, layout, fingerprint}, arrive {reqs: [[rid, room], ...],
                        contiguous}, bye {}
+    across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
+    lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
+    transport, session_id}, ...], ...], prefill_ranks}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
@@ -83,6 +86,16 @@ def _opt_str(v: Any) -> bool:
     return v is None or _str(v)
 
 
+_INFO_KEYS = {"control_endpoint": _str, "data_endpoint": _str, "transport": _str, "session_id": _opt_str}
+
+
+def _infos(v: Any) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= 64 and all(
+        isinstance(inst, list) and 0 < len(inst) <= 64 and all(
+            isinstance(d, dict) and set(d) == set(_INFO_KEYS) and all(f(d[k]) for k, f in _INFO_KEYS.items())
+            for d in inst) for inst in v)
+
+
 SCHEMA: dict[str, dict[str, Any]] = {
     "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str},
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
@@ -91,6 +104,9 @@ SCHEMA: dict[str, dict[str, Any]] = {
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str},
     "update": {"grants": _rows(2), "v": _rows(5)},
     "error": {"detail": _str},
+    # the bootstrap address of a decode side started alone (role=decode)
+    "lookup": {"rank": _u64, "prefill_ranks": _u64},
+    "decodes": {"infos": _infos, "prefill_ranks": _u64},
 }
 
 

@@ -94,6 +94,7 @@ class DecodeEndpoint:
         self.verdicts: dict[int, list[list[int]]] = collections.defaultdict(list)
         self.granted: dict[int, list[Grant]] = collections.defaultdict(list)  # not yet told
         self.pending_releases: list[int] = []  # prefills released since the last TP step
+        self.byes: list[int] = []  # prefill ranks that said bye (the runner is told)
         self.to_clear: list[int] = []
         self.res = DecodeResult(self.name)
         self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
@@ -161,6 +162,7 @@ class DecodeEndpoint:
             prank = self._prank(identity)
             if prank is not None:
                 self.release_prefill(prank, "bye")
+                self.byes.append(prank)
         else:
             self._drop("dropped_control", "control_dropped", error=f"{kind} is not for this rank")
 
@@ -396,6 +398,8 @@ class DecodeEndpoint:
             self.step()
             if self.verdicts or any(g.shared for gs in self.granted.values() for g in gs):
                 self._flush()
+            while self.byes:
+                conn.send(("bye", self.byes.pop()))
             stop = False
             if conn.fileno() in events and conn.poll():
                 msg = conn.recv()

@@ -125,6 +125,14 @@ def apply_env(env: Mapping[str, Optional[str]]) -> dict[str, str]:
     return {name: os.environ[name] for name in env if name in os.environ}
 
 
+def _unique_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class MooncakeEngine:
     """One initialized TransferEngine. Create one per process and reuse it (teardown ~1 s)."""
 
@@ -146,9 +154,13 @@ class MooncakeEngine:
             raise EngineError("initialize", -1, reason="no free port in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT")
         from mooncake.engine import TransferEngine  # imported late: env must be in place
 
+        # With P2PHANDSHAKE a segment is named host:rpc_port (the port Mooncake picks). With a
+        # metadata server the name is exactly the local_hostname given, and two engines
+        # registering the same name collide: give each a port number of its own.
+        local = host if metadata_server == "P2PHANDSHAKE" else f"{host}:{_unique_port(host)}"
         self._engine = TransferEngine()
         with captured_stderr(log_path) as logged:
-            rc = self._engine.initialize(host, metadata_server, protocol, device_name)
+            rc = self._engine.initialize(local, metadata_server, protocol, device_name)
         self.init_log = logged[0] if logged else ""
         if rc != 0:
             raise EngineError("initialize", rc, host=host, metadata_server=metadata_server,
@@ -156,7 +168,7 @@ class MooncakeEngine:
         self.host = host
         self.protocol = protocol
         self.rpc_port = self._engine.get_rpc_port()
-        self.session_id = f"{host}:{self.rpc_port}"
+        self.session_id = f"{host}:{self.rpc_port}" if local == host else local
         self.effective_transport = transport_from_log(self.init_log)
 
     def register(self, ptr: int, nbytes: int) -> None:
