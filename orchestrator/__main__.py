@@ -1,5 +1,6 @@
 """`python -m orchestrator [overrides]`: one job, or a sweep with -m. The exit code is the
-job's (see orchestrator.report), or the worst of a sweep's jobs."""
+job's (see orchestrator.report), or the worst of a sweep's jobs (read back from their
+results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,26 @@ def main(cfg: DictConfig) -> float:
 
 
 def entry() -> None:
+    from .profile import precheck
+
+    problem = precheck(sys.argv[1:])
+    if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
+        print(f"error: {' '.join(problem.split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         main()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
-    if _EXIT:
-        sys.exit(max(_EXIT))
+    except SystemExit as exc:
+        if exc.code == 1 and not _EXIT:  # Hydra refused before any job ran
+            sys.exit(2)
+        raise
+    from .sweep import SWEEP_EXIT
+
+    codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
+    if codes:
+        sys.exit(max(codes))
 
 
 if __name__ == "__main__":

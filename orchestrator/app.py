@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from . import fingerprint, report
+from . import fingerprint, plots, report
 from .config import ConfigError, OrchestratorConfig, Role, resolve_host, validate
 from .logs import configure
 from .platform import detect
@@ -50,6 +50,11 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
                else report.build_results(obj, plan, out))
     results["role"], results["run_dir"] = obj.role.value, str(run_dir)
     report.write(run_dir, results)
+    if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
+        plan_d = results["plan"]
+        plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
+                                       f"{plan_d['buffer_device']}, "
+                                       f"{results['effective_transport'] or plan_d['declared_transport']}")
     log.info("results", **{k: results.get(k) for k in ("requests", "verified", "corrupted", "failed",
                                                       "routes", "effective_transport", "exit_code")})
     print(report.summary(results, run_dir), flush=True)

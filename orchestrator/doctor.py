@@ -17,6 +17,7 @@ the machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import os
@@ -30,86 +31,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .config import ConfigError, MemPoolType, OrchestratorConfig, register_configs, validate
+from .config import ConfigError, MemPoolType, OrchestratorConfig
+from .plan import Device, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
+from .profile import ProfileError, error_exit, load_profile, overrides_dict, profile_label
+from .rules import check_profile
 from .transport.ports import port_is_free, rpc_port_range
-from .plan import (Device, EngineTransport, Plan, Platform, Route, buffer_device,
-                   engine_transport_rule, gpu_placement, make_plan, route_rule)
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading a profile (shared with orchestrator.export_env)
-
-
-class ProfileError(Exception):
-    """The profile cannot be composed or validated; str() is one line for `error: ...`."""
-
-
-def one_line(exc: BaseException) -> str:
-    """A Hydra / OmegaConf / ConfigError message as one line: option lists joined with commas,
-    Hydra's search-path and documentation-link lines dropped, the cause's first line added."""
-    parts: list[str] = []
-    for raw in str(exc).splitlines():
-        line = raw.strip()
-        if raw.startswith("Config search path"):
-            break
-        if not line or line.startswith("See https://hydra.cc"):
-            continue
-        if raw.startswith("\t") and parts and not parts[-1].endswith(":"):
-            parts[-1] += f", {line}"  # another option of a list
-        elif raw.startswith("\t") and parts:
-            parts[-1] += f" {line}"  # the first option after "Available options in ...:"
-        else:
-            parts.append(line)
-    text = ""
-    for part in parts:
-        text += part if not text else (" " if text.endswith((".", ":")) else "; ") + part
-    text = text or type(exc).__name__
-    cause = exc.__cause__
-    if cause is not None and str(cause).strip():
-        text += f": {str(cause).strip().splitlines()[0].strip()}"
-    return text
-
-
-def load_profile(overrides: Sequence[str]) -> OrchestratorConfig:
-    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it.
-
-    Raises ProfileError with a one-line message for anything Hydra or validate rejects.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            cfg = compose(config_name="config", overrides=list(overrides))
-        return validate(cfg)
-    except ConfigError as exc:
-        raise ProfileError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf errors: one line, no traceback
-        raise ProfileError(one_line(exc)) from None
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def profile_label(overrides: Sequence[str]) -> str:
-    return shlex.join(overrides) if overrides else "(defaults)"
-
-
-def overrides_dict(overrides: Sequence[str]) -> dict[str, Optional[str]]:
-    """{"mem_pool": "NVLINK", ...} for the JSON output (a bare key maps to None)."""
-    out: dict[str, Optional[str]] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        out[key] = value if sep else None
-    return out
-
-
-def error_exit(message: str) -> None:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,44 +71,20 @@ def _verdict(name: str, findings: Sequence[tuple[Status, str]]) -> Check:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the profile declares (also when it cannot be planned here)
+# What the profile asks of the machine (also when the rule book refuses it here)
 
 
-@dataclass(frozen=True)
-class Intent:
-    """Where the profile puts buffers and which transport it needs: the plan's answer when it
-    planned, else what the config declares (so a profile refused here still gets its
-    build/CUDA checks)."""
-
-    pool: MemPoolType
-    device: Device
-    uses_engine: bool
-    engine_transport: Optional[EngineTransport]
-    prefill_gpu: Optional[int]  # the first prefill rank's GPU (the pair the cuda check probes)
-    decode_gpu: Optional[int]  # the first decode rank's GPU
-
-    @property
-    def wants_nvlink(self) -> bool:
-        return self.engine_transport is EngineTransport.nvlink_intra
-
-
-def intent_of(cfg: OrchestratorConfig, plan: Optional[Plan], cuda_devices: int = 2) -> Intent:
-    if plan is not None:
-        first = (plan.prefill_gpus[0], plan.decode_gpus[0]) if plan.prefill_gpus else (None, None)
-        return Intent(plan.mem_pool, plan.buffer_device, plan.route is Route.engine,
-                      plan.engine_transport, *first)
-    pool = cfg.mem_pool.type
-    device = buffer_device(pool, Platform())
-    route, _ = route_rule(pool, cfg.transport.route)
-    transport = (engine_transport_rule(cfg.transport.mooncake.transport, device)
-                 if route is Route.engine else None)
-    prefill = decode = None
-    if device is Device.cuda:  # the placement make_plan picks
-        e = cfg.endpoints
-        p_gpus, d_gpus = gpu_placement(e.prefill_ranks, e.decode_ranks, e.prefill_gpus,
-                                       e.decode_gpus, cuda_devices)
-        prefill, decode = p_gpus[0], d_gpus[0]
-    return Intent(pool, device, route is Route.engine, transport, prefill, decode)
+def intended_plan(cfg: OrchestratorConfig, platform: Platform) -> Optional[Plan]:
+    """The plan the same rules make on a machine that has what the profile asks for (its
+    GPUs, a CUDA Mooncake build): what the build, CUDA and NVLink checks look for when this
+    machine is refused. None when no machine could run the profile."""
+    e = cfg.endpoints
+    declared = (e.prefill_gpus or []) + (e.decode_gpus or [])
+    gpus = max(platform.cuda_devices, e.prefill_ranks + e.decode_procs, max(declared, default=0) + 1)
+    try:
+        return make_plan(cfg, dataclasses.replace(platform, cuda_devices=gpus, mooncake_cuda=True, env={}))
+    except ConfigError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,17 +319,8 @@ def check_mc_env(env: Mapping[str, str], wants_nvlink: bool, plan_env: Mapping[s
 # ---------------------------------------------------------------------------------------------
 # 5. PyTorch expandable segments
 
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
-def _alloc_options(conf: str) -> dict[str, str]:
-    pairs = (item.split(":", 1) for item in conf.split(",") if ":" in item)
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
 def check_alloc_conf(env: Mapping[str, str], wants_nvlink: bool) -> Check:
-    on = [name for name in ALLOC_CONF_VARS
-          if _alloc_options(env.get(name, "")).get("expandable_segments", "").lower() == "true"]
+    on = expandable_segments(env)
     if not on:
         return Check("alloc-conf", Status.OK, "PyTorch expandable segments are off: CUDA tensors are "
                                               "cudaMalloc'd and have CUDA IPC handles.")
@@ -436,7 +329,7 @@ def check_alloc_conf(env: Mapping[str, str], wants_nvlink: bool) -> Check:
         return Check("alloc-conf", Status.FAIL,
                      f"{shown} with an nvlink_intra plan: expandable-segment memory comes from "
                      "cuMemCreate, has no CUDA IPC handle and fails to register with Mooncake's "
-                     "NVLink transport; remove expandable_segments:True for this run.")
+                     "NVLink transport (the plan check refuses it); remove expandable_segments:True.")
     return Check("alloc-conf", Status.OK, f"{shown} is set; harmless here (the plan does not use "
                                           "nvlink_intra), but it breaks INTRA_NODE_NVLINK profiles.")
 
@@ -510,11 +403,10 @@ def bind_error(host: str) -> Optional[str]:
 
 
 def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
-               secret_env: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-               uses_engine: bool = False) -> Check:
+               authenticated: bool = True, uses_engine: bool = False) -> Check:
     """Loopback: OK. Otherwise the address must be this machine's (a bind to host:0 works),
-    and then the planes are reachable from the network: WARN. `secret_env` (the config's
-    transport.secret_env) must name a set, non-empty variable of `env`, or the run refuses."""
+    and then the planes are reachable from the network: WARN. (Whether the profile may run
+    at all, secret included, is the plan check's: the rule book.)"""
     name = "host"
     findings: list[tuple[Status, str]] = []
     try:
@@ -531,9 +423,8 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
     else:
         exposed = ("binds every interface, and 0.0.0.0 is no address a peer can dial"
                    if addr.is_unspecified else "is a local non-loopback address")
-        auth = (f"control and status messages carry an HMAC (transport.secret_env={secret_env}), "
-                "the aux bytes themselves (AUX_DATA frames, Mooncake's TCP transport) do not"
-                if secret_env else "nothing is authenticated (set transport.secret_env)")
+        auth = ("every message carries a MAC and every row a keyed digest (transport.secret_env); "
+                "nothing is encrypted")
         findings.append((Status.WARN, f"transport.host={host} {exposed}: the data and control planes "
                                       f"are reachable from the network; {auth}; firewall it, or use "
                                       "127.0.0.1 when both endpoints are on this machine."))
@@ -543,10 +434,6 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
                                       "(seen with ss on 0.3.13/0.3.14): firewall ports "
                                       "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT or run in a network "
                                       "namespace; each run lists them in results.json."))
-    if secret_env and not (env or {}).get(secret_env):
-        findings.append((Status.FAIL, f"transport.secret_env={secret_env} names a variable that is "
-                                      "unset or empty in this shell: the run refuses to start; "
-                                      f"export {secret_env}=<shared secret> first."))
     return _verdict(name, findings)
 
 
@@ -584,29 +471,50 @@ def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
                env: Optional[Mapping[str, str]] = None) -> Report:
     from .platform import detect
 
-    env = dict(os.environ) if env is None else dict(env)
     platform = detect()
+    if env is not None:
+        platform = dataclasses.replace(platform, env=dict(env))
+    env = platform.env
     plan: Optional[Plan] = None
     error: Optional[ConfigError] = None
     try:
-        plan = make_plan(cfg, platform)
+        plan = check_profile(cfg, platform)  # the rule book, exactly as the run applies it
     except ConfigError as exc:
         error = exc
-    intent = intent_of(cfg, plan, platform.cuda_devices)
-    cuda = probe_cuda(intent.prefill_gpu, intent.decode_gpu) if intent.device is Device.cuda else None
-    host = cfg.transport.host
+    intent = plan or intended_plan(cfg, platform)
+    device = intent.buffer_device if intent else Device.cpu
+    uses_engine = intent is not None and intent.route is Route.engine
+    wants_nvlink = intent is not None and intent.engine_transport is EngineTransport.nvlink_intra
+    prefill_gpu = intent.prefill_gpus[0] if intent and intent.prefill_gpus else None
+    decode_gpu = intent.decode_gpus[0] if intent and intent.decode_gpus else None
+    cuda = probe_cuda(prefill_gpu, decode_gpu) if device is Device.cuda else None
+    host = cfg.transport.host if cfg.transport.host != "auto" else "0.0.0.0"
     checks = [
-        check_mooncake(probe_mooncake(), intent.uses_engine, intent.wants_nvlink),
+        check_mooncake(probe_mooncake(), uses_engine, wants_nvlink),
         check_plan(plan, error),
-        check_cuda(intent.device, intent.prefill_gpu, intent.decode_gpu, cuda),
-        check_mc_env(env, intent.wants_nvlink, plan.mc_env if plan else {},
-                     intra_profile=intent.pool is MemPoolType.INTRA_NODE_NVLINK),
-        check_alloc_conf(env, intent.wants_nvlink),
-        check_rpc_ports(env, host, uses_engine=intent.uses_engine),
-        check_host(host, secret_env=getattr(cfg.transport, "secret_env", None), env=env,
-                   uses_engine=intent.uses_engine),
+        check_cuda(device, prefill_gpu, decode_gpu, cuda),
+        check_mc_env(env, wants_nvlink, plan.mc_env if plan else {},
+                     intra_profile=cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK),
+        check_alloc_conf(env, wants_nvlink),
+        check_rpc_ports(env, host, uses_engine=uses_engine),
+        check_host(host, uses_engine=uses_engine),
     ]
     return Report(list(overrides), checks, plan)
+
+
+def check_layouts(cfg: OrchestratorConfig, peer: OrchestratorConfig, peer_label: str) -> Check:
+    """Two profiles (a prefill's and a decode's) must give the same aux layout: field names,
+    dtypes and item lengths, in order. SGLang itself never compares them."""
+    from .layout import first_difference, profile_layout
+
+    diff = first_difference(profile_layout(cfg), profile_layout(peer))
+    if diff is None:
+        return Check("layout", Status.OK,
+                     f"{cfg.layout.name} and the peer's ({peer_label or 'defaults'}: "
+                     f"{peer.layout.name}) give the same {len(profile_layout(cfg))} fields")
+    return Check("layout", Status.FAIL,
+                 f"the peer's profile ({peer_label}) gives another aux layout: {diff}; a run "
+                 "between them is refused at bootstrap, and SGLang would corrupt memory silently")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -617,12 +525,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides selecting the profile, e.g. mem_pool=INTRA_NODE_NVLINK")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--peer", metavar="OVERRIDES", default=None,
+                        help="the other side's profile, one quoted string (e.g. --peer "
+                             "'layout=sglang_pre_0_5_23'): its aux layout must match this one's")
     args = parser.parse_args(argv)
     try:
         cfg = load_profile(args.overrides)
+        peer = load_profile(shlex.split(args.peer)) if args.peer is not None else None
     except ProfileError as exc:
         error_exit(str(exc))
     report = run_checks(cfg, args.overrides)
+    if peer is not None:
+        report.checks.append(check_layouts(cfg, peer, args.peer))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -1,10 +1,11 @@
 """`python -m orchestrator.export_env [overrides] [--format sh|json] [--assume-gpus N]`: the
 environment a serving engine (SGLang on Mooncake) needs to reproduce a profile.
 
-The profile is composed and validated like the main CLI does, planned with
-:func:`orchestrator.plan.make_plan` (against this machine, or with ``--assume-gpus N``
-against N CUDA devices and a CUDA Mooncake build, so a GPU profile can be exported from a
-laptop), and mapped by the pure :func:`orchestrator.serving.serving_env`.
+The profile is composed and validated like the main CLI does, judged by the rule book
+(:func:`orchestrator.rules.check_profile`, which the run and the doctor apply too) against
+this machine, or with ``--assume-gpus N`` against N CUDA devices and a CUDA Mooncake build
+(so a GPU profile can be exported from a laptop), and mapped by the pure
+:func:`orchestrator.serving.serving_env`.
 
 ``--format sh`` (default) prints a comment naming the profile, then ``export NAME=value``
 lines and ``unset NAME`` lines, each group sorted by name, values shell-quoted; apply them
@@ -23,8 +24,9 @@ import shlex
 from typing import Optional, Sequence
 
 from .config import ConfigError, OrchestratorConfig
-from .doctor import ProfileError, error_exit, load_profile, profile_label
-from .plan import Plan, Platform, make_plan
+from .plan import Plan, Platform
+from .profile import ProfileError, error_exit, load_profile, profile_label
+from .rules import check_profile
 from .serving import serving_env
 
 
@@ -72,12 +74,12 @@ def _plan_or_exit(cfg: OrchestratorConfig, gpus: Optional[int]) -> Plan:
 
         platform = detect()
     try:
-        return make_plan(cfg, platform)
+        return check_profile(cfg, platform)
     except ConfigError as exc:
         message = str(exc)
         if gpus is None:
             try:  # would a GPU machine plan it? then say how to export it from here
-                make_plan(cfg, assumed_platform(8))
+                check_profile(cfg, assumed_platform(8))
                 message += " (to export it for a GPU machine from here, add --assume-gpus N)"
             except ConfigError:
                 pass

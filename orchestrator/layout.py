@@ -133,6 +133,16 @@ def describe(specs: Sequence[FieldSpec]) -> list[list[Any]]:
     return [[s.name, str(s.dtype).removeprefix("torch."), s.item_len] for s in specs]
 
 
+def profile_layout(cfg) -> list[list[Any]]:
+    """The description a profile's buffers will send at bootstrap (cfg: an
+    OrchestratorConfig), computed without building them."""
+    b = cfg.buffers
+    hidden = getattr(torch, b.hidden_states_dtype.value)
+    sizes = Sizes(b.hidden_size, hidden, b.max_sampling_mask_tokens, b.max_top_logprobs_num,
+                  b.output_dsa_topk_indices_dim, b.kv_checksum_enabled, b.enable_sampling_mask)
+    return describe(field_specs(cfg.layout, sizes))
+
+
 def fingerprint(description: list[list[Any]]) -> str:
     blob = json.dumps(description, separators=(",", ":")).encode()
     return hashlib.blake2b(blob, digest_size=8).hexdigest()

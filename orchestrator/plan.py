@@ -65,6 +65,7 @@ class Platform:
     npu: bool = False
     cpu_count: int = 8
     mooncake_cuda: bool = False  # the installed Mooncake wheel has the CUDA transports
+    rdma_devices: tuple[str, ...] = ()  # /sys/class/infiniband entries (HCAs the engine can open)
     env: Mapping[str, str] = field(default_factory=dict)  # snapshot of os.environ
 
     @property
@@ -200,10 +201,19 @@ class Plan:
         }
 
 
-def _alloc_options(conf: str) -> dict[str, str]:
-    """Parse PYTORCH_CUDA_ALLOC_CONF ("key:value,key:value") into a dict."""
-    pairs = (item.split(":", 1) for item in conf.split(",") if ":" in item)
-    return {k.strip(): v.strip() for k, v in pairs}
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads both
+
+
+def expandable_segments(env: Mapping[str, str]) -> list[str]:
+    """The allocator variables of `env` that turn PyTorch's expandable segments on
+    ("key:value,key:value", case-insensitive value as torch parses it)."""
+    on = []
+    for var in ALLOC_CONF_VARS:
+        pairs = (item.split(":", 1) for item in env.get(var, "").split(",") if ":" in item)
+        options = {k.strip(): v.strip() for k, v in pairs}
+        if options.get("expandable_segments", "").lower() == "true":
+            on.append(var)
+    return on
 
 
 def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gpus,
@@ -285,15 +295,12 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
                 "use mem_pool=INTRA_NODE_NVLINK)",
             )
         if transport is EngineTransport.nvlink_intra:
-            # torch reads both names (PYTORCH_ALLOC_CONF is the newer one)
-            for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-                alloc_conf = platform.env.get(var, "")
-                if _alloc_options(alloc_conf).get("expandable_segments") == "True":
-                    raise ConfigError(
-                        var, alloc_conf,
-                        "no expandable_segments:True with nvlink_intra (cuMemCreate memory has "
-                        "no CUDA IPC handle and fails to register)",
-                    )
+            for var in expandable_segments(platform.env):
+                raise ConfigError(
+                    var, platform.env[var],
+                    "no expandable_segments:True with nvlink_intra (cuMemCreate memory has "
+                    "no CUDA IPC handle and fails to register)",
+                )
         env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
 
     prefill_gpus = decode_gpus = None

@@ -37,6 +37,14 @@ def mooncake_has_cuda() -> bool:
     return importlib.util.find_spec("mooncake.allocator") is not None
 
 
+def rdma_devices(sysfs: str = "/sys/class/infiniband") -> tuple[str, ...]:
+    """The RDMA devices the kernel offers (what Mooncake's rdma transport would open)."""
+    try:
+        return tuple(sorted(os.listdir(sysfs)))
+    except OSError:
+        return ()
+
+
 def detect() -> Platform:
     import torch
 
@@ -47,5 +55,6 @@ def detect() -> Platform:
         cpu_count=len(os.sched_getaffinity(0)),
         npu=npu,
         mooncake_cuda=mooncake_has_cuda(),
+        rdma_devices=rdma_devices(),
         env=dict(os.environ),
     )

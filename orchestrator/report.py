@@ -95,7 +95,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
                      "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
                      "duplicate_rooms": w.duplicate_rooms, "layout": cfg.layout.name,
-                     "digest": cfg.verify.digest.value},
+                     "digest": cfg.verify.digest.value,
+                     "in_flight_max": w.concurrency * cfg.endpoints.prefill_ranks,
+                     "decode_rows": cfg.buffers.size * cfg.endpoints.decode_ranks},
         "effective_transport": effective,
         "declared_transport": plan.declared_transport,
         "endpoint_transports": out.transports,
@@ -217,8 +219,10 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         f"failed {results['failed']}   routes: {routes}",
     ]
     if results["verified"]:
+        set_buf = lat["set_buf"]["p50"]  # None when rows were filled ahead (workload.fill)
         lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
-                     f"handoff {_fmt(lat['handoff'])}   set_buf p50 {lat['set_buf']['p50']}")
+                     f"handoff {_fmt(lat['handoff'])}"
+                     + (f"   set_buf p50 {set_buf:g}" if set_buf is not None else ""))
         lines.append(f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
                      f"({results['bytes_per_request']} B per request); start-up "
                      f"{results['startup_s']} s excluded")
@@ -234,6 +238,11 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     if results["interrupted"]:
         problems.append(f"interrupted ({results['signal']}): counts so far")
     lines = problems[:2] + lines
+    w = results["workload"]
+    if w["rate"] is None and w["in_flight_max"] > w["decode_rows"]:
+        lines.append(f"{w['in_flight_max']} requests in flight (workload.concurrency x prefill ranks) "
+                     f"> {w['decode_rows']} decode rows (buffers.size x decode ranks): the rest wait "
+                     "for a row, inside handoff latency")
     tp = results.get("tp")
     if tp:
         lines.append(f"decode TP x{tp['ranks']} (readiness gate {'on' if tp['gate']['readiness'] else 'OFF'}, "
@@ -247,7 +256,7 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    lines.append(f"run dir: {rel(run_dir)}")
+    lines.append(f"run dir: {rel(run_dir)} (results.json, requests.jsonl, latency.png, logs)")
     return "\n".join(lines)
 
 

@@ -117,6 +117,7 @@ class RankResult:
     memory: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
+    lost: dict[int, str] = field(default_factory=dict)  # decode instance -> why it was declared lost
 
     def add(self, rec: Record) -> None:
         self.outcomes[rec.outcome] += 1

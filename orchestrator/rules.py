@@ -7,7 +7,8 @@ what is allowed). It applies, in order:
   2. the plan's rules: device, route, engine transport, fallback, GPU placement,
      allocator settings (orchestrator.plan);
   3. what a fault needs (a route, TP ranks);
-  4. the secret: a named one must be set; a run across hosts must name one;
+  4. the secret: a named one must be set; a run across hosts must name one; NVLink stays
+     on one host; rdma needs an RDMA device unless it may degrade;
   5. the digest: blake2b reads rows on the host;
   6. the metadata service the runner would start.
 Pure: the machine is described by `platform` (its env snapshot included).
@@ -19,9 +20,9 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from .auth import secret_from_env
-from .config import ConfigError, DigestKind, FaultKind, OrchestratorConfig, Role
+from .config import ConfigError, DigestKind, FallbackPolicy, FaultKind, OrchestratorConfig, Role
 from .faults import ENGINE_ONLY
-from .plan import Device, Plan, Platform, Route, make_plan
+from .plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
 SPLIT_FAULTS = {FaultKind.none, FaultKind.corrupt_byte, FaultKind.bad_destination,
                 FaultKind.wrong_session, FaultKind.prefill_killed, FaultKind.prefill_stopped}
@@ -32,9 +33,9 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     plan = make_plan(cfg, platform)
     f = cfg.faults
     if f.kind in ENGINE_ONLY and plan.route is not Route.engine:
+        allowed = sorted(k.value for k in FaultKind if k not in ENGINE_ONLY)
         raise ConfigError("faults.kind", f.kind.value,
-                          "decode_killed, decode_stopped, prefill_killed, silent_control, "
-                          "corrupt_byte or status_first with the tcp route (the others need the "
+                          f"one of {', '.join(allowed)} with the tcp route (the others need the "
                           "engine route)")
     if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
         raise ConfigError("faults.rank", f.rank,
@@ -53,6 +54,18 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
                           f"the name of an environment variable holding a secret shared by both "
                           f"sides: {why} means two hosts, and a run's own generated secret "
                           "cannot cross to the other one")
+    if (plan.route is Route.engine and plan.engine_transport is EngineTransport.rdma
+            and not platform.rdma_devices and cfg.transport.fallback is FallbackPolicy.strict):
+        raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
+                          "tcp, or rdma with transport.fallback=degrade: this host has no RDMA "
+                          "device (/sys/class/infiniband is empty) and the engine would quietly "
+                          "come up on TCP")
+    if (remote and cfg.role is not Role.both and plan.route is Route.engine
+            and plan.engine_transport is EngineTransport.nvlink_intra):
+        raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
+                          f"tcp or rdma with role={cfg.role.value} and transport.host={t.host}: "
+                          "it gives nvlink_intra here, and NVLink joins GPUs of one host (use a "
+                          "loopback transport.host when both sides run on this one)")
     if cfg.verify.digest is DigestKind.blake2b and plan.buffer_device is not Device.cpu:
         raise ConfigError("verify.digest", "blake2b",
                           f"linear with {plan.buffer_device.value} buffers (blake2b reads rows "

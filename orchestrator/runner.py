@@ -301,8 +301,14 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     reply = wire.encode("decodes", infos=[[_public(i) for i in inst] for inst in infos], prefill_ranks=want)
     byes: dict[int, set[int]] = {}
     leaders = [d for d in decodes if d.tp_rank == 0]
+    wait_s = cfg.endpoints.startup_timeout_s
+    deadline, answered = _clock() + wait_s, False
     try:
         while not signals.caught:
+            if not answered and _clock() > deadline:
+                raise RunFailed(f"no prefill side looked up {out.bootstrap} within "
+                                f"endpoints.startup_timeout_s={wait_s:g} (started with role=prefill "
+                                f"peer={out.bootstrap} and the same transport.secret_env?)")
             if sock.poll(20):
                 frames = sock.recv_multipart()
                 body = auth.unseal(frames[1]) if len(frames) == 2 else None
@@ -318,6 +324,7 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                                         f"the prefill side has {msg['prefill_ranks']}"))])
                 else:
                     sock.send_multipart([frames[0], auth.seal(reply)])
+                    answered = True
             for d in decodes:
                 while d.conn.poll(0):
                     try:
@@ -336,6 +343,13 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     finally:
         sock.close(0)
         zctx.term()
+        if cfg.transport.bootstrap_file:  # a stale address must not send the next prefill here
+            try:
+                path = Path(cfg.transport.bootstrap_file)
+                if path.read_text() == record:
+                    path.unlink()
+            except OSError:
+                pass
 
 
 def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
@@ -356,6 +370,11 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
     zctx = zmq.Context()
     try:
         while _clock() < deadline and not signals.caught:
+            if cfg.peer is None:  # a decode side restarted meanwhile writes a new address
+                try:
+                    host, port = peer_address(cfg)
+                except ConfigError:
+                    pass
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{host}:{port}")
@@ -562,6 +581,11 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
             out.ranks[p.name] = reconstruct(cfg, run_dir, p.index, p.name,
                                             Detail.interrupted if out.interrupted and not reason else
                                             Detail.prefill_lost if reason else Detail.run_error)
+    ep = cfg.endpoints
+    for p in prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
+        for inst, why in out.ranks[p.name].lost.items():
+            out.lost.setdefault(proc_name("decode", inst, ep.decode_ranks, 0, ep.decode_tp),
+                                f"declared lost by {p.name}: {why}")
 
 
 def _decode_from_disk(run_dir: Path, name: str) -> DecodeResult:

@@ -25,6 +25,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .plots import pyplot
+
 CSV_NAME = "summary.csv"
 MD_NAME = "summary.md"
 PNG_NAME = "summary.png"
@@ -210,10 +212,7 @@ def _varying(swept: list[str], rows: list[dict[str, Any]]) -> list[str]:
 def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
     """A sweep over categorical keys (gate.readiness=true,false faults=...): per job, its
     outcomes (verified / corrupted / failed) and its rate, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = _varying(swept, rows) or swept
     labels = ["\n".join(f"{k.split('.')[-1]}={r.get(k)}" for k in keys) for r in rows]
@@ -242,10 +241,7 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
 
 
 def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x_key, x_label = _x_axis(swept, rows)
     if x_key is None:
@@ -334,11 +330,29 @@ def summarize(sweep_dir: Path) -> list[Path]:
     return [csv_path, md_path, png_path]
 
 
+def worst_exit(sweep_dir: Path) -> Optional[int]:
+    """The worst exit code of a sweep's jobs (a job without a readable results.json counts
+    as lost: 3); None when the directory holds no job."""
+    codes = []
+    for row in collect(sweep_dir)[1]:
+        code = row.get("exit_code")
+        codes.append(code if isinstance(code, int) else 3)
+    return max(codes) if codes else None
+
+
+SWEEP_EXIT: list[int] = []  # set when a multirun ends: the worst job's exit code
+
+
 class SweepSummary(Callback):
-    """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)."""
+    """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)
+    and keeps the worst job's exit code for the command (jobs may have run in other
+    processes or on other hosts, through a launcher)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        worst = worst_exit(sweep_dir)
+        if worst is not None:
+            SWEEP_EXIT.append(worst)
         try:
             paths = summarize(sweep_dir)
         except SweepError as exc:

@@ -15,6 +15,14 @@ CONF = ROOT / "conf"
 
 register_configs()
 
+try:  # property tests keep no example database in the checkout
+    from hypothesis import settings
+
+    settings.register_profile("orchestrator", database=None)
+    settings.load_profile("orchestrator")
+except ImportError:
+    pass
+
 
 def compose_cfg(*overrides: str):
     GlobalHydra.instance().clear()
@@ -69,9 +77,13 @@ class DecodeProcess:
         assert kind == "ready", self.info
 
     def stop(self):
+        """Stop the decode side; skips its ("bye", prank) notices, returns its final stats."""
         self.conn.send("stop")
-        assert self.conn.poll(20), "decode did not stop"
-        kind, stats = self.conn.recv()
+        while True:
+            assert self.conn.poll(20), "decode did not stop"
+            kind, stats = self.conn.recv()
+            if kind != "bye":
+                break
         self.proc.join(10)
         assert kind == "stats", stats
         return stats

@@ -113,8 +113,9 @@ class PrefillPeer:
         return self.verdict(rid)
 
     def close(self):
-        stats = self.decode.stop()
-        self.control.close(0)
-        self.push.close(0)
-        self.z.term()
-        return stats
+        try:
+            return self.decode.stop()
+        finally:
+            self.control.close(0)
+            self.push.close(0)
+            self.z.term()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -60,9 +61,12 @@ def test_validate_names_key(override, key):
 
 
 def _cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *overrides,
-                           "hydra.run.dir=" + str(ROOT / "outputs" / "test-cli-errors")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # a test writes nothing into the checkout
+        return subprocess.run([sys.executable, "-m", "orchestrator", *overrides,
+                               "hydra.run.dir=" + str(Path(tmp) / "run")],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 @pytest.mark.parametrize("override,needle", [

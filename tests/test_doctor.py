@@ -11,13 +11,14 @@ import sys
 
 import pytest
 
-from orchestrator import doctor
+from orchestrator import doctor, profile
 from orchestrator.config import ConfigError
 from orchestrator.doctor import (Check, CudaProbe, MooncakeProbe, Status, check_alloc_conf,
                                  check_cuda, check_host, check_mc_env, check_mooncake, check_plan,
-                                 check_rpc_ports, intent_of, intra_nvlink_built, one_line,
+                                 check_rpc_ports, intended_plan, intra_nvlink_built,
                                  port_is_free, rpc_port_range)
-from orchestrator.plan import Device, EngineTransport, Platform, make_plan
+from orchestrator.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
+from orchestrator.profile import one_line
 
 from .conftest import ROOT, has_cuda
 
@@ -28,7 +29,7 @@ TWO_GPU = Platform(cuda_devices=2, mooncake_cuda=True)
 def clean_env() -> dict[str, str]:
     """The test process's environment without anything the checks judge."""
     return {k: v for k, v in os.environ.items()
-            if not k.startswith("MC_") and k not in doctor.ALLOC_CONF_VARS}
+            if not k.startswith("MC_") and k not in ALLOC_CONF_VARS}
 
 
 def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -56,39 +57,30 @@ def test_one_line_flattens_hydra_messages():
     ("mem_pool", "mem_pool"),
 ])
 def test_load_profile_errors_are_one_line(override, needle):
-    with pytest.raises(doctor.ProfileError) as info:
-        doctor.load_profile([override])
+    with pytest.raises(profile.ProfileError) as info:
+        profile.load_profile([override])
     message = str(info.value)
     assert needle in message and "\n" not in message
 
 
 def test_overrides_dict():
-    assert doctor.overrides_dict(["mem_pool=NVLINK", "+x.y=a=b", "bare"]) == {
+    assert profile.overrides_dict(["mem_pool=NVLINK", "+x.y=a=b", "bare"]) == {
         "mem_pool": "NVLINK", "+x.y": "a=b", "bare": None}
 
 
 # --- what the profile declares --------------------------------------------------------------------
 
-def test_intent_of_an_unplannable_profile_still_names_its_needs(cfg_factory):
+def test_intended_plan_of_a_refused_profile_names_its_needs(cfg_factory):
+    """The same rules, on a machine that has what the profile asks for (no re-derivation)."""
     cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK")
     with pytest.raises(ConfigError):
         make_plan(cfg, CPU)
-    intent = intent_of(cfg, None, cuda_devices=0)
-    assert intent.device is Device.cuda and intent.wants_nvlink and intent.uses_engine
-    assert (intent.prefill_gpu, intent.decode_gpu) == (0, 0)
-    assert (intent_of(cfg, None, cuda_devices=2).decode_gpu) == 1
-
-
-def test_intent_of_a_plan_is_the_plan(cfg_factory):
-    cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
-    plan = make_plan(cfg, CPU)
-    intent = intent_of(cfg, plan)
-    assert intent.device is Device.cpu and intent.engine_transport is EngineTransport.tcp
-    assert not intent.wants_nvlink
-    nvl = intent_of(cfg, make_plan(cfg, TWO_GPU))
-    assert nvl.wants_nvlink and (nvl.prefill_gpu, nvl.decode_gpu) == (0, 1)
-    tcp = intent_of(cfg_factory("mem_pool=NVLINK"), make_plan(cfg_factory("mem_pool=NVLINK"), CPU))
-    assert not tcp.uses_engine and tcp.engine_transport is None
+    intent = intended_plan(cfg, CPU)
+    assert intent.buffer_device is Device.cuda and intent.engine_transport is EngineTransport.nvlink_intra
+    assert intent.route is Route.engine and (intent.prefill_gpus, intent.decode_gpus) == ((0,), (1,))
+    four = intended_plan(cfg_factory("experiment=pd_8gpu_nvlink"), CPU)
+    assert four.prefill_gpus == (0, 1, 2, 3) and four.decode_gpus == (4, 5, 6, 7)
+    assert intended_plan(cfg_factory("mem_pool=NVLINK", "transport.route=engine"), CPU) is None
 
 
 # --- 1. mooncake ----------------------------------------------------------------------------------
@@ -338,11 +330,10 @@ def test_host_local_non_loopback_warns():
     assert check_host("0.0.0.0", try_bind=lambda h: None).status is Status.WARN
 
 
-def test_host_secret_env_must_be_set():
-    named = check_host("127.0.0.1", secret_env="PD_AUX_SECRET", env={})
-    assert named.status is Status.FAIL and "PD_AUX_SECRET" in named.detail
-    assert check_host("127.0.0.1", secret_env="PD_AUX_SECRET",
-                      env={"PD_AUX_SECRET": "s3cret"}).status is Status.OK
+def test_a_missing_secret_is_the_rule_books_refusal(cfg_factory):
+    report = doctor.run_checks(cfg_factory("transport.secret_env=PD_AUX_SECRET"), [], env={})
+    plan = next(c for c in report.checks if c.name == "plan")
+    assert plan.status is Status.FAIL and "transport.secret_env" in plan.detail and not report.ok
 
 
 def test_bind_error_for_real():
@@ -405,3 +396,15 @@ def test_cli_json():
     assert [c["name"] for c in data["checks"]] == CHECK_NAMES
     assert all(set(c) == {"name", "status", "detail"} for c in data["checks"])
     assert data["plan"]["route"] == "tcp"
+
+
+def test_doctor_compares_the_peer_profile_layout():
+    """--peer: a prefill and a decode profile whose aux layouts differ FAIL, naming the first
+    differing field; equal layouts pass."""
+    proc = run_cli("orchestrator.doctor", "buffers.enable_sampling_mask=true",
+                   "--peer", "layout=sglang_pre_0_5_23")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.split()[1:2] == ["layout"])
+    assert line.startswith("FAIL") and "field 6" in line and "output_token_sampling_mask_len" in line
+    proc = run_cli("orchestrator.doctor", "--peer", "transport.route=tcp")
+    assert proc.returncode == 0 and "give the same 10 fields" in proc.stdout

@@ -15,7 +15,7 @@ from orchestrator.report import build_results
 from orchestrator.rules import check_profile
 from orchestrator.runner import run_handoffs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CPU = Platform()
 FAST = ("transport.timeout_s=2", "transport.mooncake.tcp_progress_timeout_s=2")
 

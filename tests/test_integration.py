@@ -94,6 +94,7 @@ def test_steps_coalesced_sends_and_step_statuses(cfg_factory, tmp_path, route):
     assert all(d["send"]["blocks"] == 10 for d in _decisions(run_dir))  # one block per field
 
 
+@pytest.mark.slow
 def test_open_loop_arrivals_measure_from_arrival(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "workload.rate=400", requests=200)
     assert res["verified"] == 200, res
@@ -102,6 +103,7 @@ def test_open_loop_arrivals_measure_from_arrival(cfg_factory, tmp_path):
     assert 0.35 < res["wall_s"] < 2.0  # 200 arrivals at 400/s take about half a second
 
 
+@pytest.mark.slow
 def test_degraded_intra_node_nvlink_runs_on_host_over_engine_tcp(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
     assert res["verified"] == 200 and res["effective_transport"] == "mooncake-tcp"
@@ -147,6 +149,7 @@ def test_mooncake_wrapper_moves_bytes_and_raises_on_bad_destination():
 
 
 # ---- a hand-written prefill against the real decode process ---------------------------------
+@pytest.mark.slow
 def test_decode_judges_corruption_room_mismatch_stale_room_and_failed_sender(cfg_factory, tmp_path):
     peer = PrefillPeer(cfg_factory("mem_pool=NVLINK", "transport.timeout_s=1"), tmp_path)
     try:
@@ -231,6 +234,7 @@ def test_grants_come_at_arrival_and_go_back_on_bye(cfg_factory, tmp_path):
         peer.close()
 
 
+@pytest.mark.slow
 def test_cli_run_writes_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "workload.requests=100",
@@ -238,8 +242,12 @@ def test_cli_run_writes_run_dir(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verified 100, corrupted 0, failed 0" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) <= 8 and "None" not in proc.stdout, proc.stdout  # a quiet console
+    assert proc.stderr.strip() == "", proc.stderr
     for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "results.json", "decisions.jsonl",
-                 "orchestrator.log", "requests.jsonl", "verdicts-decode.jsonl", "fingerprint.json"):
+                 "orchestrator.log", "requests.jsonl", "verdicts-decode.jsonl", "fingerprint.json",
+                 "latency.png"):
         assert (run_dir / name).exists(), name
     res = json.loads((run_dir / "results.json").read_text())
     for key in ("requests", "verified", "failed", "routes", "latency_us", "handoffs_per_s",
@@ -249,6 +257,7 @@ def test_cli_run_writes_run_dir(tmp_path):
     assert len((run_dir / "decisions.jsonl").read_text().splitlines()) == 100
 
 
+@pytest.mark.slow
 def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
     cfg = cfg_factory("endpoints.prefill_ranks=2", "endpoints.decode_ranks=2", "workload.requests=100")
     plan = make_plan(cfg, CPU)
@@ -262,6 +271,7 @@ def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
     assert sorted(rids) == list(range(200))  # unique across prefill ranks
 
 
+@pytest.mark.slow
 def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
     """Declaring rdma on a box without an HCA: Mooncake quietly comes up on TCP. Under strict
     the run stops and says so; under degrade it runs and logs the fallback."""

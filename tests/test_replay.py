@@ -12,7 +12,7 @@ from orchestrator.replay import compare
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_replay_reports_identical_then_catches_a_changed_checksum(tmp_path):

@@ -146,6 +146,7 @@ def real_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_real_sweep_summary(real_sweep: Path) -> None:
     columns, rows = _read_csv(real_sweep / "summary.csv")
     assert columns[:3] == ["job", "buffers.hidden_size", "workload.requests"]
@@ -162,6 +163,7 @@ def test_real_sweep_summary(real_sweep: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_report_cli_rebuilds(real_sweep: Path) -> None:
     names = ("summary.csv", "summary.md", "summary.png")
     for name in names:

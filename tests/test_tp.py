@@ -17,7 +17,7 @@ from orchestrator.runner import run_handoffs
 
 from .conftest import typed_cfg
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RACE = ("endpoints.decode_tp=2", "faults=status_first", "faults.every=3")
 
 

@@ -30,7 +30,7 @@ from orchestrator.transport.engine import MooncakeEngine
 from .conftest import ROOT, compose_cfg, typed_cfg
 from .peers import PrefillPeer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CPU = Platform()
 
 

@@ -53,6 +53,9 @@ if want tp; then
   timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
     endpoints.decode_gpus=[0,1] workload.requests=4000 hydra.run.dir="$out/tp-gate-on" 2>&1 | tail -8
   timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
+    endpoints.decode_gpus=[0,1] workload.requests=4000 faults=status_first \
+    hydra.run.dir="$out/tp-gate-on-race" 2>&1 | tail -8
+  timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
     endpoints.decode_gpus=[0,1] workload.requests=4000 faults=status_first gate.readiness=false \
     hydra.run.dir="$out/tp-gate-off" 2>&1 | tail -8
 fi

@@ -402,7 +402,11 @@ class PrefillEndpoint:
     def close(self) -> None:
         if self.sender is not None and self.sender.is_alive():
             self.sender.submit(None)
-            self.sender.join(5)
+            self.sender.join(self.timeout_s)
+            if self.sender.is_alive():  # blocked inside the engine (an unreachable peer)
+                self.log.warning("sender_stuck", detail="a write never returned from the engine")
+                self.stuck = True
+                return
         for inst in self.instances:
             try:
                 self._send(inst, wire.encode("bye"))
@@ -578,15 +582,16 @@ class _Loop:
             self.ep.memory["rss_kb_warm"] = rss_kb()
 
     def lose(self, inst: Instance, detail: Detail, why: str) -> None:
-        """Fail everything an instance still owes us (requests still being sent are
-        finished when their send completes)."""
+        """Fail everything an instance still owes us, now: a write to it may stay in the
+        engine's hands until the engine gives up on the host (its source row is freed when
+        the write returns; the record does not wait for it)."""
         inst.lost = True
+        self.res.lost[inst.index] = why
         self.ep.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
         for req in list(self.outstanding.values()):
             if req.inst == inst.index and req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
-                if req.src_slot < 0 or req.sent:
-                    self.finish(req)
+                self.finish(req)
         self.ready = collections.deque(r for r in self.ready if r.inst != inst.index)
         inst.backlog.clear()
         inst.owed = inst.ungranted = 0
@@ -780,18 +785,18 @@ def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: byte
     try:
         endpoint = PrefillEndpoint(cfg, plan, run_path, log, rank, secret)
         conn.send(("up", {"transport": endpoint.side.transport}))
-        kind, decodes = conn.recv()
-        if kind != "decodes":
-            return
-        endpoint.connect(decodes)
+        msg = conn.recv()
+        if not (isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "decodes"):
+            return  # the run ended before it started (a stop, or a refused bootstrap)
+        endpoint.connect(msg[1])
         conn.send(("running", None))
         conn.send(("result", driver(endpoint, conn)))
     except Exception as exc:
         conn.send(("error", report_failure(log, "prefill_failed", exc)))
     finally:
+        if endpoint is not None and not endpoint.stuck:
+            endpoint.close()  # sets `stuck` if the transfer thread never comes back
         if endpoint is not None and endpoint.stuck:
             import os
 
             os._exit(1)  # a Mooncake call is still blocked inside the engine: do not wait on it
-        if endpoint is not None:
-            endpoint.close()

@@ -1,0 +1,154 @@
+"""Loading a profile outside the main app (doctor, export_env, the bench, and the main
+entry's check of Hydra's own errors): compose conf/ with overrides exactly as the CLI does,
+validate, and turn anything Hydra, OmegaConf or validate rejects into one line.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .config import ConfigError, OrchestratorConfig, register_configs, validate
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ProfileError(Exception):
+    """The profile cannot be composed or validated; str() is one line for `error: ...`."""
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra / OmegaConf / ConfigError message as one line: option lists joined with commas,
+    Hydra's search-path and documentation-link lines dropped, the cause's first line added."""
+    parts: list[str] = []
+    for raw in str(exc).splitlines():
+        line = raw.strip()
+        if raw.startswith("Config search path"):
+            break
+        if not line or line.startswith("See https://hydra.cc"):
+            continue
+        if raw.startswith("\t") and parts and not parts[-1].endswith(":"):
+            parts[-1] += f", {line}"  # another option of a list
+        elif raw.startswith("\t") and parts:
+            parts[-1] += f" {line}"  # the first option after "Available options in ...:"
+        else:
+            parts.append(line)
+    text = ""
+    for part in parts:
+        text += part if not text else (" " if text.endswith((".", ":")) else "; ") + part
+    text = text or type(exc).__name__
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip():
+        text += f": {str(cause).strip().splitlines()[0].strip()}"
+    return text
+
+
+def load_profile(overrides: Sequence[str]) -> OrchestratorConfig:
+    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it.
+
+    Raises ProfileError with a one-line message for anything Hydra or validate rejects.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        return validate(cfg)
+    except ConfigError as exc:
+        raise ProfileError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf errors: one line, no traceback
+        raise ProfileError(one_line(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def profile_label(overrides: Sequence[str]) -> str:
+    return shlex.join(overrides) if overrides else "(defaults)"
+
+
+def overrides_dict(overrides: Sequence[str]) -> dict[str, Optional[str]]:
+    """{"mem_pool": "NVLINK", ...} for the JSON output (a bare key maps to None)."""
+    out: dict[str, Optional[str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        out[key] = value if sep else None
+    return out
+
+
+def error_exit(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ---- the main command line's overrides, checked before Hydra runs anything -------------------
+_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+               "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
+_OTHER_CONFIG = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+                 "--experimental-rerun"}
+
+
+def cli_overrides(argv: Sequence[str]) -> Optional[list[str]]:
+    """The Hydra overrides on a command line, or None when it names another primary config
+    (a replay's saved config, for one: Hydra checks that itself)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in _OTHER_CONFIG:
+            return None
+        if arg in _WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-") and ("=" in arg or arg.startswith("~")):
+            out.append(arg)
+    return out
+
+
+def precheck(argv: Sequence[str]) -> Optional[str]:
+    """One line naming what Hydra or validate would refuse in these overrides, else None.
+    Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
+    single run also goes through the rule book here (a sweep's refused job is a row)."""
+    overrides = cli_overrides(argv)
+    if overrides is None or any("${hydra:" in o for o in overrides):
+        return None  # another primary config, or values only a running job can resolve
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    ours = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(ours)
+    except Exception as exc:  # noqa: BLE001 - a syntax error in an override
+        return one_line(exc)
+    choices = []
+    for text, o in zip(ours, parsed):
+        if o.is_sweep_override():
+            key = text.split("=", 1)[0]
+            try:
+                choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+            except Exception:  # noqa: BLE001 - a range or glob sweep: Hydra expands it itself
+                return None
+        else:
+            choices.append([text])
+    base = [c[0] for c in choices]
+    combos = [base] + [base[:i] + [v] + base[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+    for combo in combos:
+        try:
+            cfg = load_profile(combo)
+        except ProfileError as exc:
+            return str(exc)
+    if len(combos) == 1 and not ({"-m", "--multirun"} & set(argv)):
+        from .config import resolve_host
+        from .platform import detect
+        from .rules import check_profile
+
+        try:
+            resolve_host(cfg)
+            check_profile(cfg, detect())
+        except ConfigError as exc:
+            return str(exc)
+    return None
