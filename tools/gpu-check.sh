@@ -22,7 +22,7 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
 cat "$out/machine.txt"
 if want tests; then
   echo "== GPU tests"
-  timeout 300 python3 -m pytest -q -m gpu -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$out/gpu-tests.txt"
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_digest.py 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
 fi
 if want bench; then
   echo "== bench: experiment=deepseek_v3_mtp (10 blocks / 15,872 B per request)"
