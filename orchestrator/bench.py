@@ -318,16 +318,20 @@ def ratios(paths: list[dict]) -> dict[str, Any]:
 
 def markdown(results: dict) -> str:
     B = results["batch_size"]
-    rows = ["| path | phase | batch | in flight | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | requests/send |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    def cell(v):
+        return "-" if v is None else v
+
+    rows = ["| path | phase | batch | in flight | verified | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | requests/send |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for p in results["paths"]:
         if "error" in p:
-            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | |")
+            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | | |")
             continue
         for name, ph in p["phases"].items():
             rows.append(f"| {p['path']} | {name} | {ph['batch_size']} | {ph['concurrency']} | "
-                        f"{ph['handoffs_per_s']} | {ph['handoff_us'].get('p50')} | "
-                        f"{ph['handoff_us'].get('p99')} | {ph['set_buf_us'].get('p50')} | {ph['requests_per_send']} |")
+                        f"{ph['verified']}/{ph['requests']} | {cell(ph['handoffs_per_s'])} | "
+                        f"{cell(ph['handoff_us'].get('p50'))} | {cell(ph['handoff_us'].get('p99'))} | "
+                        f"{cell(ph['set_buf_us'].get('p50'))} | {ph['requests_per_send']} |")
     raw = ["", "| path | our send_aux p50 us | raw batch write p50 us | ours/raw | raw writes/s (1 request) | "
                f"raw rows/s ({B}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
     for p in results["paths"]:

@@ -275,6 +275,9 @@ class TransportConfig:
     coalesce: bool = False
     status: StatusMode = StatusMode.per_request
     max_inflight_sends: int = 16  # batch writes the transfer thread keeps in flight
+    # blocks (one per field per send) handed to the engine and not finished: Mooncake's TCP
+    # transport rejects writes past its lane queue ("TCP lane queue-full") and fails them
+    max_inflight_blocks: int = 1024
     bootstrap_port: int = 0  # role=decode: where the bootstrap address listens (0 = any)
     # role=decode also writes its bootstrap address to this file; role=prefill without a
     # peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)
@@ -297,6 +300,7 @@ class TransportConfig:
                      "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
                      "expose the data and control planes on that address")
         _positive("transport.max_inflight_sends", self.max_inflight_sends)
+        _positive("transport.max_inflight_blocks", self.max_inflight_blocks)
         _require(0 <= self.bootstrap_port <= 65535, "transport.bootstrap_port",
                  self.bootstrap_port, "0 (any free port) or a TCP port 1-65535")
         self.mooncake.check()

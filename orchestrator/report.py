@@ -143,6 +143,9 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
         "taken_unready": sum(d.tp.get("taken_unready", 0) for d in ranks),
         "taken_wrong_room": sum(d.tp.get("taken_wrong_room", 0) for d in ranks),
         "hung": sum(d.details.get(Detail.room_never_landed, 0) for d in ranks),
+        # the gate saw the right room but the rest of the row had not landed (blocks of one
+        # batch write land in any order): only the digest catches these
+        "torn": sum(d.details.get(Detail.checksum_mismatch, 0) for d in ranks),
         "per_rank": {d.name: {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
                               **{k: d.tp.get(k) for k in ("taken_unready", "taken_wrong_room", "gate_waits")}}
                      for d in ranks},
@@ -249,7 +252,8 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
                      f"zero room on free {'on' if tp['gate']['zero_room_on_free'] else 'OFF'}): "
                      f"{tp['steps_disagreed']} steps disagreed before the all-reduce, "
                      f"{tp['silent_corruptions']} taken unready or with a wrong room (silent in "
-                     f"SGLang), {tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
+                     f"SGLang), {tp['torn']} with the right room but a torn row (digest only), "
+                     f"{tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
     pairs = results["pairs"]
     if len(pairs) > 1:
         rates = [p["handoffs_per_s"] for p in pairs.values() if p["handoffs_per_s"]]

@@ -583,7 +583,8 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
                                             Detail.prefill_lost if reason else Detail.run_error)
     ep = cfg.endpoints
     for p in prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
-        for inst, why in out.ranks[p.name].lost.items():
+        rank = out.ranks[p.name]
+        for inst, why in (rank.lost.items() if isinstance(rank, RankResult) else ()):
             out.lost.setdefault(proc_name("decode", inst, ep.decode_ranks, 0, ep.decode_tp),
                                 f"declared lost by {p.name}: {why}")
 

@@ -2,11 +2,22 @@
 # The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,bench,profile,sweep,pairs,tp (default: all of them)
+# STEPS: any of tests,bench,profile,sweep,sweeplow,pairs,tp,tprace (default: tests,bench,profile,sweep,pairs,tp)
+# Run dirs go to a temp dir; at the end its small files (summaries, results.json, bench
+# tables, plots, profiles) are packed into OUTDIR/gpu-check.tar.gz (the device tool returns at
+# most 8 files).
 set -uo pipefail
-out=${1:-${OUT:-outputs/gpu-check}}
+dest=${1:-${OUT:-outputs/gpu-check}}
 steps=${2:-tests,bench,profile,sweep,pairs,tp}
-mkdir -p "$out"
+out=$(mktemp -d)/gpu-check
+mkdir -p "$out" "$dest"
+pack() {
+  (cd "$(dirname "$out")" && find gpu-check -type f \( -name '*.md' -o -name '*.json' -o -name '*.csv' \
+     -o -name '*.png' -o -name '*.txt' -o -name '*.raw' -o -name 'machine.txt' \) ! -name 'requests*' \
+     ! -name 'decisions*' ! -name 'verdicts*' | tar czf "$dest/gpu-check.tar.gz" -T -)
+  cp "$out/machine.txt" "$dest/" 2>/dev/null
+}
+trap pack EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || exit 1
@@ -17,7 +28,7 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
   nvidia-smi topo -m
   python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
   ls "$site" | grep -i mooncake
-  nproc; git log --oneline -1 2>/dev/null
+  nproc; echo "commit ${GIT_COMMIT:-unknown}"
 } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 if want tests; then
@@ -34,6 +45,13 @@ if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
   timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek" 2>&1 | tail -8
   timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp workload.fill=ahead hydra.run.dir="$out/run-deepseek-ahead" 2>&1 | tail -8
+  if python3 -c 'import py_spy' 2>/dev/null || command -v py-spy >/dev/null || [ -x "$site/bin/py-spy" ]; then
+    spy=$(command -v py-spy || echo "$site/bin/py-spy")
+    echo "== py-spy: where the per-request NVLink handoff spends its time (fill=ahead, 20k requests)"
+    timeout 120 "$spy" record --subprocesses --format raw --rate 500 -o "$out/profile-ahead.raw" -- \
+      python3 -m orchestrator experiment=deepseek_v3_mtp workload.fill=ahead workload.requests=20000 \
+      hydra.run.dir="$out/run-deepseek-ahead-profiled" 2>&1 | grep -v "^py-spy>" | tail -6
+  fi
 fi
 if want sweep; then
   echo "== latency vs offered load: rate x mem_pool (INTRA_NODE_NVLINK vs NONE over the tcp route)"
@@ -42,11 +60,24 @@ if want sweep; then
     | grep -E "sweep summary|job failed" ; cp "$out/rate-sweep/summary.png" "$out/rate-sweep.png" 2>/dev/null
   cut -d, -f1-4,13-14,20-24 "$out/rate-sweep/summary.csv" 2>/dev/null
 fi
+if want sweeplow; then
+  echo "== latency vs offered load below and around the knee (fill=ahead: the route alone)"
+  timeout 300 python3 -m orchestrator -m experiment=deepseek_v3_mtp workload.requests=3000 workload.concurrency=512 \
+    workload.fill=ahead workload.rate=500,1000,2000,3000,4000 mem_pool=INTRA_NODE_NVLINK,NVLINK \
+    hydra.sweep.dir="$out/rate-sweep-low" 2>&1 | grep -E "sweep summary|job failed"
+  cut -d, -f1-4,13-14,20-24 "$out/rate-sweep-low/summary.csv" 2>/dev/null
+fi
 if want pairs; then
   echo "== all pairs: 4 prefill x 4 decode ranks (on 2 GPUs they alternate), NVLink vs tcp route, fill ahead"
   timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp workload.fill=ahead hydra.sweep.dir="$out/pd-4x4" 2>&1 \
     | grep -E "mem_pool=|requests|handoffs/s|pairs|ERROR" | head -20
   cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
+fi
+if want tprace; then
+  echo "== decode TP=2, the race fault with the gate on (the rows the room gate lets through torn)"
+  timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
+    endpoints.decode_gpus=[0,1] workload.requests=4000 faults=status_first \
+    hydra.run.dir="$out/tp-gate-on-race" 2>&1 | tail -8
 fi
 if want tp; then
   echo "== decode TP=2 on both GPUs, prefill on GPU 0: gate on, then gate off with the race fault"

@@ -153,6 +153,7 @@ class Sender(threading.Thread):
         self.nap_s = nap_s
         self.max_inflight = max_inflight
         self.inflight = 0  # sends started, not finished
+        self.blocks_done = 0  # blocks of finished sends (written by this thread only)
         self.idle = False  # waiting for a step (a submit must notify)
         self.error: Optional[str] = None
 
@@ -225,6 +226,7 @@ class Sender(threading.Thread):
         link.router.finish(send)
         del pending[i]
         self.inflight -= 1
+        self.blocks_done += len(link.router.item_lens)
         link.router.after_send(send)
         send.t_status = time.monotonic()
         step.sends.append((link, send))
@@ -438,6 +440,9 @@ class _Loop:
         self.sink = open(ep.records_path, "a", buffering=1 << 16)
         self.route = ep.plan.route.value
         self.warm = min(1000, self.total // 10)
+        links = max(len(inst.links) for inst in ep.instances)
+        self.blocks_per_request = len(ep.buffers.specs) * links  # one block per field per rank
+        self.blocks_out = ep.sender.blocks_done  # blocks handed to the engine so far
         for inst in ep.instances:
             for link in inst.links:
                 link.router.coalesce = phase.coalesce
@@ -508,6 +513,7 @@ class _Loop:
                 per_link.setdefault(id(link), (link, []))[1].append(
                     Transfer(req.rid, req.room, slot, req.dst_slot, tag))
         work = [(link, transfers, link.router.sends(transfers)) for link, transfers in per_link.values()]
+        self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
         step = Step(reqs, work)
         t_ready = _clock()
         if all(link.router.starts_in_caller for link, _, _ in work):
@@ -618,7 +624,7 @@ class _Loop:
                         inst.last_heard = now
                 last_iter = now
                 self.issue(now, t0)
-                while self.ready and ep.src.available and ep.sender.backlog < 2:
+                while self.can_form():
                     self.form_step()
                 wait = self.wait_ms(now, t0)
                 events = dict(ep.poller.poll(wait))
@@ -677,8 +683,20 @@ class _Loop:
                 self.next_i += 1
         self.flush_arrivals()
 
+    def can_form(self) -> bool:
+        """A step may form: requests ready, source rows free, the transfer thread not behind,
+        and the engine's queue not past transport.max_inflight_blocks with this step (one
+        step always may when nothing is in flight)."""
+        ep = self.ep
+        if not (self.ready and ep.src.available and ep.sender.backlog < 2):
+            return False
+        out = self.blocks_out - ep.sender.blocks_done
+        rows = 1 if self.phase.coalesce else min(self.phase.batch_size, len(self.ready))
+        step = rows * self.blocks_per_request  # a coalesced step is about one run per rank
+        return out == 0 or out + step <= ep.cfg.transport.max_inflight_blocks
+
     def wait_ms(self, now: float, t0: float) -> int:
-        if self.ready and self.ep.src.available and self.ep.sender.backlog < 2:
+        if self.can_form():
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
             return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
