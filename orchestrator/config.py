@@ -213,6 +213,13 @@ class GateConfig:
 
     readiness: bool = True  # downgrade "done" to "transferring" while the slot's room is 0
     zero_room_on_free: bool = True  # zero a freed slot's room (and kv_checksum)
+    # beyond SGLang: with readiness on, a row whose room is right but whose digest is not
+    # (the room block of a batch write can land before the others) also counts as
+    # "transferring", for up to this long after its status; 0 = SGLang's room-only gate
+    settle_ms: float = 50.0
+
+    def check(self) -> None:
+        _require(self.settle_ms >= 0, "gate.settle_ms", self.settle_ms, "milliseconds >= 0")
 
 
 @dataclass
@@ -443,6 +450,7 @@ class OrchestratorConfig:
         self.workload.check(self.buffers)
         self.endpoints.check()
         self.faults.check()
+        self.gate.check()
         self.bench.check()
         if self.role is Role.prefill:
             _require((self.peer is not None and _host_port(self.peer) is not None)

@@ -134,7 +134,8 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
     per_step = [d.tp.get("allreduce_mean_us") for d in ranks if d.tp.get("allreduce_mean_us")]
     return {
         "ranks": cfg.endpoints.decode_tp,
-        "gate": {"readiness": cfg.gate.readiness, "zero_room_on_free": cfg.gate.zero_room_on_free},
+        "gate": {"readiness": cfg.gate.readiness, "zero_room_on_free": cfg.gate.zero_room_on_free,
+                 "settle_ms": cfg.gate.settle_ms},
         "steps": sum(t.get("steps", 0) for t in leaders),
         "steps_disagreed": sum(t.get("steps_disagreed", 0) for t in leaders),
         "requests_disagreed": sum(t.get("requests_disagreed", 0) for t in leaders),
@@ -146,6 +147,8 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
         # the gate saw the right room but the rest of the row had not landed (blocks of one
         # batch write land in any order): only the digest catches these
         "torn": sum(d.details.get(Detail.checksum_mismatch, 0) for d in ranks),
+        # rows the room gate alone would have taken torn, held by gate.settle_ms until whole
+        "settled": sum(d.settled for d in ranks),
         "per_rank": {d.name: {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
                               **{k: d.tp.get(k) for k in ("taken_unready", "taken_wrong_room", "gate_waits")}}
                      for d in ranks},
@@ -252,7 +255,8 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
                      f"zero room on free {'on' if tp['gate']['zero_room_on_free'] else 'OFF'}): "
                      f"{tp['steps_disagreed']} steps disagreed before the all-reduce, "
                      f"{tp['silent_corruptions']} taken unready or with a wrong room (silent in "
-                     f"SGLang), {tp['torn']} with the right room but a torn row (digest only), "
+                     f"SGLang), {tp['torn']} with the right room but a torn row (digest only; "
+                     f"{tp['settled']} more held until whole by gate.settle_ms), "
                      f"{tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
     pairs = results["pairs"]
     if len(pairs) > 1:

@@ -169,6 +169,7 @@ class DecodeResult:
     unexpected: int = 0  # well-formed, authentic, but for no grant of ours
     ambiguous: int = 0  # a bare SGLang status whose room matches several grants
     gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
+    settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
     grants: int = 0
     steps: int = 0
     verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # per judged batch
@@ -191,7 +192,7 @@ def decode_dict(d: DecodeResult) -> dict[str, Any]:
     return {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
             "rejected_auth": d.rejected_auth, "dropped_data": d.dropped_data,
             "dropped_control": d.dropped_control, "unexpected": d.unexpected,
-            "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "grants": d.grants,
+            "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "settled": d.settled, "grants": d.grants,
             "steps": d.steps, "verify_us_per_batch": d.verify_us.summary(),
             "batch_mean": d.batch.mean, "tp": d.tp, "memory": d.memory, "error": d.error}
 

@@ -68,3 +68,29 @@ def test_stale_room_is_caught_only_with_zeroing_on(tmp_path):
     assert off["failure_reasons"].get("room_mismatch", 0) > 0  # the previous tenant's room passed the gate
     on = _run(tmp_path / "on", *common)
     assert (on["verified"], on["corrupted"]) == (200, 0), on["failure_reasons"]
+
+
+def test_gate_holds_a_torn_row_until_it_settles():
+    """gate.settle_ms: a row whose room is right but whose digest is not yet (the room block of
+    a batch write landed first) counts as "transferring" within the window and is judged after
+    it; settle_ms=0 is SGLang's room-only gate; readiness off holds nothing."""
+    from types import SimpleNamespace
+
+    from orchestrator.endpoints.decode import DecodeEndpoint, Grant
+    from orchestrator.results import DecodeResult
+
+    def endpoint(settle_s, readiness=True, digest_ok=False):
+        return SimpleNamespace(readiness=readiness, settle_s=settle_s, res=DecodeResult("decode"),
+                               _digest_ok=lambda g, r: digest_ok)
+
+    g = Grant(0, 7, room=42, slot=3, pad=(0, 0), t_granted=0.0, t_status=100.0)
+    torn, empty, whole = SimpleNamespace(room=42), SimpleNamespace(room=0), SimpleNamespace(room=42)
+    ep = endpoint(0.05)
+    assert DecodeEndpoint.unready(ep, g, torn, now=100.01) is True  # within the window
+    assert DecodeEndpoint.unready(ep, g, torn, now=100.02) is True
+    assert ep.res.settled == 1 and g.settling  # counted once
+    assert DecodeEndpoint.unready(ep, g, torn, now=100.06) is False  # judged: corrupted
+    assert DecodeEndpoint.unready(ep, g, empty, now=150.0) is True  # room 0: until timeout_s
+    assert DecodeEndpoint.unready(endpoint(0.05, digest_ok=True), g, whole, now=100.01) is False
+    assert DecodeEndpoint.unready(endpoint(0.0), g, torn, now=100.01) is False  # SGLang's gate
+    assert DecodeEndpoint.unready(endpoint(0.05, readiness=False), g, empty, now=100.01) is False

@@ -60,6 +60,7 @@ class Grant:
     t_status: float = 0.0
     identity: bytes = b""  # the prefill's control identity (leader only)
     shared: bool = True  # a TP leader's grant goes out only once every rank knows it
+    settling: bool = False  # the gate held it: right room, digest not yet (gate.settle_ms)
 
 
 class DecodeEndpoint:
@@ -80,6 +81,7 @@ class DecodeEndpoint:
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         self.timeout_s = cfg.transport.timeout_s
         self.readiness = cfg.gate.readiness
+        self.settle_s = cfg.gate.settle_ms / 1e3
         self.zero_on_free = decode_setup(self.buffers, cfg.faults, cfg.gate.zero_room_on_free)
         self.group = group or single()
         self.leader = self.group.rank == 0
@@ -305,8 +307,8 @@ class DecodeEndpoint:
         for g, r in zip(cands, rows):
             if g.status == KVPoll.Failed:
                 self._finish(g, Outcome.failed, Detail.sender_error, now_ns)
-            elif r.room == 0 and self.readiness:  # the gate: not landed yet
-                if now - g.t_status > self.timeout_s:
+            elif self.unready(g, r, now):  # the gate: not landed yet
+                if r.room == 0 and now - g.t_status > self.timeout_s:
                     self._finish(g, Outcome.failed, Detail.room_never_landed, now_ns)
                 else:
                     self.res.gate_waits += 1
@@ -317,6 +319,27 @@ class DecodeEndpoint:
         self.res.steps += 1
         self._flush()
 
+    def unready(self, g: Grant, r, now: float) -> bool:
+        """The readiness gate (gate.readiness): "done" still counts as "transferring" while
+        the row's room is 0 (SGLang's fix), and, within gate.settle_ms of the status, while
+        the room is right but the digest is not yet (a torn row: the room block landed
+        before the others). Past the window the row is judged: corrupted."""
+        if not self.readiness:
+            return False
+        if r.room == 0:
+            return True
+        if self.settle_s and r.room == g.room and now - g.t_status < self.settle_s \
+                and not self._digest_ok(g, r):
+            if not g.settling:
+                g.settling = True
+                self.res.settled += 1
+            return True
+        return False
+
+    def _digest_ok(self, g: Grant, r) -> bool:
+        landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
+        return self.digest.expected_tag(r, g.pad) == landed
+
     def _judge(self, g: Grant, r) -> tuple[Outcome, Detail]:
         if r is None:  # agreed by the group, never seen here (TP divergence)
             return Outcome.failed, Detail.tp_disagreement
@@ -324,8 +347,7 @@ class DecodeEndpoint:
             return Outcome.corrupted, Detail.taken_unready
         if r.room != g.room:
             return Outcome.corrupted, Detail.room_mismatch
-        landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
-        if self.digest.expected_tag(r, g.pad) != landed:
+        if not self._digest_ok(g, r):
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
 

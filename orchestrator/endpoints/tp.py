@@ -126,13 +126,14 @@ class TorchGroup(Group):
         rows = ep.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands]) if cands else []
         read = {id(g): r for g, r in zip(cands, rows)}
         polls = []
+        t_poll = time.monotonic()
         for g in queue:
             r = read.get(id(g))
             if r is None:
                 polls.append(int(KVPoll.Transferring))
             elif g.status == KVPoll.Failed:
                 polls.append(int(KVPoll.Failed))
-            elif ep.readiness and r.room == 0:  # the gate: "done", but this row has not landed
+            elif ep.unready(g, r, t_poll):  # the gate: "done", but this row has not landed
                 polls.append(int(KVPoll.Transferring))
             else:
                 polls.append(int(KVPoll.Success))
