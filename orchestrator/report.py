@@ -54,7 +54,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
             pairs[f"p{r.rank}->d{j}"] = {
                 "requests": sum(p.outcomes.values()), "verified": p.verified,
                 "handoff_us": p.handoff_us.summary(),
-                "handoffs_per_s": round(rate, 1) if rate else None}
+                "handoffs_per_s": round(rate, 2) if rate else None}
         sends += r.sends
         blocks += r.send_blocks
         rejected += r.rejected
@@ -264,7 +264,8 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    lines.append(f"run dir: {rel(run_dir)} (results.json, requests.jsonl, latency.png, logs)")
+    files = "results.json, requests.jsonl" + (", latency.png" if (Path(run_dir) / "latency.png").exists() else "")
+    lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")
     return "\n".join(lines)
 
 

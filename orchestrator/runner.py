@@ -224,7 +224,8 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
             if metadata is not None:
                 metadata.terminate()
                 metadata.wait(5)
-    if out.error and out.engine_log is None:
+    not_the_engine = ("LayoutMismatch", "refused")  # protocol refusals: the engine's last line is noise
+    if out.error and out.engine_log is None and not any(m in out.error for m in not_the_engine):
         for p in decodes + prefills:
             if p.name in (out.error or "") or not p.proc.is_alive():
                 out.engine_log = _engine_log_tail(run_dir, p.name) or out.engine_log
@@ -333,6 +334,14 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                         raise RunFailed(f"{d.name} closed its pipe") from None
                     if kind == "bye" and d in leaders:
                         byes.setdefault(d.index, set()).add(value)
+                    elif kind in ("refused", "prefill_lost") and d in leaders:
+                        prank, why = value  # that prefill rank is done here, and failed
+                        byes.setdefault(d.index, set()).add(prank)
+                        name = proc_name("prefill", prank, want)
+                        if kind == "refused":
+                            out.error = out.error or f"{name} refused at bootstrap: {why}"
+                        else:
+                            out.lost.setdefault(name, why)
                     elif kind == "error":
                         raise RunFailed(f"{d.name} endpoint failed: {value}")
                 if not d.proc.is_alive():

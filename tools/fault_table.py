@@ -5,6 +5,7 @@ table takes about a minute on a 2-core box."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,15 @@ CASES = [
                                           "faults.duration_s=0.5", "transport.timeout_s=4", "workload.requests=3000"]),
     ("decode_stopped 6 s (> timeout)", ["faults=decode_stopped", "faults.at_request=500",
                                         "faults.duration_s=6", "workload.requests=3000"]),
+    ("prefill_killed", ["faults=prefill_killed", "faults.at_request=500", "workload.requests=3000"]),
+    ("prefill_stopped 3 s (2 prefill ranks)", ["faults=prefill_stopped", "faults.at_request=500",
+                                               "faults.duration_s=3", "endpoints.prefill_ranks=2",
+                                               "workload.requests=1500"]),
+    ("status_first, TP 2, gate on", ["faults=status_first", "endpoints.decode_tp=2", "workload.requests=1000",
+                                     "workload.batch_size=8", "workload.concurrency=32"]),
+    ("status_first, TP 2, gate off", ["faults=status_first", "endpoints.decode_tp=2", "gate.readiness=false",
+                                      "workload.requests=1000", "workload.batch_size=8",
+                                      "workload.concurrency=32"]),
     ("silent_control", ["faults=silent_control", "workload.requests=300"]),
     ("silent_peer (Mooncake handshake)", ["faults=silent_peer", "workload.requests=300"]),
 ]
@@ -30,10 +40,11 @@ CASES = [
 
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/faults")
-    print("| fault | requests | verified | corrupted | failed | why (counts) | wall s | traceback |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| fault | requests | verified | corrupted | failed | why (counts) | exit | wall s | traceback |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, overrides in CASES:
-        run_dir = out / name.split()[0] / str(len(list((out / name.split()[0]).glob("*"))) if (out / name.split()[0]).exists() else 0)
+        slug = re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_")  # no commas: Hydra would sweep
+        run_dir = out / slug / str(len(list((out / slug).glob("*"))) if (out / slug).exists() else 0)
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "orchestrator", *FAST, *overrides,
                                f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
@@ -44,7 +55,7 @@ def main() -> int:
             why += f"; run error: {r['error'][:90]}"
         tb = "yes" if "Traceback" in proc.stdout + proc.stderr else "no"
         print(f"| {name} | {r['requests']} | {r['verified']} | {r['corrupted']} | {r['failed']} | "
-              f"{why} | {wall:.1f} | {tb} |", flush=True)
+              f"{why} | {proc.returncode} | {wall:.1f} | {tb} |", flush=True)
     return 0
 
 

@@ -31,7 +31,7 @@ import zmq
 from .. import wire
 from ..auth import Authenticator
 from ..buffers import SlotAllocator
-from ..config import FaultKind, OrchestratorConfig
+from ..config import FaultKind, OrchestratorConfig, Role
 from ..digest import Keys, RowDigest
 from ..faults import decode_setup, silent_listener
 from ..layout import describe, first_difference
@@ -97,6 +97,10 @@ class DecodeEndpoint:
         self.granted: dict[int, list[Grant]] = collections.defaultdict(list)  # not yet told
         self.pending_releases: list[int] = []  # prefills released since the last TP step
         self.byes: list[int] = []  # prefill ranks that said bye (the runner is told)
+        self.refused: list[tuple[int, str]] = []  # prefill ranks refused at hello, and why
+        self.lost: list[tuple[int, str]] = []  # prefill ranks gone silent (role=decode only)
+        self.heard: dict[int, float] = {}  # prefill rank -> last authentic message from it
+        self.watch_prefills = cfg.role is Role.decode  # role=both: the runner watches them
         self.to_clear: list[int] = []
         self.res = DecodeResult(self.name)
         self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
@@ -134,11 +138,16 @@ class DecodeEndpoint:
             self._drop("dropped_control", "control_dropped", error=str(exc))
             return
         kind = msg["type"]
+        prank = self._prank(identity)
+        if prank is not None:
+            self.heard[prank] = _clock()
         if kind == "hello":
             diff = first_difference(self.layout, msg["layout"])
             if diff is not None:
                 self.log.error("layout_mismatch", prefill=msg["rank"], detail=diff)
                 self._reply(identity, wire.encode("error", detail=f"layout mismatch: {diff}"))
+                if self.leader:
+                    self.refused.append((msg["rank"], f"layout mismatch: {diff}"))
                 return
             self.prefills[msg["rank"]] = identity
             self._reply(identity, wire.encode(
@@ -267,6 +276,7 @@ class DecodeEndpoint:
 
     def _status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
                 tag: int, reason: str) -> None:
+        self.heard[prank] = _clock()
         if rid is None:  # a bare SGLang status: only its room identifies the request
             found = [g for g in self.grants.values() if g.prank == prank and g.room == room]
             if len(found) != 1:
@@ -422,6 +432,12 @@ class DecodeEndpoint:
                 self._flush()
             while self.byes:
                 conn.send(("bye", self.byes.pop()))
+            if self.watch_prefills and self.leader:
+                self._watch_prefills()
+            while self.refused:
+                conn.send(("refused", self.refused.pop()))
+            while self.lost:
+                conn.send(("prefill_lost", self.lost.pop()))
             stop = False
             if conn.fileno() in events and conn.poll():
                 msg = conn.recv()
@@ -437,6 +453,20 @@ class DecodeEndpoint:
                 if self.group.size > 1:
                     self.res.tp = self.group.summary()
                 return
+
+    def _watch_prefills(self) -> None:
+        """role=decode: a prefill rank that holds granted slots and has sent nothing for
+        transport.timeout_s is lost (the runner on this host cannot see its process)."""
+        now = _clock()
+        owing = {g.prank for g in self.grants.values()}
+        for prank in owing:
+            last = self.heard.get(prank)
+            if last is not None and now - last > self.timeout_s:
+                why = f"prefill rank {prank} silent for transport.timeout_s={self.timeout_s:g} holding slots"
+                self.log.error("prefill_lost", prefill=prank, detail=why)
+                self.heard.pop(prank)
+                self.release_prefill(prank, why)
+                self.lost.append((prank, why))
 
     def close(self) -> None:
         self.group.close()

@@ -1,0 +1,73 @@
+"""A run split into role=decode and role=prefill on one host (loopback): a layout mismatch
+ends both sides with one line naming the field, and a decode side whose prefill dies mid-run
+ends on its own (the runner on its host cannot see the prefill's process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ENV = {**os.environ, "PD_SPLIT_TEST_SECRET": "split-test-secret-7c1e", "PYTHONUNBUFFERED": "1"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _side(role: str, run_dir, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", f"role={role}",
+                             "transport.secret_env=PD_SPLIT_TEST_SECRET", "transport.timeout_s=2",
+                             *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_layout_mismatch_ends_both_sides_with_one_line(tmp_path):
+    port = _port()
+    decode = _side("decode", tmp_path / "d", "buffers.enable_sampling_mask=true",
+                   f"transport.bootstrap_port={port}")
+    prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "layout=sglang_pre_0_5_23")
+    p_out, p_err = prefill.communicate(timeout=120)
+    d_out, d_err = decode.communicate(timeout=60)
+    assert prefill.returncode == 3 and decode.returncode == 3, (p_out, p_err, d_out, d_err)
+    for out in (p_out, d_out):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1 and "field 6" in errors[0] and "output_token_sampling_mask_len" in errors[0]
+        assert "engine said" not in out and "Traceback" not in out
+    assert json.loads((tmp_path / "p" / "results.json").read_text())["verified"] == 0
+
+
+def test_decode_side_ends_when_its_prefill_dies(tmp_path):
+    port = _port()
+    decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}")
+    prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=200000")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "p" / "requests.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    for pid in _tree(prefill.pid):  # the whole prefill side at once: no bye can reach the decode
+        os.kill(pid, signal.SIGKILL)
+    prefill.communicate(timeout=30)
+    t0 = time.monotonic()
+    d_out, d_err = decode.communicate(timeout=60)
+    assert time.monotonic() - t0 < 2 + 10, d_out
+    assert decode.returncode == 3, d_out + d_err
+    res = json.loads((tmp_path / "d" / "results.json").read_text())
+    assert "prefill" in res["lost"] and res["corrupted"] == 0 and res["verified"] > 0, res
+
+
+def _tree(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return [p for k in kids for p in _tree(k)] + [pid]
