@@ -163,9 +163,11 @@ def test_slot_allocator_hands_out_random_slots_and_consecutive_runs():
     a = SlotAllocator(64)
     first = [a.alloc() for _ in range(8)]
     assert len(set(first)) == 8 and first != sorted(first)  # not the lowest free ones in order
+    anywhere = SlotAllocator(64).alloc_run(16)  # a run at a random place
+    assert anywhere == list(range(anywhere[0], anywhere[0] + 16))
     b = SlotAllocator(64)
-    run = b.alloc_run(16)
-    assert run == list(range(run[0], run[0] + 16))
+    run = b.alloc_run(16, start=8)  # placed, so the next run surely fits behind it
+    assert run == list(range(8, 24))
     nxt = b.alloc_run(4, start=run[-1] + 1)
     assert nxt == list(range(run[-1] + 1, run[-1] + 5))
     for s in run:

@@ -125,7 +125,7 @@ def env(monkeypatch):
 def zctx():
     ctx = zmq.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # a failed test's sockets must not hang the session
 
 
 def sglang_buffers(env, cfg: Cfg):
