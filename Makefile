@@ -41,7 +41,7 @@ run: setup
 	$(PY) -m orchestrator $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

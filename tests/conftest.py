@@ -29,8 +29,13 @@ def _destroy_leaked_context(self) -> None:
 
 zmq.Context.__del__ = _destroy_leaked_context
 
-try:  # property tests keep no example database in the checkout
+try:  # property tests keep no example database, and hypothesis its caches, in the checkout
+    import tempfile
+
     from hypothesis import settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(tempfile.mkdtemp(prefix="hypothesis-"))
 
     settings.register_profile("orchestrator", database=None)
     settings.load_profile("orchestrator")
