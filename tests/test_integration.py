@@ -185,6 +185,7 @@ def test_decode_judges_corruption_room_mismatch_stale_room_and_failed_sender(cfg
     assert stats.outcomes[Outcome.failed] == 2 and stats.unexpected == len(peer.buffers.fields)
 
 
+@pytest.mark.slow
 def test_engine_route_room_mismatch_detected(cfg_factory, tmp_path):
     """Same gate on the engine route: bytes written by a real Mooncake batch write."""
     peer = PrefillPeer(cfg_factory("mem_pool=NONE"), tmp_path)
@@ -220,6 +221,7 @@ def test_engine_route_room_mismatch_detected(cfg_factory, tmp_path):
     assert stats.unexpected == len(lens)
 
 
+@pytest.mark.slow
 def test_grants_come_at_arrival_and_go_back_on_bye(cfg_factory, tmp_path):
     peer = PrefillPeer(cfg_factory("mem_pool=NVLINK", "buffers.size=2"), tmp_path)
     try:
