@@ -26,6 +26,7 @@ from .layout import FieldSpec, Sizes, field_specs, get_buf_names, load_layout
 from .plan import Device, Platform, buffer_device
 
 _ALIGN = 256
+WARM_BYTES = _ALIGN
 _CUDA_SEGMENT = 2 << 20
 _U64 = (1 << 64) - 1
 
@@ -134,7 +135,7 @@ class MetadataBuffers:
         # On CUDA, a whole multiple of 2 MiB makes the arena its own cudaMalloc segment, so
         # its pointer is the allocation base that CUDA IPC (and Mooncake's NVLink
         # registration) hands to the peer.
-        nbytes_arena = total + _ALIGN
+        nbytes_arena = total + 2 * _ALIGN  # alignment slack, then the warm-up scratch
         if self.device.type == "cuda":
             nbytes_arena = -(-nbytes_arena // _CUDA_SEGMENT) * _CUDA_SEGMENT
         self._arena = torch.zeros(nbytes_arena, dtype=torch.uint8, device=self.device)
@@ -152,9 +153,14 @@ class MetadataBuffers:
             self.offsets.append(off)
             setattr(self, spec.name, tensor)
         self.kv_checksum: Optional[torch.Tensor] = getattr(self, "kv_checksum", None)
-        self.arena = self._arena[shift: shift + total]  # the registered region, as bytes
+        self.arena = self._arena[shift: shift + total]  # the fields, as bytes
         self.arena_ptr = self.arena.data_ptr()
-        self.arena_bytes = total
+        # Registered with the engine: the fields, then WARM_BYTES of scratch that no field
+        # covers. A peer's first write into this registration is its warm-up (Mooncake opens
+        # the CUDA IPC mapping or the TCP connection on a session's first write), so that
+        # one-time cost falls in start-up, not on the first request.
+        self.scratch_ptr = self.arena_ptr + total
+        self.arena_bytes = total + WARM_BYTES
         self.item_lens = [s.item_len for s in self.specs]
         self.row_bytes = sum(self.item_lens)
         self.index = {s.name: i for i, s in enumerate(self.specs)}

@@ -176,6 +176,12 @@ class RowDigest:
                   for lo in range(0, n, CHUNK_WORDS))
         return out.cpu().numpy()  # one small copy to the host
 
+    def warm(self) -> None:
+        """One pass over slot 0 at start-up: a GPU's first matmul loads its kernels and
+        creates the cuBLAS handle (tens of ms) that the first measured step would pay."""
+        if self.kind is not DigestKind.blake2b:
+            self._sums([0])
+
     # ---- sender ---------------------------------------------------------------------------
     def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
              pads: Optional[Sequence[tuple[int, int]]] = None) -> tuple[list[int], list[str]]:

@@ -27,7 +27,7 @@ import zmq
 
 from . import wire
 from .auth import Authenticator
-from .buffers import MetadataBuffers
+from .buffers import WARM_BYTES, MetadataBuffers
 from .config import StatusMode
 from .outcomes import KVPoll
 from .plan import Plan, Route
@@ -50,6 +50,7 @@ class Peer:
     slots: int
     tp_rank: int = 0
     boot_id: str = ""
+    scratch_ptr: int = 0  # the decode's warm-up target (0: none advertised)
 
 
 @dataclass(slots=True)
@@ -121,6 +122,17 @@ class AuxRouter:
         if self.route is Route.engine and not peer.session_id:
             raise LayoutMismatch("the decode side has no engine session for the engine route")
         self.peer = peer
+
+    def warm(self) -> float:
+        """Engine route: one write of our scratch into the peer's (no field covers either),
+        so the engine's one-time work for this peer (opening its CUDA IPC mapping, or its
+        TCP connection) happens at start-up. Returns its seconds (0.0: nothing to warm)."""
+        if self.route is not Route.engine or not self.peer.scratch_ptr:
+            return 0.0
+        t0 = _now()
+        self.engine.batch_write(self.peer.session_id, [self.buffers.scratch_ptr],
+                                [self.peer.scratch_ptr], [WARM_BYTES])
+        return _now() - t0
 
     @property
     def starts_in_caller(self) -> bool:

@@ -8,7 +8,7 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
     lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
     transport, session_id}, ...], ...], prefill_ranks}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
-                       tp_rank, boot_id}, update {grants: [[rid, slot], ...],
+                       tp_rank, boot_id, scratch_ptr}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
                        grants and verdicts, one message per loop; times are the decode's
                        CLOCK_MONOTONIC), error {detail}
@@ -101,7 +101,8 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
     "bye": {},
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
-                  "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str},
+                  "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
+                  "scratch_ptr": _u64},
     "update": {"grants": _rows(2), "v": _rows(5)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)

@@ -207,3 +207,14 @@ def test_latency_histogram_percentiles_within_a_quarter_percent():
     assert half.summary() == h.summary() and half.n == len(values)
     assert LatencyHistogram.from_dict(h.to_dict()).summary() == h.summary()
     assert len(h.counts) < 4200  # bounded, whatever the number of samples
+
+
+def test_warm_up_scratch_lies_inside_the_registration_and_outside_every_field():
+    from orchestrator.buffers import WARM_BYTES
+
+    b = MetadataBuffers(8, 16, torch.float32, 256)
+    ptrs, lens, _ = b.get_buf_infos()
+    lo, hi = b.scratch_ptr, b.scratch_ptr + WARM_BYTES
+    assert b.arena_ptr <= lo and hi == b.arena_ptr + b.arena_bytes  # registered with the fields
+    assert all(p + n <= lo for p, n in zip(ptrs, lens))  # no field reaches into it
+    assert hi <= b._arena.data_ptr() + b._arena.numel()  # inside the allocation

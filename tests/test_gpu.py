@@ -66,6 +66,10 @@ def test_intra_node_nvlink_handoffs_verified_over_nvlink(cfg_factory, tmp_path):
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert {d["transport"] for d in decisions} == {"mooncake-nvlink_intra"}
     assert {d["buffer_device"] for d in decisions} == {"cuda"}
+    boots = [json.loads(x) for x in (tmp_path / "prefill.log").read_text().splitlines()
+             if '"bootstrapped"' in x]
+    print("first NVLink write (start-up warm-up), us:", [b["first_write_us"] for b in boots])
+    assert boots and all(b["first_write_us"] > 0 for b in boots)
 
 
 def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(cfg_factory, tmp_path):

@@ -66,6 +66,10 @@ def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
     records = _records(run_dir)
     assert sorted(r["rid"] for r in records) == list(range(200))
     assert all(r["set_buf_us"] > 0 and r["handoff_us"] > 0 for r in records)
+    # the engine's first write to the decode (its connection) was paid at start-up
+    boots = [json.loads(line) for line in (run_dir / "prefill.log").read_text().splitlines()
+             if '"bootstrapped"' in line]
+    assert len(boots) == 1 and boots[0]["first_write_us"] > 0
 
 
 def test_nvlink_pool_goes_over_zmq(cfg_factory, tmp_path):

@@ -2,7 +2,9 @@
 # The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,bench,profile,sweep,sweeplow,pairs,tp,tprace (default: tests,bench,profile,sweep,pairs,tp)
+# STEPS: any of tests,bench,profile,sweep,sweeplow,pairs,tp,tprace,tails (default: tests,bench,profile,sweep,pairs,tp)
+# (tails: for every run dir made before it, the first engine write's cost at start-up and the
+# five slowest handoffs with their request ids: is the tail a cold start or steady state?)
 # Run dirs go to a temp dir; at the end its small files (summaries, results.json, bench
 # tables, plots, profiles) are packed into OUTDIR/gpu-check.tar.gz (the device tool returns at
 # most 8 files).
@@ -89,4 +91,20 @@ if want tp; then
   timeout 200 python3 -m orchestrator mem_pool=INTRA_NODE_NVLINK endpoints.decode_tp=2 endpoints.prefill_gpus=[0] \
     endpoints.decode_gpus=[0,1] workload.requests=4000 faults=status_first gate.readiness=false \
     hydra.run.dir="$out/tp-gate-off" 2>&1 | tail -8
+fi
+if want tails; then
+  echo "== tails: first write at start-up, and the slowest handoffs (request id: handoff us)"
+  find "$out" -name requests.jsonl | sort | while read -r f; do
+    d=$(dirname "$f")
+    python3 - "$d" <<'PY'
+import glob, json, sys
+d = sys.argv[1]
+first = [json.loads(l)["first_write_us"] for p in glob.glob(d + "/prefill*.log") for l in open(p)
+         if '"bootstrapped"' in l and "first_write_us" in l]
+recs = [json.loads(l) for p in glob.glob(d + "/requests*.jsonl") for l in open(p)]
+slow = sorted((r for r in recs if r.get("handoff_us") is not None), key=lambda r: -r["handoff_us"])[:5]
+print(d.split("gpu-check/")[-1], "first_write_us", first, "slowest",
+      [(r["rid"], round(r["handoff_us"])) for r in slow], "of", len(recs))
+PY
+  done | tee "$out/tails.txt"
 fi

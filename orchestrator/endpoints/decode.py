@@ -79,6 +79,7 @@ class DecodeEndpoint:
         self.auth = Authenticator(secret)
         self.keys = Keys(secret)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
+        self.digest.warm()  # start-up pays the device's first-use costs, not request 1
         self.timeout_s = cfg.transport.timeout_s
         self.readiness = cfg.gate.readiness
         self.settle_s = cfg.gate.settle_ms / 1e3
@@ -153,7 +154,7 @@ class DecodeEndpoint:
             self._reply(identity, wire.encode(
                 "bootstrap", session_id=self.session_id, aux_ptrs=self.ptrs, item_lens=self.item_lens,
                 slots=self.cfg.buffers.size, layout=self.layout, fingerprint=msg["fingerprint"],
-                tp_rank=self.tp_rank, boot_id=self.boot_id))
+                tp_rank=self.tp_rank, boot_id=self.boot_id, scratch_ptr=self.buffers.scratch_ptr))
         elif kind == "arrive" and self.leader:
             prank = self._prank(identity)
             if prank is None:

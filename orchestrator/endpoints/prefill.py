@@ -44,6 +44,7 @@ from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Plan
 from ..results import PairStats, RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
+from ..transport.engine import EngineError
 from ..workload import RequestPool, arrival_offsets, room_of
 from .common import (report_failure, Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
                      shapes, start_process)
@@ -255,6 +256,7 @@ class PrefillEndpoint:
         self.auth = Authenticator(secret)
         self.keys = Keys(secret)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
+        self.digest.warm()  # start-up pays the device's first-use costs, not request 1
         self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
         self.tag_in_status = self.buffers.checksum_field is None
         self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
@@ -324,15 +326,14 @@ class PrefillEndpoint:
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
-                    msg["tp_rank"], msg["boot_id"])
+                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"])
         link.router.connect(peer)
         if link.tp_rank == 0:
             inst.slots = peer.slots
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
-        if self.side.engine is not None:
-            self._probe_bounded(peer.session_id)
+        warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
-                      slots=peer.slots, same_clock=inst.same_clock)
+                      slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
 
     def _recv_one(self, ctl: zmq.Socket, name: str) -> dict:
         deadline = _clock() + self.timeout_s
@@ -345,12 +346,26 @@ class PrefillEndpoint:
             if msg:
                 return msg
 
-    def _probe_bounded(self, session: str) -> None:
+    def _probe_bounded(self, session: str, router) -> float:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
-        ignores its timeout variables: run it on a watchdog of transport.timeout_s."""
-        result: dict[str, bool] = {}
-        t = threading.Thread(target=lambda: result.update(ok=self.side.engine.probe(session)),
-                             daemon=True)
+        ignores its timeout variables: run it on a watchdog of transport.timeout_s. Then the
+        router's warm-up write, on the same watchdog; returns its seconds."""
+        result: dict = {}
+
+        def probe() -> None:
+            result["ok"] = self.side.engine.probe(session)
+            if not result["ok"]:
+                return
+            if self.buffers.device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self.buffers.device)  # a new thread starts on device 0
+            try:
+                result["warm_s"] = router.warm()
+            except EngineError as exc:
+                result["warm_error"] = str(exc)
+
+        t = threading.Thread(target=probe, daemon=True)
         t.start()
         t.join(self.timeout_s)
         if t.is_alive():
@@ -359,6 +374,10 @@ class PrefillEndpoint:
                                f"within transport.timeout_s={self.timeout_s:g}")
         if not result.get("ok"):
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
+        if "warm_error" in result:
+            raise RuntimeError(f"the warm-up write to decode session {session} failed: "
+                               f"{result['warm_error']}")
+        return result["warm_s"]
 
     # ---- messages -----------------------------------------------------------------------
     def _send(self, inst: Instance, payload: bytes) -> None:

@@ -125,6 +125,38 @@ def apply_env(env: Mapping[str, Optional[str]]) -> dict[str, str]:
     return {name: os.environ[name] for name in env if name in os.environ}
 
 
+@contextmanager
+def _init_lock(wait_s: float = 10.0) -> Iterator[None]:
+    """Serialises engine start-up among this host's processes. Mooncake 0.3.13/0.3.14 picks
+    its handshake and TCP-transport ports at random in one range, probes them with
+    SO_REUSEADDR and listens later: two engines starting at once can pick the same port, and
+    one then dies with "listen: Address already in use". Once initialize returned, both of its
+    ports listen and later probes skip them. A holder that takes more than `wait_s` (a stuck
+    metadata server) is not waited for further."""
+    import fcntl
+    import time
+
+    path = os.path.join(tempfile.gettempdir(), "orchestrator-mooncake-init.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # another user's lock file: start unserialised, as Mooncake alone would
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _unique_port(host: str) -> int:
     import socket
 
@@ -146,21 +178,22 @@ class MooncakeEngine:
         log_path: Optional[str] = None,
     ):
         self.applied_env = apply_env(env or {})
-        try:
-            port_ok = any_free_port(os.environ, host)
-        except ValueError as exc:
-            raise EngineError("initialize", -1, reason=str(exc)) from None
-        if not port_ok:  # Mooncake would segfault in initialize
-            raise EngineError("initialize", -1, reason="no free port in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT")
         from mooncake.engine import TransferEngine  # imported late: env must be in place
 
-        # With P2PHANDSHAKE a segment is named host:rpc_port (the port Mooncake picks). With a
-        # metadata server the name is exactly the local_hostname given, and two engines
-        # registering the same name collide: give each a port number of its own.
-        local = host if metadata_server == "P2PHANDSHAKE" else f"{host}:{_unique_port(host)}"
-        self._engine = TransferEngine()
-        with captured_stderr(log_path) as logged:
-            rc = self._engine.initialize(local, metadata_server, protocol, device_name)
+        with _init_lock():
+            try:
+                port_ok = any_free_port(os.environ, host)
+            except ValueError as exc:
+                raise EngineError("initialize", -1, reason=str(exc)) from None
+            if not port_ok:  # Mooncake would segfault in initialize
+                raise EngineError("initialize", -1, reason="no free port in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT")
+            # With P2PHANDSHAKE a segment is named host:rpc_port (the port Mooncake picks). With
+            # a metadata server the name is exactly the local_hostname given, and two engines
+            # registering the same name collide: give each a port number of its own.
+            local = host if metadata_server == "P2PHANDSHAKE" else f"{host}:{_unique_port(host)}"
+            self._engine = TransferEngine()
+            with captured_stderr(log_path) as logged:
+                rc = self._engine.initialize(local, metadata_server, protocol, device_name)
         self.init_log = logged[0] if logged else ""
         if rc != 0:
             raise EngineError("initialize", rc, host=host, metadata_server=metadata_server,
