@@ -177,10 +177,21 @@ class RowDigest:
         return out.cpu().numpy()  # one small copy to the host
 
     def warm(self) -> None:
-        """One pass over slot 0 at start-up: a GPU's first matmul loads its kernels and
-        creates the cuBLAS handle (tens of ms) that the first measured step would pay."""
-        if self.kind is not DigestKind.blake2b:
-            self._sums([0])
+        """Passes over every batch shape a step can have (1, 2, 4, ... slots; consecutive and
+        scattered) at start-up: on a GPU the first matmul of a shape loads its kernels, and
+        the first creates the cuBLAS handle, tens of ms that the first measured steps would
+        pay otherwise. Reads only."""
+        if self.kind is DigestKind.blake2b or self.device.type == "cpu":
+            return
+        k = 1
+        while True:
+            k = min(k, self.b.size)
+            self._sums(range(k))
+            if k > 1:
+                self._sums(list(range(k - 1, -1, -1)))  # not consecutive: the gathered path
+            if k == self.b.size:
+                break
+            k *= 2
 
     # ---- sender ---------------------------------------------------------------------------
     def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],

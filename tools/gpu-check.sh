@@ -2,15 +2,17 @@
 # The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,bench,profile,sweep,sweeplow,pairs,tp,tprace,tails (default: tests,bench,profile,sweep,pairs,tp)
+# STEPS: any of tests,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,tails
+# (default: tests,bench,profile,pyspy,sweep,pairs,tp)
 # (tails: for every run dir made before it, the first engine write's cost at start-up and the
-# five slowest handoffs with their request ids: is the tail a cold start or steady state?)
+# five slowest handoffs with their request ids and send times: is the tail a cold start or
+# steady state, on the prefill's side or the decode's?)
 # Run dirs go to a temp dir; at the end its small files (summaries, results.json, bench
 # tables, plots, profiles) are packed into OUTDIR/gpu-check.tar.gz (the device tool returns at
 # most 8 files).
 set -uo pipefail
 dest=${1:-${OUT:-outputs/gpu-check}}
-steps=${2:-tests,bench,profile,sweep,pairs,tp}
+steps=${2:-tests,bench,profile,pyspy,sweep,pairs,tp}
 out=$(mktemp -d)/gpu-check
 mkdir -p "$out" "$dest"
 pack() {
@@ -47,6 +49,8 @@ if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
   timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp hydra.run.dir="$out/run-deepseek" 2>&1 | tail -8
   timeout 200 python3 -m orchestrator experiment=deepseek_v3_mtp workload.fill=ahead hydra.run.dir="$out/run-deepseek-ahead" 2>&1 | tail -8
+fi
+if want pyspy; then
   if python3 -c 'import py_spy' 2>/dev/null || command -v py-spy >/dev/null || [ -x "$site/bin/py-spy" ]; then
     spy=$(command -v py-spy || echo "$site/bin/py-spy")
     echo "== py-spy: where the per-request NVLink handoff spends its time (fill=ahead, 20k requests)"
@@ -103,8 +107,8 @@ first = [json.loads(l)["first_write_us"] for p in glob.glob(d + "/prefill*.log")
          if '"bootstrapped"' in l and "first_write_us" in l]
 recs = [json.loads(l) for p in glob.glob(d + "/requests*.jsonl") for l in open(p)]
 slow = sorted((r for r in recs if r.get("handoff_us") is not None), key=lambda r: -r["handoff_us"])[:5]
-print(d.split("gpu-check/")[-1], "first_write_us", first, "slowest",
-      [(r["rid"], round(r["handoff_us"])) for r in slow], "of", len(recs))
+print(d.split("gpu-check/")[-1], "first_write_us", first, "slowest (rid, handoff, send)",
+      [(r["rid"], round(r["handoff_us"]), round(r.get("send_us") or 0)) for r in slow], "of", len(recs))
 PY
   done | tee "$out/tails.txt"
 fi

@@ -79,7 +79,8 @@ class DecodeEndpoint:
         self.auth = Authenticator(secret)
         self.keys = Keys(secret)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
-        self.digest.warm()  # start-up pays the device's first-use costs, not request 1
+        self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
+        self.digest.warm()
         self.timeout_s = cfg.transport.timeout_s
         self.readiness = cfg.gate.readiness
         self.settle_s = cfg.gate.settle_ms / 1e3

@@ -256,7 +256,8 @@ class PrefillEndpoint:
         self.auth = Authenticator(secret)
         self.keys = Keys(secret)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
-        self.digest.warm()  # start-up pays the device's first-use costs, not request 1
+        self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
+        self.digest.warm()
         self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
         self.tag_in_status = self.buffers.checksum_field is None
         self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
