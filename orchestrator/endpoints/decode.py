@@ -395,6 +395,12 @@ class DecodeEndpoint:
         if self.to_clear:
             self.buffers.clear_slots(self.to_clear)
             self.to_clear = []
+            if not self.host_rows:
+                # Device rows: the zeroing is a kernel on this process's stream, and a freed
+                # slot is granted below; the next owner's row, written by the prefill's
+                # engine outside this stream, must not land before the zero does (once a
+                # step, not per request).
+                self.buffers.sync()
         if self.leader and self.waiting:
             self.grant_waiting()
         for prank in set(self.verdicts) | set(self.granted):
