@@ -10,6 +10,8 @@ process runs these phases over the same bootstrapped pair:
   batched              fill ahead, batch B, per-request sends, one status per step
   coalesced            fill ahead, batch B, one block per field per run of slots
   inline               the default shape: SGLang's set_buf in the loop, per-request sends
+  inline staged        device rows only: the same with buffers.set_buf=staged (set_buf's
+                       writes into pinned host rows, one upload a step)
   send_aux vs raw      our send (start + finish) against Mooncake's batch_transfer_sync_write
                        on the same blocks, interleaved in chunks of 100
   raw back-to-back     raw sync writes of one request's blocks, and of B-slot runs
@@ -36,7 +38,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from .config import (ConfigError, EngineTransportSetting, FillMode, MemPoolType,
-                     OrchestratorConfig, RouteSetting, StatusMode, register_configs, validate)
+                     OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
 from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
 from .plan import Device, Plan, Route
@@ -69,7 +71,8 @@ class PhaseResult:
     batch_size: int
     concurrency: int
     handoffs_per_s: Optional[float]
-    handoff_us: dict
+    handoff_us: dict  # forward step done -> verdict (the digest checked) on the decode
+    taken_us: dict  # forward step done -> taken (status in, readiness gate passed) on the decode
     set_buf_us: dict
     send_us: dict
     requests_per_send: Optional[float]
@@ -96,7 +99,7 @@ def _phase_result(name: str, res: RankResult, phase: Phase) -> PhaseResult:
     rate = res.verified / res.wall_s if res.wall_s else None
     return PhaseResult(name, res.requests, res.verified, phase.batch_size, phase.concurrency,
                        round(rate, 1) if rate else None, res.latency["handoff_us"].summary(),
-                       res.latency["set_buf_us"].summary(), res.latency["send_us"].summary(),
+                       res.latency["taken_us"].summary(), res.latency["set_buf_us"].summary(), res.latency["send_us"].summary(),
                        round(res.finished / res.sends, 2) if res.sends else None,
                        {k: h.percentile(50) for k, h in res.stages.items()})
 
@@ -124,6 +127,9 @@ class BenchDriver:
             ("coalesced", Phase(n, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
             ("inline", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline)),
         ]
+        if ep.staged is not None:  # device rows: SGLang's set_buf against the staged fill
+            plan.append(("inline staged", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline,
+                                                set_buf=SetBufMode.staged)))
         for name, phase in plan:
             phase.rid_base = base
             base += phase.requests
@@ -302,6 +308,17 @@ def ratios(paths: list[dict]) -> dict[str, Any]:
         sb = p["phases"].get("inline", {}).get("set_buf_us", {}).get("p50")
         if inl and sb:
             out[f"inline handoffs/s / set_buf ceiling (1e6/{sb} us), {name}"] = round(inl / (1e6 / sb), 3)
+        st = p["phases"].get("inline staged", {})
+        st_sb, st_rate = st.get("set_buf_us", {}).get("p50"), st.get("handoffs_per_s")
+        if st_sb and st_rate:
+            out[f"inline staged handoffs/s / set_buf ceiling (1e6/{st_sb} us), {name}"] = round(st_rate / (1e6 / st_sb), 3)
+        host = next((q for q in ok if q.get("buffer_device") == "cpu" and "inline" in q["phases"]), None)
+        host_sb = host["phases"]["inline"]["set_buf_us"].get("p50") if host else None
+        if host_sb and p.get("buffer_device") != "cpu":
+            if sb:
+                out[f"set_buf sglang on {p.get('buffer_device')} rows / host rows, {name}"] = round(sb / host_sb, 2)
+            if st_sb:
+                out[f"set_buf staged on {p.get('buffer_device')} rows / host rows, {name}"] = round(st_sb / host_sb, 2)
         if inl and p.get("raw_rows_per_s"):
             out[f"inline handoffs/s / raw back-to-back writes/s, {name}"] = round(inl / p["raw_rows_per_s"], 3)
     if first and tcp and first is not tcp:
@@ -321,16 +338,16 @@ def markdown(results: dict) -> str:
     def cell(v):
         return "-" if v is None else v
 
-    rows = ["| path | phase | batch | in flight | verified | handoffs/s | handoff p50 us | p99 us | set_buf p50 us | requests/send |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us | p99 us | set_buf p50 us | requests/send |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in results["paths"]:
         if "error" in p:
-            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | | |")
+            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | | | |")
             continue
         for name, ph in p["phases"].items():
             rows.append(f"| {p['path']} | {name} | {ph['batch_size']} | {ph['concurrency']} | "
                         f"{ph['verified']}/{ph['requests']} | {cell(ph['handoffs_per_s'])} | "
-                        f"{cell(ph['handoff_us'].get('p50'))} | {cell(ph['handoff_us'].get('p99'))} | "
+                        f"{cell(ph.get('taken_us', {}).get('p50'))} | {cell(ph['handoff_us'].get('p50'))} | {cell(ph['handoff_us'].get('p99'))} | "
                         f"{cell(ph['set_buf_us'].get('p50'))} | {ph['requests_per_send']} |")
     raw = ["", "| path | our send_aux p50 us | raw batch write p50 us | ours/raw | raw writes/s (1 request) | "
                f"raw rows/s ({B}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
@@ -348,6 +365,16 @@ def markdown(results: dict) -> str:
             stages.append(f"| {p['path']} | " + " | ".join(str(ph["stages_p50_us"].get(k)) for k in STAGES)
                           + f" | {ph['handoff_us'].get('p50')} |")
     raw += stages
+    sb = ["", "set_buf per request (p50 us, on the scheduler's thread; inline phases):", "",
+          "| path | rows on | sglang (SGLang 0.5.23's set_buf) | staged (pinned rows, one upload a step) |",
+          "|---|---|---|---|"]
+    for p in results["paths"]:
+        phases = p.get("phases", {})
+        if "inline" in phases:
+            st = phases.get("inline staged", {}).get("set_buf_us", {}).get("p50")
+            sb.append(f"| {p['path']} | {p.get('buffer_device')} | {phases['inline']['set_buf_us'].get('p50')} | "
+                      f"{cell(st) if 'inline staged' in phases else 'same as sglang (host rows)'} |")
+    raw += sb
     first = next((p for p in results["paths"] if "row_bytes" in p), {})
     lines = rows + raw + ["", f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
                               "handoff = row ready on the prefill -> verified on the decode", "",

@@ -19,6 +19,7 @@ import secrets
 import warnings
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .config import HiddenStatesDtype, LayoutConfig, MemPoolType
@@ -97,6 +98,7 @@ class MetadataBuffers:
         layout: Optional[LayoutConfig] = None,
         mem_pool: Optional[MemPoolType] = None,
         device: Optional[torch.device | str] = None,
+        pin_memory: bool = False,
     ):
         if size <= 0 or hidden_size <= 0:
             raise ValueError(f"size and hidden_size must be > 0, got {size}, {hidden_size}")
@@ -138,7 +140,8 @@ class MetadataBuffers:
         nbytes_arena = total + 2 * _ALIGN  # alignment slack, then the warm-up scratch
         if self.device.type == "cuda":
             nbytes_arena = -(-nbytes_arena // _CUDA_SEGMENT) * _CUDA_SEGMENT
-        self._arena = torch.zeros(nbytes_arena, dtype=torch.uint8, device=self.device)
+        self._arena = torch.zeros(nbytes_arena, dtype=torch.uint8, device=self.device,
+                                  pin_memory=pin_memory and self.device.type == "cpu")
         shift = (-self._arena.data_ptr()) % _ALIGN
         self.fields: list[torch.Tensor] = []
         self.offsets: list[int] = []  # of each field from arena_ptr
@@ -161,6 +164,11 @@ class MetadataBuffers:
         # one-time cost falls in start-up, not on the first request.
         self.scratch_ptr = self.arena_ptr + total
         self.arena_bytes = total + WARM_BYTES
+        # The fields and the scratch as one flat int64 view: the per-step writes of rooms,
+        # digests and clears are one indexed kernel each over it (positions from
+        # words_at), and a padded position can point into the scratch.
+        self.words = self._arena[shift: shift + total + WARM_BYTES].view(torch.int64)
+        self.scratch_word = total // 8
         self.item_lens = [s.item_len for s in self.specs]
         self.row_bytes = sum(self.item_lens)
         self.index = {s.name: i for i, s in enumerate(self.specs)}
@@ -175,6 +183,9 @@ class MetadataBuffers:
         self._rooms_np = self._rooms.numpy() if self.device.type == "cpu" else None
         self._checksums_np = (self._checksums.numpy() if self.device.type == "cpu"
                               and self._checksums is not None else None)
+        if self.device.type == "cuda":  # pinned staging for the per-step writes (no pageable copy)
+            self._stage_rooms, self._stage_sums, self._stage_clear = (
+                PinnedStage(self.device), PinnedStage(self.device), PinnedStage(self.device))
 
     # ---- SGLang 0.5.23's surface --------------------------------------------------------
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -266,45 +277,50 @@ class MetadataBuffers:
     def room(self, slot: int) -> int:
         return int(self._rooms[slot, 0].item()) & _U64
 
+    def words_at(self, field: int, slots: Sequence[int], cols: Sequence[int] = (0,)) -> np.ndarray:
+        """Positions in `words` of columns `cols` of field `field`'s 64-bit rows `slots`
+        (slot-major: every column of the first slot, then the next)."""
+        stride = self.item_lens[field] // 8
+        base = self.offsets[field] // 8 + stride * np.asarray(slots, dtype=np.int64)
+        return (base[:, None] + np.asarray(cols, dtype=np.int64)).reshape(-1)
+
     def write_rooms(self, slots: Sequence[int], rooms: Sequence[int]) -> None:
-        """bootstrap_room[slot, 0] = room for a batch of slots (one indexed write)."""
+        """bootstrap_room[slot, 0] = room for a batch of slots. Device rows: one upload from
+        pinned memory and one indexed kernel, queued (no wait)."""
         if self._rooms_np is not None:
             self._rooms_np[list(slots), 0] = [_as_i64(r) for r in rooms]
             return
-        if len(slots) == 1:  # one kernel, no index upload
-            self._rooms[slots[0], 0] = _as_i64(rooms[0])
-            return
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        val = torch.tensor([_as_i64(r) for r in rooms], dtype=torch.int64, device=self.device)
-        self._rooms[idx, 0] = val
+        k = len(slots)
+        staged = self._stage_rooms.upload(np.concatenate([
+            self.words_at(self.room_field, slots), np.array([_as_i64(r) for r in rooms], dtype=np.int64)]))
+        self.words.index_copy_(0, staged[:k], staged[k:])
 
     def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
-        """kv_checksum[slot] = (digest, signature) for a batch of slots."""
+        """kv_checksum[slot] = (digest, signature) for a batch of slots (device rows: queued)."""
         if self._checksums_np is not None:
             self._checksums_np[list(slots), :2] = [[_as_i64(d), _as_i64(signature)] for d in digests]
             return
-        if len(slots) == 1:
-            self._checksums[slots[0], 0] = _as_i64(digests[0])
-            self._checksums[slots[0], 1] = _as_i64(signature)
-            return
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        val = torch.tensor([[_as_i64(d), _as_i64(signature)] for d in digests], dtype=torch.int64,
-                           device=self.device)
-        self._checksums[idx, :2] = val
+        vals = np.empty((len(slots), 2), dtype=np.int64)
+        vals[:, 0] = [_as_i64(d) for d in digests]
+        vals[:, 1] = _as_i64(signature)
+        pos = self.words_at(self.checksum_field, slots, (0, 1))
+        staged = self._stage_sums.upload(np.concatenate([pos, vals.reshape(-1)]))
+        self.words.index_copy_(0, staged[:len(pos)], staged[len(pos):])
 
     def clear_slots(self, slots: Sequence[int]) -> None:
-        """clear_slot() for a batch (one indexed write per 64-bit field)."""
-        if not slots:
+        """clear_slot() for a batch. Device rows: one upload and one indexed kernel, queued:
+        call sync() (a digest read syncs too) before the slots are granted again."""
+        if not len(slots):
             return
         if self._rooms_np is not None:
             self._rooms_np[slots] = 0
             if self._checksums_np is not None:
                 self._checksums_np[slots] = 0
             return
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        self._rooms[idx] = 0
-        if self._checksums is not None:
-            self._checksums[idx] = 0
+        pos = [self.words_at(self.room_field, slots, range(self.item_lens[self.room_field] // 8))]
+        if self.checksum_field is not None:
+            pos.append(self.words_at(self.checksum_field, slots, range(self.item_lens[self.checksum_field] // 8)))
+        self.words.index_fill_(0, self._stage_clear.upload(np.concatenate(pos)), 0)
 
     def warm(self) -> None:
         """Runs each write kernel of the hot path once on device rows (their first launch
@@ -336,6 +352,70 @@ class MetadataBuffers:
         """Wait for this device's queued writes (before another engine reads the rows)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+class PinnedStage:
+    """A pinned host int64 buffer and its device twin: a step's small inputs (positions,
+    values) go up with one non-blocking copy instead of a pageable one. The buffer is
+    rewritten only once the copy from it has run (an event; by then the step's one wait has
+    normally passed, so this does not block)."""
+
+    def __init__(self, device: torch.device, n: int = 256):
+        self.device = device
+        self.event = torch.cuda.Event()
+        self.used = False
+        self._alloc(n)
+
+    def _alloc(self, n: int) -> None:
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(n, dtype=torch.int64, device=self.device)
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        n = len(values)
+        if self.used:
+            self.event.synchronize()
+        if n > len(self.np):
+            self._alloc(max(n, 2 * len(self.np)))
+        self.np[:n] = values
+        dev = self.dev[:n]
+        dev.copy_(self.host[:n], non_blocking=True)
+        self.event.record()
+        self.used = True
+        return dev
+
+
+class StagedRows:
+    """buffers.set_buf=staged on device rows: SGLang's set_buf writes go to a pinned host
+    copy of the rows (host-speed writes), and a step's rows go up in one copy, scattered to
+    their slots by one kernel per field (orchestrator.digest's step graph). The copy holds
+    what the device rows hold (both start equal, and only this process writes its rows), so
+    the bytes that land are those SGLang's set_buf would have written."""
+
+    def __init__(self, b: MetadataBuffers):
+        s = b.sizes
+        self.rows = MetadataBuffers(
+            b.size, s.hidden_size, s.hidden_states_dtype, s.max_sampling_mask_tokens,
+            s.max_top_logprobs_num, None, s.output_dsa_topk_indices_dim,
+            kv_checksum_enabled=s.kv_checksum_enabled, enable_sampling_mask=b.enable_sampling_mask,
+            layout=b.layout, device="cpu", pin_memory=b.device.type == "cuda")
+        self.take(b)
+        self.fields = [t.view(torch.uint8).numpy() for t in self.rows.fields]  # (size, item_len)
+        self.cols = np.cumsum([0] + b.item_lens).tolist()  # a packed row: field f at cols[f]
+
+    def set_buf(self, req: Any) -> None:
+        self.rows.set_buf(req)
+
+    def take(self, b: MetadataBuffers) -> None:
+        """Take the device rows' content (a phase of staged fills starts after others
+        wrote the device rows directly; start-up work, not per step)."""
+        self.rows.arena.copy_(b.arena)
+
+    def pack(self, slots: Sequence[int], out: np.ndarray) -> None:
+        """The rows of `slots`, packed (field after field), into out[:len(slots)]."""
+        idx = np.asarray(slots, dtype=np.int64)
+        for f, rows in enumerate(self.fields):
+            out[:len(idx), self.cols[f]:self.cols[f + 1]] = rows[idx]
 
 
 class SlotAllocator:

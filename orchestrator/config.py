@@ -112,6 +112,17 @@ class FillMode(Enum):
     ahead = "ahead"
 
 
+class SetBufMode(Enum):
+    """buffers.set_buf: how a request's row is filled on the prefill. sglang = SGLang 0.5.23's
+    set_buf exactly (field by field on the rows' device: on CUDA rows every scalar is a
+    kernel and every list a pageable copy, on the scheduler's thread); staged = beyond
+    SGLang: the same writes into a pinned host copy of the rows, then one upload of the
+    step's rows (host rows: the same as sglang)."""
+
+    sglang = "sglang"
+    staged = "staged"
+
+
 class DigestKind(Enum):
     """verify.digest: linear = keyed linear digest computed in batch on the device that holds
     the rows (default); blake2b = keyed blake2b per row on the host (host buffers only)."""
@@ -197,6 +208,7 @@ class BuffersConfig:
     max_sampling_mask_tokens: int = 256  # width of the two sampling-mask rows
     enable_sampling_mask: bool = False  # SGLANG_ENABLE_DISAGG_SAMPLING_MASK
     kv_checksum_enabled: bool = False  # the kv_checksum field (SGLang 0.5.23 keyword)
+    set_buf: SetBufMode = SetBufMode.sglang  # sglang: SGLang's set_buf; staged: pinned rows, one upload a step
 
     def check(self) -> None:
         _positive("buffers.size", self.size, "a whole number of slots > 0")

@@ -26,17 +26,29 @@ registered memory reveal nothing about the weights), and a row moved to another 
 slot carries the wrong pad. Columns 2 and 3 use public weights: they fingerprint the content
 alone, identically in every run (requests.jsonl, replay).
 
-The digest is linear, so with workload.fill=ahead (every row filled once before the timed
-phase, a request writing only its room) the sender takes each slot's sums once on the device
-(freeze) and adds its room's words on the host per request. The receiver always reads the
-bytes that landed. verify.digest=blake2b computes a keyed blake2b per row on the host
-instead (host rows only).
+The digest is linear, so on host rows with workload.fill=ahead (every row filled once before
+the timed phase, a request writing only its room) the sender takes each slot's sums once
+(freeze) and adds its room's words per request. The receiver always reads the bytes that
+landed. verify.digest=blake2b computes a keyed blake2b per row on the host instead (host
+rows only).
+
+On device rows a step's work is fixed-shape, so it is captured once per batch-size bucket
+(1, 2, 4, ... slots) as a CUDA graph at start-up and replayed per step, its inputs staged
+in pinned memory (a step padded to its bucket repeats its first entry, which writes the
+same bytes again or reads them again):
+  - the sender's seal: upload (slots, room positions, rooms, pads), [buffers.set_buf=staged:
+    the step's packed rows, scattered to their slots], the rooms written, the digest taken,
+    the tags computed and written into kv_checksum, tags and fingerprints copied back;
+  - the receiver's read: upload the slots, gather, digest, copy back.
+Nothing in either waits: the caller's one wait per step covers it (a stream sync, or on the
+sender the engine's own ordering; see orchestrator.endpoints.prefill).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -54,6 +66,56 @@ MARK = 1 << 62
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
 _PUBLIC_SEED = 0x5EED_0A0C
 _U64 = (1 << 64) - 1
+
+
+def buckets(n: int) -> list[int]:
+    """Batch-size buckets up to n slots: 1, 2, 4, ..., the first power of two >= n."""
+    out = [1]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return out
+
+
+def bucket_of(k: int, sizes: Sequence[int]) -> int:
+    return next(b for b in sizes if b >= k)
+
+
+def _capture(body) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of body() (run twice on a side stream first, as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.current_stream().synchronize()
+    return graph
+
+
+def _i64(value: int) -> int:
+    value &= _U64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class Sealed:
+    """A sealed step's tags and fingerprints: ready at once on host rows; on device rows
+    once the step's device work ran (result() waits on its event; after the step's one wait
+    it is already done)."""
+
+    def __init__(self, tags=None, contents=None, out=None, k=0, event=None, pack_s=0.0):
+        self._tags, self._contents, self._out, self._k, self._event = tags, contents, out, k, event
+        self.pack_s = pack_s  # seconds spent packing staged rows (buffers.set_buf=staged)
+
+    def result(self) -> tuple[list[int], list[str]]:
+        if self._tags is None:
+            self._event.synchronize()
+            out = self._out[:self._k]
+            self._tags = out[:, 0].tolist()
+            self._contents = [f"{c:012x}" for c in out[:, 1].tolist()]
+        return self._tags, self._contents
 
 
 def _weights(seed: int, words: int, cols: int) -> np.ndarray:
@@ -111,6 +173,8 @@ class RowDigest:
         self.b, self.keys, self.kind = buffers, keys, kind
         self.device = buffers.device
         self.frozen: Optional[np.ndarray] = None  # (slots, 4) sums without the room (fill=ahead)
+        self._seal: dict = {}
+        self._judge: dict = {}
         if kind is DigestKind.blake2b:
             if self.device.type != "cpu":
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
@@ -149,6 +213,21 @@ class RowDigest:
             self._w = torch.from_numpy(weights).to(dev)
             slots = torch.arange(buffers.size, dtype=torch.int64)
             self._table = (slots[:, None] * torch.from_numpy(self.step) + torch.from_numpy(self.base)).to(dev)
+            # captured by warm() / warm_seal(): bucket -> (graph, pinned slots, pinned sums), and
+            # (bucket, staged rows) -> (graph, pinned inputs, pinned tags, pinned rows)
+            self._event = torch.cuda.Event()
+
+    def _product(self, idx: torch.Tensor) -> torch.Tensor:
+        """Device rows: (k, 12) int64 sums of the rows at gather positions `idx`."""
+        x = self._u16[idx]
+        n = x.shape[1]
+        if n <= CHUNK_WORDS + 8:
+            return (x.to(torch.float64) @ self._w).to(torch.int64)
+        out = None
+        for lo in range(0, n, CHUNK_WORDS):
+            part = (x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
+            out = part if out is None else out + part
+        return out
 
     # ---- the product ----------------------------------------------------------------------
     def _sums(self, slots: Sequence[int]) -> np.ndarray:
@@ -177,21 +256,70 @@ class RowDigest:
         return out.cpu().numpy()  # one small copy to the host
 
     def warm(self) -> None:
-        """Passes over every batch shape a step can have (1, 2, 4, ... slots; consecutive and
-        scattered) at start-up: on a GPU the first matmul of a shape loads its kernels, and
-        the first creates the cuBLAS handle, tens of ms that the first measured steps would
-        pay otherwise. Reads only."""
+        """Device rows: the receiver's read captured as one CUDA graph per batch-size bucket
+        (start-up also pays the kernels' first loads and cuBLAS's handle, tens of ms the
+        first measured steps would pay otherwise). Reads only."""
         if self.kind is DigestKind.blake2b or self.device.type == "cpu":
             return
-        k = 1
-        while True:
-            k = min(k, self.b.size)
-            self._sums(range(k))
-            if k > 1:
-                self._sums(list(range(k - 1, -1, -1)))  # not consecutive: the gathered path
-            if k == self.b.size:
-                break
-            k *= 2
+        self._sums([0])  # the eager path (sign(), tests) loaded too
+        for k in buckets(self.b.size):
+            slots_h = torch.zeros(k, dtype=torch.int64, pin_memory=True)
+            slots_d = torch.zeros(k, dtype=torch.int64, device=self.device)
+            out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
+
+            def body(slots_h=slots_h, slots_d=slots_d, out_h=out_h):
+                slots_d.copy_(slots_h, non_blocking=True)
+                out_h.copy_(self._product(self._table.index_select(0, slots_d)), non_blocking=True)
+
+            self._judge[k] = (_capture(body), slots_h.numpy(), out_h.numpy())
+
+    def warm_seal(self, max_batch: int, rows=None) -> None:
+        """Device rows, sender: the step's seal captured per bucket up to `max_batch` slots,
+        with the staged-rows scatter too when `rows` (a buffers.StagedRows) is given. Call on
+        fresh buffers: capturing runs each graph, which writes slot 0's own content back and
+        the rest into the scratch."""
+        if self.kind is DigestKind.blake2b or self.device.type == "cpu":
+            return
+        b = self.b
+        sizes = buckets(min(max_batch, b.size))
+        for k in sizes:
+            for staged in ([False, True] if rows is not None else [False]):
+                self._seal[(k, staged)] = self._capture_seal(k, rows if staged else None)
+        self._seal_sizes = sizes
+
+    def _capture_seal(self, k: int, rows) -> tuple:
+        b, dev = self.b, self.device
+        inp_h = torch.zeros((6, k), dtype=torch.int64, pin_memory=True)
+        inp_h[1] = inp_h[5] = b.scratch_word  # capture-time writes land in the scratch
+        inp_d = torch.zeros((6, k), dtype=torch.int64, device=dev)
+        out_h = torch.zeros((k, 2), dtype=torch.int64, pin_memory=True)
+        sig = torch.full((k,), _i64(SIGNATURE), dtype=torch.int64, device=dev)
+        fields = [t.view(torch.uint8) for t in b.fields]  # (size, item_len)
+        rows_h = rows_d = None
+        if rows is not None:
+            rows_h = torch.zeros((k, b.row_bytes), dtype=torch.uint8, pin_memory=True)
+            rows.pack([0] * k, rows_h.numpy())  # slot 0 as it is: capture writes it back unchanged
+            rows_d = torch.zeros((k, b.row_bytes), dtype=torch.uint8, device=dev)
+            cols = rows.cols
+
+        def body():
+            inp_d.copy_(inp_h, non_blocking=True)
+            slots = inp_d[0]
+            if rows_d is not None:
+                rows_d.copy_(rows_h, non_blocking=True)
+                for f, t in enumerate(fields):
+                    t.index_copy_(0, slots, rows_d[:, cols[f]:cols[f + 1]])
+            b.words.index_copy_(0, inp_d[1], inp_d[2])
+            sums = self._product(self._table.index_select(0, slots))
+            c = torch.remainder(sums[:, :4], P)
+            tag = (torch.remainder(c[:, 0] + inp_d[3], P) | (torch.remainder(c[:, 1] + inp_d[4], P) << 24)) | MARK
+            if b.checksum_field is not None:
+                b.words.index_copy_(0, inp_d[5], tag)
+                b.words.index_copy_(0, inp_d[5] + 1, sig)
+            out_h.copy_(torch.stack([tag, c[:, 2] | (c[:, 3] << 24)], 1), non_blocking=True)
+
+        graph = _capture(body)
+        return graph, inp_h.numpy(), out_h.numpy(), None if rows_h is None else rows_h.numpy()
 
     # ---- sender ---------------------------------------------------------------------------
     def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
@@ -205,9 +333,50 @@ class RowDigest:
         c = np.mod(self._sums(slots)[:, :4], P).tolist()
         return self._tags(c, pads)
 
+    def seal(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+             idents: Sequence[tuple[int, int]], rows=None, ahead: bool = False) -> Sealed:
+        """A step's rows made ready to send: the rooms written, the digest taken and its tag
+        written into kv_checksum (where the layout has it). `rows` (a buffers.StagedRows):
+        the step's rows are first uploaded from it. `ahead`: the rows are as fill_ahead left
+        them but for their rooms (host rows then use the frozen sums). Device rows: queued,
+        nothing waits."""
+        b = self.b
+        if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
+            b.write_rooms(slots, rooms)
+            if ahead and self.frozen is not None:
+                tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+            else:
+                tags, contents = self.sign(slots, idents, pads)
+            if b.checksum_field is not None:
+                b.write_checksums(slots, tags, SIGNATURE)
+            return Sealed(tags, contents)
+        k = len(slots)
+        kb = bucket_of(k, self._seal_sizes)
+        graph, inp, out, packed = self._seal[(kb, rows is not None)]
+        inp[0, :k] = slots
+        inp[1, :k] = b.words_at(b.room_field, slots)
+        inp[2, :k] = [_i64(r) for r in rooms]
+        inp[3, :k] = [p[0] for p in pads]
+        inp[4, :k] = [p[1] for p in pads]
+        if b.checksum_field is not None:
+            inp[5, :k] = b.words_at(b.checksum_field, slots)
+        if kb > k:
+            inp[:, k:] = inp[:, :1]
+        pack_s = 0.0
+        if rows is not None:
+            t0 = time.perf_counter()
+            rows.pack(slots, packed)
+            if kb > k:
+                packed[k:] = packed[0]
+            pack_s = time.perf_counter() - t0
+        graph.replay()
+        self._event.record()
+        return Sealed(out=out, k=k, event=self._event, pack_s=pack_s)
+
     def freeze(self) -> None:
-        """fill=ahead: every slot's sums without its room, taken once on the device."""
-        if self.kind is DigestKind.blake2b:
+        """fill=ahead on host rows: every slot's sums without its room, taken once (device
+        rows take the whole digest per step in the seal graph instead)."""
+        if self.kind is DigestKind.blake2b or self.device.type != "cpu":
             return
         sums = self._sums(range(self.b.size))
         rooms = sums[:, 4:8].astype(np.float64)
@@ -243,11 +412,26 @@ class RowDigest:
                 landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
             return out
-        sums = self._sums(slots)
+        sums = self._sums(slots) if self.device.type == "cpu" else self._read_graph(slots)
         c = np.mod(sums[:, :4], P).tolist()
         return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
                          _u64(s[8:12]) if self.has_tag else 0)
                 for row, s in zip(c, sums.tolist())]
+
+    def _read_graph(self, slots: Sequence[int]) -> np.ndarray:
+        """Device rows: one graph replay, then the step's one wait (it also covers whatever the
+        caller queued before, e.g. the zeroing of freed rooms)."""
+        if not self._judge:  # not warmed: the eager path
+            return self._sums(slots)
+        k = len(slots)
+        kb = bucket_of(k, list(self._judge))
+        graph, slots_h, out = self._judge[kb]
+        slots_h[:k] = slots
+        if kb > k:
+            slots_h[k:] = slots_h[0]
+        graph.replay()
+        torch.cuda.current_stream(self.device).synchronize()
+        return out[:k].copy()
 
     def expected_tag(self, check: RowCheck, pad: tuple[int, int]) -> int:
         if self.kind is DigestKind.blake2b:

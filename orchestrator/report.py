@@ -19,7 +19,7 @@ from typing import Any, Optional
 from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .plan import Plan
-from .results import STAGES, RankResult, counter_dict, decode_dict, write_atomic
+from .results import LATENCIES, STAGES, RankResult, counter_dict, decode_dict, write_atomic
 from .runner import RunResult
 from .stats import LatencyHistogram
 
@@ -37,7 +37,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
     outcomes: Counter = Counter()
     details: Counter = Counter()
     routes: Counter = Counter()
-    lat = {k: LatencyHistogram() for k in ("set_buf_us", "send_us", "handoff_us", "e2e_us")}
+    lat = {k: LatencyHistogram() for k in LATENCIES}
     stages = {k: LatencyHistogram() for k in STAGES}
     pairs: dict[str, dict] = {}
     sends = blocks = rejected = 0
@@ -82,7 +82,8 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "routes": counter_dict(routes),
         "failure_reasons": counter_dict(details),
         "latency_us": {"set_buf": lat["set_buf_us"].summary(), "send_aux": lat["send_us"].summary(),
-                       "handoff": lat["handoff_us"].summary(), "e2e": lat["e2e_us"].summary()},
+                       "taken": lat["taken_us"].summary(), "handoff": lat["handoff_us"].summary(),
+                       "e2e": lat["e2e_us"].summary()},
         "latency_clock": ranks[0].clock if ranks else None,
         "handoff_stages_us": {k: h.summary() for k, h in stages.items()},
         "handoffs_per_s": round(verified / wall, 1) if wall and verified else None,
@@ -226,8 +227,10 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     ]
     if results["verified"]:
         set_buf = lat["set_buf"]["p50"]  # None when rows were filled ahead (workload.fill)
+        taken = lat.get("taken") or {}
         lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
-                     f"handoff {_fmt(lat['handoff'])}"
+                     + (f"taken {_fmt(taken)}   " if taken.get("p50") is not None else "")
+                     + f"handoff {_fmt(lat['handoff'])}"
                      + (f"   set_buf p50 {set_buf:g}" if set_buf is not None else ""))
         lines.append(f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
                      f"({results['bytes_per_request']} B per request); start-up "

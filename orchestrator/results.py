@@ -15,11 +15,11 @@ from typing import Any, Iterable, Optional
 from .outcomes import Detail, Outcome
 from .stats import LatencyHistogram
 
-LATENCIES = ("set_buf_us", "send_us", "handoff_us", "e2e_us")
+LATENCIES = ("set_buf_us", "send_us", "taken_us", "handoff_us", "e2e_us")
 # Where a handoff's time goes (forward step done -> verified), in order; they add up to it.
 STAGES = ("fill_digest", "write", "status_out", "to_decode", "judge")
 RECORD_FIELDS = ("rid", "room", "decode", "dst_slot", "route", "set_buf_us", "send_us",
-                 "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault")
+                 "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault", "taken_us")
 
 
 def _j(v: Optional[float]) -> str:
@@ -43,6 +43,9 @@ class Record:
     detail: Detail
     checksum: str  # content fingerprint (public digest columns)
     fault: Optional[str] = None
+    # forward step done -> the decode took it (status in, readiness gate passed: where
+    # SGLang's decode starts decoding); handoff_us runs on to the digest's verdict
+    taken_us: Optional[float] = None
     t_verdict: Optional[float] = None  # not written: the prefill's clock at the verdict
 
     def line(self) -> str:
@@ -52,7 +55,7 @@ class Record:
                 f'"send_us": {_j(self.send_us)}, "handoff_us": {_j(self.handoff_us)}, '
                 f'"e2e_us": {_j(self.e2e_us)}, "outcome": "{self.outcome.value}", '
                 f'"detail": "{self.detail.value}", "checksum": "{self.checksum}", '
-                f'"fault": {json.dumps(self.fault)}}}')
+                f'"fault": {json.dumps(self.fault)}, "taken_us": {_j(self.taken_us)}}}')
 
     @classmethod
     def from_line(cls, text: str) -> "Record":

@@ -103,7 +103,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
                   "scratch_ptr": _u64},
-    "update": {"grants": _rows(2), "v": _rows(5)},
+    "update": {"grants": _rows(2), "v": _rows(6)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)
     "lookup": {"rank": _u64, "prefill_ranks": _u64},

@@ -2,8 +2,12 @@
 # The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,tails
-# (default: tests,bench,profile,pyspy,sweep,pairs,tp)
+# STEPS: any of tests,yardstick,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,tails
+# (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
+# (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
+# with, run in the same call just before and just after the bench: ../shared does not travel
+# to the device, so copy it first: cp ../shared/tools/handoff_yardstick.py .whl/ ; its path
+# can be given as YARDSTICK=...; IDEAL_GPU_D=1 puts its decode on GPU 1)
 # (tails: for every run dir made before it, the first engine write's cost at start-up and the
 # five slowest handoffs with their request ids and send times: is the tail a cold start or
 # steady state, on the prefill's side or the decode's?)
@@ -12,7 +16,8 @@
 # most 8 files).
 set -uo pipefail
 dest=${1:-${OUT:-outputs/gpu-check}}
-steps=${2:-tests,bench,profile,pyspy,sweep,pairs,tp}
+steps=${2:-tests,yardstick,bench,profile,pyspy,sweep,pairs,tp}
+yardstick=${YARDSTICK:-.whl/handoff_yardstick.py}
 out=$(mktemp -d)/gpu-check
 mkdir -p "$out" "$dest"
 pack() {
@@ -37,13 +42,24 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
 cat "$out/machine.txt"
 if want tests; then
   echo "== GPU tests"
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_digest.py 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_step.py tests/test_digest.py 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
 fi
+run_yardstick() {
+  if [ -f "$yardstick" ]; then
+    echo "== yardstick ($1): python3 $(basename "$yardstick") gpu 3000${IDEAL_GPU_D:+ (decode on GPU $IDEAL_GPU_D)}"
+    (cd "$(dirname "$yardstick")" && timeout 120 python3 "$(basename "$yardstick")" gpu 3000) 2>&1 \
+      | grep -E "RESULT|mismatch|Error" | tee -a "$out/yardstick.txt"
+  else
+    echo "== yardstick: $yardstick not found (cp ../shared/tools/handoff_yardstick.py .whl/)"
+  fi
+}
+want yardstick && run_yardstick "before the bench"
 if want bench; then
   echo "== bench: experiment=deepseek_v3_mtp (10 blocks / 15,872 B per request)"
   timeout 400 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench" > "$out/bench.log" 2>&1
   cp "$out/bench/bench.md" "$out/bench.md" 2>/dev/null; cp "$out/bench/bench.json" "$out/bench.json" 2>/dev/null
   cat "$out/bench.md" 2>/dev/null || tail -30 "$out/bench.log"
+  want yardstick && run_yardstick "after the bench"
 fi
 if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"

@@ -104,9 +104,14 @@ class DecodeEndpoint:
         self.heard: dict[int, float] = {}  # prefill rank -> last authentic message from it
         self.watch_prefills = cfg.role is Role.decode  # role=both: the runner watches them
         self.to_clear: list[int] = []
+        # Device rows, one rank: a freed slot's zeroing is queued with the next step's device
+        # pass and the slot is granted again only after that pass's one wait (TP groups and
+        # host rows zero and free at once).
+        self.quarantine: list[int] = []
         self.res = DecodeResult(self.name)
         self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
         self.host_rows = self.buffers.device.type == Device.cpu.value
+        self.defer_clears = not self.host_rows and self.group.size == 1
         self.boot_id = boot_id()
         self.warm = 1000
         self._silent = silent_listener(cfg.transport.host) if cfg.faults.kind is FaultKind.silent_peer else None
@@ -167,7 +172,7 @@ class DecodeEndpoint:
                                error=f"{len(self.waiting)} arrivals already wait for a slot")
                     now_ns = time.monotonic_ns()
                     self.verdicts[prank].append([rid, Outcome.failed.code, Detail.decode_overloaded.code,
-                                                 now_ns, now_ns])
+                                                 now_ns, now_ns, 0])
                     continue
                 self.waiting.append((prank, rid, room, msg["contiguous"]))
             self.grant_waiting()
@@ -311,10 +316,17 @@ class DecodeEndpoint:
             self.group.step(self)
             return
         if not self.ready:
+            if self.quarantine and (self.waiting or 4 * len(self.quarantine) >= self.cfg.buffers.size):
+                cleared = self._queue_clears()  # slots are wanted: a pass of its own
+                self.buffers.sync()
+                self._release(cleared)
+                self._flush()
             return
         t0 = time.perf_counter()
         cands = list(self.ready.values())
+        cleared = self._queue_clears()
         rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands])
+        self._release(cleared)  # the read's wait covered their zeroing
         now, now_ns = _clock(), time.monotonic_ns()
         for g, r in zip(cands, rows):
             if g.status == KVPoll.Failed:
@@ -324,8 +336,9 @@ class DecodeEndpoint:
                     self._finish(g, Outcome.failed, Detail.room_never_landed, now_ns)
                 else:
                     self.res.gate_waits += 1
-            else:
-                self._finish(g, *self._judge(g, r), now_ns)
+            else:  # taken (the gate passed at now_ns); the verdict once the digest is compared
+                outcome, detail = self._judge(g, r)
+                self._finish(g, outcome, detail, time.monotonic_ns(), t_taken_ns=now_ns)
         self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
         self.res.batch.add(len(cands))
         self.res.steps += 1
@@ -363,9 +376,22 @@ class DecodeEndpoint:
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
 
-    def _finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int, own=None) -> None:
+    def _queue_clears(self) -> list[int]:
+        """Queue the zeroing of the quarantined slots (device rows: no wait here)."""
+        cleared, self.quarantine = self.quarantine, []
+        if cleared:
+            self.buffers.clear_slots(cleared)
+        return cleared
+
+    def _release(self, cleared: list[int]) -> None:
+        for slot in cleared:
+            self.slots.free(slot)
+
+    def _finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int, own=None,
+                t_taken_ns: int = 0) -> None:
         """The request's verdict (in a TP group: every rank's combined; `own` is this rank's
-        judgement, which its counts and records keep)."""
+        judgement, which its counts and records keep). `t_taken_ns`: when the readiness gate
+        let it through (0: never taken)."""
         mine, why = own if own is not None else (outcome, detail)
         self.res.outcomes[mine] += 1
         if mine is not Outcome.verified:
@@ -374,7 +400,7 @@ class DecodeEndpoint:
                              outcome=mine.value, detail=why.value)
         if self.leader:
             self.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns,
-                                           int(g.t_status * 1e9)])
+                                           int(g.t_status * 1e9), t_taken_ns])
         self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{mine.value}", '
                            f'"detail": "{why.value}"}}\n')
         self._remove(g)
@@ -386,6 +412,9 @@ class DecodeEndpoint:
         del self.grants[key]
         del self.by_slot[g.slot]
         self.ready.pop(key, None)
+        if self.zero_on_free and self.defer_clears:
+            self.quarantine.append(g.slot)
+            return
         if self.zero_on_free:
             self.to_clear.append(g.slot)
         self.slots.free(g.slot)

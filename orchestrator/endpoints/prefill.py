@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 import zmq
 
 from .. import wire
 from ..auth import Authenticator
-from ..buffers import SlotAllocator
-from ..config import CompletionSetting, FillMode, OrchestratorConfig, StatusMode
-from ..digest import SIGNATURE, Keys, RowDigest
+from ..buffers import SlotAllocator, StagedRows
+from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
+from ..digest import Keys, RowDigest
 from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
 from ..logs import decision_log
 from ..outcomes import Detail, KVPoll, Outcome
@@ -65,12 +66,13 @@ class Phase:
     coalesce: bool = False
     status: StatusMode = StatusMode.per_request
     rid_base: int = 0  # request ids of this phase start here (unique per prefill rank)
+    set_buf: SetBufMode = SetBufMode.sglang
 
     @classmethod
     def of(cls, cfg: OrchestratorConfig, rank: int) -> "Phase":
         w, t = cfg.workload, cfg.transport
         return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, t.coalesce, t.status,
-                   rid_base=rank * w.requests)
+                   rid_base=rank * w.requests, set_buf=cfg.buffers.set_buf)
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class Req:
     dst_slot: int = -1
     src_slot: int = -1
     t_step: float = 0.0  # the forward step that finished it began
+    t_taken: float = 0.0  # the decode took it: status in, readiness gate passed (decode's clock)
     t_ready: float = 0.0  # its row filled and digested
     t_landed: float = 0.0  # its write(s) finished
     t_status_out: float = 0.0  # its status sent
@@ -256,8 +259,22 @@ class PrefillEndpoint:
         self.auth = Authenticator(secret)
         self.keys = Keys(secret)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
+        device_rows = self.buffers.device.type == "cuda"
+        # buffers.set_buf=staged (a phase's choice): SGLang's set_buf into pinned host rows,
+        # one upload a step (device rows; on host rows both modes are SGLang's set_buf)
+        self.staged = StagedRows(self.buffers) if device_rows else None
         self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
-        self.digest.warm()
+        self.digest.warm_seal(max(cfg.workload.batch_size, cfg.bench.batch_size), self.staged)
+        # Mooncake's intra-node NVLink transport records an event on the submitting thread's
+        # per-thread stream and waits for it before it copies; work on the legacy default
+        # stream (torch's default) is ordered before that event, so a step's row writes land
+        # before the engine reads them without a wait of ours (tests/test_gpu.py shows it).
+        # Elsewhere the step syncs its stream once.
+        self.engine_orders_writes = (
+            device_rows and self.side.transport == "mooncake-nvlink_intra"
+            and torch.cuda.current_stream(self.buffers.device).cuda_stream == 0)
+        log.info("step_ordering", engine_orders_writes=self.engine_orders_writes,
+                 set_buf=cfg.buffers.set_buf.value)
         self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
         self.tag_in_status = self.buffers.checksum_field is None
         self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
@@ -463,6 +480,9 @@ class _Loop:
         links = max(len(inst.links) for inst in ep.instances)
         self.blocks_per_request = len(ep.buffers.specs) * links  # one block per field per rank
         self.blocks_out = ep.sender.blocks_done  # blocks handed to the engine so far
+        self.staged = ep.staged if phase.set_buf is SetBufMode.staged else None
+        if self.staged is not None:
+            self.staged.take(ep.buffers)  # earlier phases may have written the device rows
         for inst in ep.instances:
             for link in inst.links:
                 link.router.coalesce = phase.coalesce
@@ -501,6 +521,9 @@ class _Loop:
                 inst.announce = []
 
     def form_step(self) -> None:
+        """One forward step: fill (inline) and seal the step's rows, hand its sends over.
+        Device rows: the seal is one graph replay and the step waits at most once (the
+        engine's own wait where it orders our writes, else one stream sync)."""
         ep, b = self.ep, self.ep.buffers
         k = min(self.phase.batch_size, len(self.ready), ep.src.available)
         if self.phase.coalesce:
@@ -510,39 +533,49 @@ class _Loop:
         reqs = [self.ready.popleft() for _ in slots]
         t_step = _clock()
         pc = time.perf_counter
-        idents, pads = [(ep.rank, r.rid) for r in reqs], [r.pad for r in reqs]
+        idents, pads, rooms = [(ep.rank, r.rid) for r in reqs], [r.pad for r in reqs], [r.room for r in reqs]
+        staged = None
         if self.phase.fill is FillMode.inline:
+            staged = self.staged
+            target = staged or b
             for req, slot in zip(reqs, slots):
                 r = ep.pool.get(req.rid, slot)
                 t0 = pc()
-                b.set_buf(r)
+                target.set_buf(r)
                 req.set_buf_us = (pc() - t0) * 1e6
-            tags, contents = ep.digest.sign(slots, idents, pads)
-        else:  # the rows were filled (and digested) before the phase: write the rooms only
-            rooms = [r.room for r in reqs]
-            b.write_rooms(slots, rooms)
-            tags, contents = ep.digest.sign_rooms(slots, rooms, pads, idents)
-        if b.checksum_field is not None:
-            b.write_checksums(slots, tags, SIGNATURE)
-        b.sync()
+        sealed = ep.digest.seal(slots, rooms, pads, idents, rows=staged,
+                                ahead=self.phase.fill is FillMode.ahead)
+        if staged is not None:  # each request's share of packing the step's rows
+            share = sealed.pack_s * 1e6 / len(reqs)
+            for req in reqs:
+                req.set_buf_us += share
+        if not ep.engine_orders_writes:
+            b.sync()
         per_link: dict[int, tuple[Link, list[Transfer]]] = {}
-        for req, slot, tag, content in zip(reqs, slots, tags, contents):
-            req.src_slot, req.t_step, req.content, req.route = slot, t_step, content, self.route
+        for req, slot in zip(reqs, slots):
+            req.src_slot, req.t_step, req.route = slot, t_step, self.route
             inst = ep.instances[req.inst]
             for link in inst.links:
                 per_link.setdefault(id(link), (link, []))[1].append(
-                    Transfer(req.rid, req.room, slot, req.dst_slot, tag))
+                    Transfer(req.rid, req.room, slot, req.dst_slot))
         work = [(link, transfers, link.router.sends(transfers)) for link, transfers in per_link.values()]
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
         step = Step(reqs, work)
         t_ready = _clock()
-        if all(link.router.starts_in_caller for link, _, _ in work):
+        started = all(link.router.starts_in_caller for link, _, _ in work)
+        if started:
             for link, _, sends in work:  # submitted here: the write starts before any thread hop
                 for send in sends:
                     link.router.start(send)
             step.started = True
-        for req in reqs:
-            req.t_ready = t_ready
+        tags, contents = sealed.result()  # its work ran before the engine's read: no wait left
+        by_rid = {}
+        for req, tag, content in zip(reqs, tags, contents):
+            req.content, req.t_ready = content, t_ready
+            by_rid[req.rid] = tag
+        for _, transfers, _ in work:  # the tag travels in the status where the row has no kv_checksum
+            for t in transfers:
+                t.tag = by_rid[t.rid]
         ep.sender.submit(step)
 
     def sent(self, step: Step) -> None:
@@ -564,7 +597,7 @@ class _Loop:
 
     def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
         now = _clock()
-        for rid, outcome, detail, t_ns, t_status_ns in verdicts:
+        for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
             req = self.outstanding.get(rid)
             if req is None or req.inst != inst.index or req.verdict is not None:
                 self.res.rejected += 1  # not ours, or judged twice
@@ -577,6 +610,7 @@ class _Loop:
             t_verified = t_ns / 1e9 if inst.same_clock else now
             req.verdict = (o, d, t_verified)
             req.t_status_in = t_status_ns / 1e9 if inst.same_clock else 0.0
+            req.t_taken = t_taken_ns / 1e9 if inst.same_clock and t_taken_ns else 0.0
             inst.owed -= 1
             if req.dst_slot < 0:
                 inst.ungranted -= 1
@@ -597,6 +631,7 @@ class _Loop:
             _r((t_verified - req.t_arrive) * 1e6) if verified else None,
             outcome, detail, req.content,
             self.ep.cfg.faults.kind.value if self.faulty and self.injector.hits(req.rid) else None,
+            taken_us=_r((req.t_taken - req.t_step) * 1e6) if verified and req.t_taken and req.t_step else None,
             t_verdict=_clock())
         self.res.add(rec)
         if verified and req.t_status_in and req.t_step:

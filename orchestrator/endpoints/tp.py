@@ -179,7 +179,7 @@ class TorchGroup(Group):
                     self.stats["verdicts_split"] += 1
                 verdicts.append((g, o, d))
             for g, o, d in verdicts:
-                ep._finish(g, o, d, now_ns, own=took[id(g)])
+                ep._finish(g, o, d, now_ns, own=took[id(g)], t_taken_ns=now_ns)
             gone = {id(g) for g, _, _ in verdicts}
             self.queue = [g for g in queue if id(g) not in gone]
         self.step_no += 1
