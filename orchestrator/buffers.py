@@ -284,16 +284,27 @@ class MetadataBuffers:
         base = self.offsets[field] // 8 + stride * np.asarray(slots, dtype=np.int64)
         return (base[:, None] + np.asarray(cols, dtype=np.int64)).reshape(-1)
 
-    def write_rooms(self, slots: Sequence[int], rooms: Sequence[int]) -> None:
-        """bootstrap_room[slot, 0] = room for a batch of slots. Device rows: one upload from
-        pinned memory and one indexed kernel, queued (no wait)."""
+    def write_rooms(self, slots: Sequence[int], rooms: Sequence[int],
+                    digests: Optional[Sequence[int]] = None, signature: int = 0) -> None:
+        """bootstrap_room[slot, 0] = room for a batch of slots, and with `digests`
+        kv_checksum[slot] = (digest, signature) too. Device rows: one upload from pinned
+        memory and one indexed kernel for all of it, queued (no wait)."""
         if self._rooms_np is not None:
             self._rooms_np[list(slots), 0] = [_as_i64(r) for r in rooms]
+            if digests is not None:
+                self.write_checksums(slots, digests, signature)
             return
-        k = len(slots)
-        staged = self._stage_rooms.upload(np.concatenate([
-            self.words_at(self.room_field, slots), np.array([_as_i64(r) for r in rooms], dtype=np.int64)]))
-        self.words.index_copy_(0, staged[:k], staged[k:])
+        pos = [self.words_at(self.room_field, slots)]
+        vals = [np.array([_as_i64(r) for r in rooms], dtype=np.int64)]
+        if digests is not None:
+            pos.append(self.words_at(self.checksum_field, slots, (0, 1)))
+            pair = np.empty((len(slots), 2), dtype=np.int64)
+            pair[:, 0] = [_as_i64(d) for d in digests]
+            pair[:, 1] = _as_i64(signature)
+            vals.append(pair.reshape(-1))
+        n = sum(len(p) for p in pos)
+        staged = self._stage_rooms.upload(np.concatenate(pos + vals))
+        self.words.index_copy_(0, staged[:n], staged[n:])
 
     def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
         """kv_checksum[slot] = (digest, signature) for a batch of slots (device rows: queued)."""

@@ -123,6 +123,22 @@ class SetBufMode(Enum):
     staged = "staged"
 
 
+class PollMode(Enum):
+    """endpoints.poll: how the endpoints' loops wait for the next message. spin polls without
+    sleeping (as SGLang's scheduler loop does; a wake-up costs nothing, a core is busy);
+    block sleeps in the poll; auto spins where the host has cores to spare (>= 8: GPU hosts)
+    and blocks elsewhere (a 2-core box)."""
+
+    auto = "auto"
+    spin = "spin"
+    block = "block"
+
+    def spins(self) -> bool:
+        import os
+
+        return self is PollMode.spin or (self is PollMode.auto and (os.cpu_count() or 1) >= 8)
+
+
 class DigestKind(Enum):
     """verify.digest: linear = keyed linear digest computed in batch on the device that holds
     the rows (default); blake2b = keyed blake2b per row on the host (host buffers only)."""
@@ -381,6 +397,7 @@ class EndpointsConfig:
     prefill_gpus: Optional[List[int]] = None
     decode_gpus: Optional[List[int]] = None
     startup_timeout_s: float = 60.0
+    poll: PollMode = PollMode.auto  # spin | block | auto (spin on hosts with >= 8 cores)
 
     @property
     def decode_procs(self) -> int:

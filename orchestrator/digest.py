@@ -174,6 +174,7 @@ class RowDigest:
         self.device = buffers.device
         self.frozen: Optional[np.ndarray] = None  # (slots, 4) sums without the room (fill=ahead)
         self._seal: dict = {}
+        self._write: dict = {}
         self._judge: dict = {}
         if kind is DigestKind.blake2b:
             if self.device.type != "cpu":
@@ -262,16 +263,22 @@ class RowDigest:
         if self.kind is DigestKind.blake2b or self.device.type == "cpu":
             return
         self._sums([0])  # the eager path (sign(), tests) loaded too
-        for k in buckets(self.b.size):
-            slots_h = torch.zeros(k, dtype=torch.int64, pin_memory=True)
-            slots_d = torch.zeros(k, dtype=torch.int64, device=self.device)
+        b = self.b
+        self._clear_words = b.item_lens[b.room_field] // 8 + (
+            b.item_lens[b.checksum_field] // 8 if b.checksum_field is not None else 0)
+        for k in buckets(b.size):
+            n = k + k * self._clear_words  # the slots to read, then the words to zero
+            inp_h = torch.full((n,), b.scratch_word, dtype=torch.int64, pin_memory=True)
+            inp_h[:k] = 0
+            inp_d = torch.zeros(n, dtype=torch.int64, device=self.device)
             out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
 
-            def body(slots_h=slots_h, slots_d=slots_d, out_h=out_h):
-                slots_d.copy_(slots_h, non_blocking=True)
-                out_h.copy_(self._product(self._table.index_select(0, slots_d)), non_blocking=True)
+            def body(k=k, inp_h=inp_h, inp_d=inp_d, out_h=out_h):
+                inp_d.copy_(inp_h, non_blocking=True)
+                b.words.index_fill_(0, inp_d[k:], 0)  # freed slots' rooms zeroed (else: scratch)
+                out_h.copy_(self._product(self._table.index_select(0, inp_d[:k])), non_blocking=True)
 
-            self._judge[k] = (_capture(body), slots_h.numpy(), out_h.numpy())
+            self._judge[k] = (_capture(body), inp_h.numpy(), out_h.numpy())
 
     def warm_seal(self, max_batch: int, rows=None) -> None:
         """Device rows, sender: the step's seal captured per bucket up to `max_batch` slots,
@@ -285,7 +292,23 @@ class RowDigest:
         for k in sizes:
             for staged in ([False, True] if rows is not None else [False]):
                 self._seal[(k, staged)] = self._capture_seal(k, rows if staged else None)
+            self._write[k] = self._capture_write(k)
         self._seal_sizes = sizes
+
+    def _capture_write(self, k: int) -> tuple:
+        """fill=ahead: a step's rooms (and tags with their signature) as one upload and one
+        indexed write, per bucket."""
+        b = self.b
+        n = k * (3 if b.checksum_field is not None else 1)
+        inp_h = torch.zeros((2, n), dtype=torch.int64, pin_memory=True)
+        inp_h[0] = b.scratch_word
+        inp_d = torch.zeros((2, n), dtype=torch.int64, device=self.device)
+
+        def body():
+            inp_d.copy_(inp_h, non_blocking=True)
+            b.words.index_copy_(0, inp_d[0], inp_d[1])
+
+        return _capture(body), inp_h.numpy()
 
     def _capture_seal(self, k: int, rows) -> tuple:
         b, dev = self.b, self.device
@@ -341,6 +364,30 @@ class RowDigest:
         them but for their rooms (host rows then use the frozen sums). Device rows: queued,
         nothing waits."""
         b = self.b
+        if ahead and self.frozen is not None and self.device.type != "cpu":
+            # the rows are as frozen but for their rooms: sign on the host, then one upload
+            # and one indexed write of the rooms and tags (no digest on the device)
+            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+            if not self._write:
+                b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
+                return Sealed(tags, contents)
+            k = len(slots)
+            kb = bucket_of(k, self._seal_sizes)
+            graph, inp = self._write[kb]
+            m = 3 if b.checksum_field is not None else 1
+            pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
+            pos[0, :k] = b.words_at(b.room_field, slots)
+            val[0, :k] = [_i64(r) for r in rooms]
+            if m == 3:
+                pos[1, :k] = b.words_at(b.checksum_field, slots)
+                pos[2, :k] = pos[1, :k] + 1
+                val[1, :k] = [_i64(t) for t in tags]
+                val[2, :k] = _i64(SIGNATURE)
+            if kb > k:
+                pos[:, k:] = pos[:, :1]
+                val[:, k:] = val[:, :1]
+            graph.replay()
+            return Sealed(tags, contents)
         if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
             b.write_rooms(slots, rooms)
             if ahead and self.frozen is not None:
@@ -374,9 +421,9 @@ class RowDigest:
         return Sealed(out=out, k=k, event=self._event, pack_s=pack_s)
 
     def freeze(self) -> None:
-        """fill=ahead on host rows: every slot's sums without its room, taken once (device
-        rows take the whole digest per step in the seal graph instead)."""
-        if self.kind is DigestKind.blake2b or self.device.type != "cpu":
+        """fill=ahead: every slot's sums without its room, taken once (on the rows' device);
+        a step then signs on the host and writes only rooms and tags."""
+        if self.kind is DigestKind.blake2b:
             return
         sums = self._sums(range(self.b.size))
         rooms = sums[:, 4:8].astype(np.float64)
@@ -403,8 +450,14 @@ class RowDigest:
         return tags, [f"{row[2] | row[3] << 24:012x}" for row in c]
 
     # ---- receiver ---------------------------------------------------------------------------
-    def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]]) -> list[RowCheck]:
-        """What landed in `slots`: sums, content, room and tag, in one pass (one D2H)."""
+    def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
+             clear: Sequence[int] = ()) -> list[RowCheck]:
+        """What landed in `slots`: sums, content, room and tag, in one pass (one D2H). The
+        slots in `clear` (none of `slots`) are zeroed first, as clear_slots() does (device
+        rows: in the same graph replay, covered by the same one wait)."""
+        if clear and (self.device.type == "cpu" or not self._judge):
+            self.b.clear_slots(clear)
+            clear = ()
         if self.kind is DigestKind.blake2b:
             out = []
             for slot, ident in zip(slots, idents):
@@ -412,23 +465,33 @@ class RowDigest:
                 landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
             return out
-        sums = self._sums(slots) if self.device.type == "cpu" else self._read_graph(slots)
+        sums = self._sums(slots) if self.device.type == "cpu" else self._read_graph(slots, clear)
         c = np.mod(sums[:, :4], P).tolist()
         return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
                          _u64(s[8:12]) if self.has_tag else 0)
                 for row, s in zip(c, sums.tolist())]
 
-    def _read_graph(self, slots: Sequence[int]) -> np.ndarray:
-        """Device rows: one graph replay, then the step's one wait (it also covers whatever the
-        caller queued before, e.g. the zeroing of freed rooms)."""
+    def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
+        """Device rows: one graph replay (zeroing up to a bucket's worth of `clear` too),
+        then the step's one wait."""
         if not self._judge:  # not warmed: the eager path
             return self._sums(slots)
+        b = self.b
         k = len(slots)
         kb = bucket_of(k, list(self._judge))
-        graph, slots_h, out = self._judge[kb]
-        slots_h[:k] = slots
+        graph, inp, out = self._judge[kb]
+        inp[:k] = slots
         if kb > k:
-            slots_h[k:] = slots_h[0]
+            inp[k:kb] = inp[0]
+        inside, rest = list(clear[:kb]), list(clear[kb:])
+        if rest:  # more freed slots than the bucket zeroes: queued before it
+            b.clear_slots(rest)
+        words = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
+        if b.checksum_field is not None:
+            words.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
+        words = np.concatenate(words) if inside else np.empty(0, dtype=np.int64)
+        inp[kb:kb + len(words)] = words
+        inp[kb + len(words):] = b.scratch_word
         graph.replay()
         torch.cuda.current_stream(self.device).synchronize()
         return out[:k].copy()

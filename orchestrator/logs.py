@@ -7,14 +7,17 @@ handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours 
 console shows warnings and the summary unless `logging.console=true` (or Hydra's
 `hydra.verbose`) asks for every structured line there too.
 
-Routing decisions go to decisions.jsonl through a structlog logger of their own that writes
-JSON lines straight to the file (no stdlib formatting on the send path).
+Routing decisions go to decisions.jsonl, one JSON line per decision, written a step at a
+time (DecisionLog: one write per step, not a logger call per request); structlog stays the
+logger of events.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -89,13 +92,28 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
     return structlog.get_logger("orchestrator")
 
 
-def decision_log(path: Path, role: str):
-    """A structlog logger writing one JSON line per routing decision to `path`."""
-    fh = open(path, "w", buffering=1)
-    return structlog.wrap_logger(
-        structlog.WriteLogger(fh),
-        processors=[structlog.processors.TimeStamper(fmt="iso", utc=True), _event_first,
-                    structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.BoundLogger,
-        cache_logger_on_first_use=True,
-    ).bind(role=role, logger="orchestrator.decisions")
+class DecisionLog:
+    """decisions.jsonl: one JSON line per routing decision (event, timestamp, logger, role,
+    then the decision's fields), a step's lines in one write. `static` holds the fields that
+    every decision of this process shares (rendered once)."""
+
+    def __init__(self, path: Path, role: str, static: dict):
+        self.fh = open(path, "w")
+        self.role = json.dumps(role)
+        self.static = json.dumps(static)[1:-1]
+
+    def write(self, decisions: list[dict]) -> None:
+        if not decisions:
+            return
+        ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        head = (f'{{"event": "route_decision", "timestamp": "{ts}", '
+                f'"logger": "orchestrator.decisions", "role": {self.role}, ')
+        lines = []
+        for d in decisions:
+            fields = json.dumps(d)[1:-1]
+            lines.append(f"{head}{fields}, {self.static}}}")
+        self.fh.write("\n".join(lines) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()

@@ -218,3 +218,25 @@ def test_warm_up_scratch_lies_inside_the_registration_and_outside_every_field():
     assert b.arena_ptr <= lo and hi == b.arena_ptr + b.arena_bytes  # registered with the fields
     assert all(p + n <= lo for p, n in zip(ptrs, lens))  # no field reaches into it
     assert hi <= b._arena.data_ptr() + b._arena.numel()  # inside the allocation
+
+
+def test_staged_rows_pack_the_rows_set_buf_wrote_and_words_address_rooms():
+    from orchestrator.buffers import StagedRows
+
+    b = MetadataBuffers(8, 16, torch.float32, 16, output_dsa_topk_indices_dim=4, kv_checksum_enabled=True)
+    staged = StagedRows(b)
+    w = WorkloadConfig()
+    shapes = Shapes(16, torch.float32, 4, 16)
+    for slot in (5, 2):
+        req = make_request(w, slot, shapes)
+        req.metadata_buffer_index = slot
+        staged.set_buf(req)
+    out = np.zeros((2, b.row_bytes), dtype=np.uint8)
+    staged.pack([5, 2], out)
+    assert bytes(out[0]) == staged.rows.row_snapshot(5) and bytes(out[1]) == staged.rows.row_snapshot(2)
+    # words_at: the flat int64 view addresses each slot's room and kv_checksum columns
+    b.write_rooms([3], [(1 << 64) - 9], [12345], 77)
+    assert b.room(3) == (1 << 64) - 9 and b.get_kv_checksum(3) == (12345, 77)
+    assert int(b.words[b.words_at(b.room_field, [3])[0]]) == -9
+    assert b.words_at(b.checksum_field, [3], (0, 1)).tolist() == [
+        b.words_at(b.checksum_field, [3])[0], b.words_at(b.checksum_field, [3])[0] + 1]

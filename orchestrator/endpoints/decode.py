@@ -324,9 +324,9 @@ class DecodeEndpoint:
             return
         t0 = time.perf_counter()
         cands = list(self.ready.values())
-        cleared = self._queue_clears()
-        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands])
-        self._release(cleared)  # the read's wait covered their zeroing
+        cleared, self.quarantine = self.quarantine, []
+        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands], clear=cleared)
+        self._release(cleared)  # zeroed in the read's pass, covered by its wait
         now, now_ns = _clock(), time.monotonic_ns()
         for g, r in zip(cands, rows):
             if g.status == KVPoll.Failed:
@@ -450,8 +450,10 @@ class DecodeEndpoint:
         poller.register(self.data, zmq.POLLIN)
         poller.register(conn.fileno(), zmq.POLLIN)
         lockstep = self.group.size > 1
+        spin = self.cfg.endpoints.poll.spins()
+        self.log.info("decode_loop", poll="spin" if spin else "block")
         while True:
-            events = dict(poller.poll(1 if (self.ready or lockstep) else 50))
+            events = dict(poller.poll(0 if spin else 1 if (self.ready or lockstep) else 50))
             if self.control in events:
                 for _ in range(1024):
                     try:

@@ -40,7 +40,7 @@ from ..buffers import SlotAllocator, StagedRows
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from ..digest import Keys, RowDigest
 from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
-from ..logs import decision_log
+from ..logs import DecisionLog
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Plan
 from ..results import PairStats, RankResult, Record
@@ -145,8 +145,9 @@ class Sender(threading.Thread):
     the GIL, so the scheduler thread fills the next step meanwhile."""
 
     def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[Step], None],
-                 nap_s: float = 0.0, max_inflight: int = 16, device=None):
+                 nap_s: float = 0.0, max_inflight: int = 16, device=None, spin: bool = False):
         super().__init__(name="sender", daemon=True)
+        self.spin = spin  # endpoints.poll: wait for work by polling (GIL released in between)
         self.device = device
         self.queue: collections.deque[Optional[Step]] = collections.deque()
         self.done: collections.deque[Step] = collections.deque()
@@ -181,6 +182,9 @@ class Sender(threading.Thread):
         closing = False
         try:
             while not (closing and not pending):
+                if self.spin:
+                    while not self.queue and not pending and not closing:
+                        time.sleep(0)
                 with self.ready:
                     while not self.queue and not pending and not closing:
                         self.idle = True
@@ -220,7 +224,7 @@ class Sender(threading.Thread):
         back: then the ones behind it go first)."""
         i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
         if i is None:
-            time.sleep(50e-6)
+            time.sleep(0 if self.spin else 50e-6)
             return
         step, link, transfers, send = pending[i]
         if self.nap_s:
@@ -287,15 +291,15 @@ class PrefillEndpoint:
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
         suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
-        self._decisions = decision_log(run_dir / f"decisions{suffix}.jsonl", self.name)
-        self.records_path = run_dir / f"requests{suffix}.jsonl"
-        self.records_path.write_text("")  # this process's records start here (phases append)
         self._static = {
             "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
             "route": plan.route.value, "reason": plan.route_reason.value,
             "transport": self.side.transport, "row_bytes": self.buffers.row_bytes,
             "fallback": plan.events[0].reason.value if plan.events else None,
         }
+        self._decisions = DecisionLog(run_dir / f"decisions{suffix}.jsonl", self.name, self._static)
+        self.records_path = run_dir / f"requests{suffix}.jsonl"
+        self.records_path.write_text("")  # this process's records start here (phases append)
         self.wake_addr = f"inproc://wake-{id(self)}"
         self.wake = self.ctx.socket(zmq.PAIR)
         self.wake.bind(self.wake_addr)
@@ -328,8 +332,10 @@ class PrefillEndpoint:
                 if t > 0:
                     ctl.close(0)
             self.instances.append(inst)
+        self.spin = self.cfg.endpoints.poll.spins()
         self.sender = Sender(self.ctx, self.wake_addr, self._log_decisions, self.nap_s,
-                             self.cfg.transport.max_inflight_sends, self.buffers.device)
+                             self.cfg.transport.max_inflight_sends, self.buffers.device, self.spin)
+        self.log.info("prefill_loop", poll="spin" if self.spin else "block")
         self.sender.start()
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
@@ -415,16 +421,17 @@ class PrefillEndpoint:
             return {}
 
     def _log_decisions(self, step: Step) -> None:
-        """One route_decision line per request and decode process (transfer thread)."""
+        """One route_decision line per request and decode process, a step's in one write
+        (transfer thread)."""
+        lines = []
         for link, send in step.sends:
-            n = len(send.transfers)
+            shape = {"requests": len(send.transfers), "blocks": send.blocks, "bytes": send.nbytes}
+            outcome, latency = "ok" if send.error is None else "error", round(send.latency_us, 2)
             for t in send.transfers:
-                self._decisions.info(
-                    "route_decision", rank=self.rank, rid=t.rid, room=t.room, slot=t.src_slot,
-                    dst_slot=t.dst_slot, decode=link.name, **self._static,
-                    send={"requests": n, "blocks": send.blocks, "bytes": send.nbytes},
-                    latency_us=round(send.latency_us, 2),
-                    outcome="ok" if send.error is None else "error", error=send.error)
+                lines.append({"rank": self.rank, "rid": t.rid, "room": t.room, "slot": t.src_slot,
+                              "dst_slot": t.dst_slot, "decode": link.name, "send": shape,
+                              "latency_us": latency, "outcome": outcome, "error": send.error})
+        self._decisions.write(lines)
 
     # ---- the workload -------------------------------------------------------------------
     def fill_ahead(self) -> None:
@@ -455,6 +462,7 @@ class PrefillEndpoint:
             for link in inst.links:
                 link.push.close(0)
         self.wake.close(0)
+        self._decisions.close()
         self.ctx.term()
 
 
@@ -751,7 +759,7 @@ class _Loop:
         return out == 0 or out + step <= ep.cfg.transport.max_inflight_blocks
 
     def wait_ms(self, now: float, t0: float) -> int:
-        if self.can_form():
+        if self.ep.spin or self.can_form():
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
             return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
