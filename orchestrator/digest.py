@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -102,20 +103,45 @@ def _i64(value: int) -> int:
 
 class Sealed:
     """A sealed step's tags and fingerprints: ready at once on host rows; on device rows
-    once the step's device work ran (result() waits on its event; after the step's one wait
-    it is already done)."""
+    once the step's device work ran (result() waits on its event; once the rows were sent it
+    is long done)."""
 
     def __init__(self, tags=None, contents=None, out=None, k=0, event=None, pack_s=0.0):
         self._tags, self._contents, self._out, self._k, self._event = tags, contents, out, k, event
         self.pack_s = pack_s  # seconds spent packing staged rows (buffers.set_buf=staged)
+        self._lock = threading.Lock() if tags is None else None
+
+    @property
+    def ready(self) -> bool:
+        return self._tags is not None
 
     def result(self) -> tuple[list[int], list[str]]:
+        """(tags, fingerprints); the scheduler and the transfer thread may both ask."""
         if self._tags is None:
-            self._event.synchronize()
-            out = self._out[:self._k]
-            self._tags = out[:, 0].tolist()
-            self._contents = [f"{c:012x}" for c in out[:, 1].tolist()]
+            with self._lock:
+                if self._tags is None:
+                    self._event.synchronize()
+                    out = self._out[:self._k]
+                    self._contents = [f"{c:012x}" for c in out[:, 1].tolist()]
+                    self._tags = out[:, 0].tolist()
         return self._tags, self._contents
+
+
+class _Slot:
+    """One captured graph's pinned buffers are rewritten only after its last replay ran and
+    what it returned was read (normally long before: this does not block)."""
+
+    __slots__ = ("event", "last")
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+        self.last: Optional[Sealed] = None
+
+    def reuse(self) -> None:
+        if self.last is not None:
+            self.last.result()  # reads the pinned outputs (after the event) before they change
+            self.last = None
+        self.event.synchronize()
 
 
 def _weights(seed: int, words: int, cols: int) -> np.ndarray:
@@ -214,9 +240,9 @@ class RowDigest:
             self._w = torch.from_numpy(weights).to(dev)
             slots = torch.arange(buffers.size, dtype=torch.int64)
             self._table = (slots[:, None] * torch.from_numpy(self.step) + torch.from_numpy(self.base)).to(dev)
-            # captured by warm() / warm_seal(): bucket -> (graph, pinned slots, pinned sums), and
-            # (bucket, staged rows) -> (graph, pinned inputs, pinned tags, pinned rows)
-            self._event = torch.cuda.Event()
+            # captured by warm() / warm_seal(): bucket -> (graph, pinned slots, pinned sums),
+            # (bucket, staged rows) -> (graph, pinned inputs, pinned tags, pinned rows, _Slot),
+            # bucket -> (graph, pinned positions and values, _Slot)
 
     def _product(self, idx: torch.Tensor) -> torch.Tensor:
         """Device rows: (k, 12) int64 sums of the rows at gather positions `idx`."""
@@ -308,7 +334,7 @@ class RowDigest:
             inp_d.copy_(inp_h, non_blocking=True)
             b.words.index_copy_(0, inp_d[0], inp_d[1])
 
-        return _capture(body), inp_h.numpy()
+        return _capture(body), inp_h.numpy(), _Slot()
 
     def _capture_seal(self, k: int, rows) -> tuple:
         b, dev = self.b, self.device
@@ -342,7 +368,7 @@ class RowDigest:
             out_h.copy_(torch.stack([tag, c[:, 2] | (c[:, 3] << 24)], 1), non_blocking=True)
 
         graph = _capture(body)
-        return graph, inp_h.numpy(), out_h.numpy(), None if rows_h is None else rows_h.numpy()
+        return graph, inp_h.numpy(), out_h.numpy(), None if rows_h is None else rows_h.numpy(), _Slot()
 
     # ---- sender ---------------------------------------------------------------------------
     def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
@@ -373,7 +399,8 @@ class RowDigest:
                 return Sealed(tags, contents)
             k = len(slots)
             kb = bucket_of(k, self._seal_sizes)
-            graph, inp = self._write[kb]
+            graph, inp, slot = self._write[kb]
+            slot.reuse()
             m = 3 if b.checksum_field is not None else 1
             pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
             pos[0, :k] = b.words_at(b.room_field, slots)
@@ -387,6 +414,7 @@ class RowDigest:
                 pos[:, k:] = pos[:, :1]
                 val[:, k:] = val[:, :1]
             graph.replay()
+            slot.event.record()
             return Sealed(tags, contents)
         if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
             b.write_rooms(slots, rooms)
@@ -399,7 +427,8 @@ class RowDigest:
             return Sealed(tags, contents)
         k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
-        graph, inp, out, packed = self._seal[(kb, rows is not None)]
+        graph, inp, out, packed, slot = self._seal[(kb, rows is not None)]
+        slot.reuse()
         inp[0, :k] = slots
         inp[1, :k] = b.words_at(b.room_field, slots)
         inp[2, :k] = [_i64(r) for r in rooms]
@@ -417,8 +446,9 @@ class RowDigest:
                 packed[k:] = packed[0]
             pack_s = time.perf_counter() - t0
         graph.replay()
-        self._event.record()
-        return Sealed(out=out, k=k, event=self._event, pack_s=pack_s)
+        slot.event.record()
+        slot.last = Sealed(out=out, k=k, event=slot.event, pack_s=pack_s)
+        return slot.last
 
     def freeze(self) -> None:
         """fill=ahead: every slot's sums without its room, taken once (on the rows' device);
@@ -429,7 +459,8 @@ class RowDigest:
         rooms = sums[:, 4:8].astype(np.float64)
         self.frozen = np.mod(sums[:, :4] - (rooms @ self.room_rows).astype(np.int64), P)
         self._frozen_rows = self.frozen.tolist()  # Python ints: a step of a few rows is host arithmetic
-        self._room_rows = self.room_rows.astype(np.int64).tolist()
+        self._room_rows_np = self.room_rows.astype(np.int64)
+        self._room_rows = self._room_rows_np.tolist()
 
     def sign_rooms(self, slots: Sequence[int], rooms: Sequence[int],
                    pads: Sequence[tuple[int, int]], idents: Sequence[tuple[int, int]]) -> tuple[list[int], list[str]]:
@@ -437,6 +468,10 @@ class RowDigest:
         if self.frozen is None:
             return self.sign(slots, idents, pads)
         frozen, rr = self._frozen_rows, self._room_rows
+        if len(slots) >= 8:  # a step of many rows: one vectorized pass
+            words = np.array([_split(r) for r in rooms], dtype=np.int64)
+            c = np.mod(self.frozen[np.asarray(slots)] + words @ self._room_rows_np, P).tolist()
+            return self._tags(c, pads)
         c = []
         for slot, room in zip(slots, rooms):
             w = _split(room)

@@ -25,8 +25,9 @@ def pyplot():
 
 def run_latencies(run_dir: Path) -> dict[str, dict[str, list[float]]]:
     """{metric: {route: values}} from a run dir's requests*.jsonl: send_aux for every send
-    that finished, handoff (forward step done -> decode verified) for verified requests."""
-    out: dict[str, dict[str, list[float]]] = {"send_aux": {}, "handoff": {}}
+    that finished, taken (forward step done -> the decode's readiness gate passed) and handoff
+    (-> the decode's verdict) for verified requests."""
+    out: dict[str, dict[str, list[float]]] = {"send_aux": {}, "taken": {}, "handoff": {}}
     for path in sorted(Path(run_dir).glob("requests*.jsonl")):
         with open(path) as fh:
             for line in fh:
@@ -39,8 +40,10 @@ def run_latencies(run_dir: Path) -> dict[str, dict[str, list[float]]]:
                 route = rec.get("route") or "none"
                 if rec.get("send_us") is not None:
                     out["send_aux"].setdefault(route, []).append(float(rec["send_us"]))
-                if rec.get("handoff_us") is not None and rec.get("outcome") == "verified":
-                    out["handoff"].setdefault(route, []).append(float(rec["handoff_us"]))
+                if rec.get("outcome") == "verified":
+                    for key, metric in (("taken_us", "taken"), ("handoff_us", "handoff")):
+                        if rec.get(key) is not None:
+                            out[metric].setdefault(route, []).append(float(rec[key]))
     return out
 
 
@@ -80,7 +83,7 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel(f"{metric} latency (us, log)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{metric}: CDF per route" + (" (verified)" if metric == "handoff" else ""))
+        ax.set_title(f"{metric}: CDF per route" + (" (verified)" if metric in ("taken", "handoff") else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="x-small", loc="lower right")
     fig.suptitle(title, fontsize=10)

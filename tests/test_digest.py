@@ -118,3 +118,14 @@ def test_frozen_rows_plus_room_equal_the_full_digest():
     pads = [Keys(SECRET).pad(*i) for i in idents]
     b.write_rooms(slots, rooms)
     assert d.sign_rooms(slots, rooms, pads, idents) == d.sign(slots, idents, pads)
+
+
+def test_frozen_rows_of_a_large_step_equal_the_full_digest():
+    b = _filled(size=32)
+    d = RowDigest(b, Keys(SECRET))
+    d.freeze()
+    slots, rooms = list(range(3, 19)), [(1 << 63) + 977 * i for i in range(16)]  # vectorized path
+    idents = [(0, i) for i in range(16)]
+    pads = [Keys(SECRET).pad(*i) for i in idents]
+    b.write_rooms(slots, rooms)
+    assert d.sign_rooms(slots, rooms, pads, idents) == d.sign(slots, idents, pads)

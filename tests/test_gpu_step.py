@@ -157,3 +157,18 @@ def test_reused_slots_are_zeroed_before_they_are_granted_again(cfg_factory, tmp_
         print(fill, {k: res[k] for k in ("verified", "failure_reasons", "handoffs_per_s")},
               "gate waits", res["decode"]["decode"]["gate_waits"])
         assert (res["verified"], res["failed"], res["corrupted"]) == (3000, 0, 0), res["failure_reasons"]
+
+
+def test_steps_sealed_back_to_back_without_a_wait_each_keep_their_own_tags():
+    """The scheduler seals step after step without waiting (the transfer thread reads each
+    step's tags later): a bucket's pinned buffers are reused only once read."""
+    dev, host = _filled("cuda", size=8, kv_checksum_enabled=True), _filled("cpu", size=8, kv_checksum_enabled=True)
+    dd, hd = RowDigest(dev, Keys(SECRET)), RowDigest(host, Keys(SECRET))
+    dd.warm_seal(8)
+    got, want = [], []
+    for i in range(40):
+        slots, rooms, idents = [i % 8], [1000 + i], [(0, i)]
+        torch.cuda._sleep(1_000_000)  # the device runs behind the host
+        got.append(dd.seal(slots, rooms, _pads(idents), idents))
+        want.append(hd.seal(slots, rooms, _pads(idents), idents).result())
+    assert [s.result() for s in got] == want

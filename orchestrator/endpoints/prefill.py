@@ -136,6 +136,23 @@ class Step:
     started: bool = False  # the engine sends were submitted by the main thread already
     sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
     open: int = 0  # sends started and not finished
+    sealed: Any = None  # the step's digest.Sealed, until its tags and fingerprints are read
+
+    def take_seal(self) -> None:
+        """The tags (for statuses) and fingerprints (for records) of the step's rows. Device
+        rows: the transfer thread takes them before it starts the step's sends (the engine
+        would wait for the same device work before reading the rows)."""
+        if self.sealed is None:
+            return
+        tags, contents = self.sealed.result()
+        self.sealed = None
+        by_rid = {}
+        for req, tag, content in zip(self.reqs, tags, contents):
+            req.content = content
+            by_rid[req.rid] = tag
+        for _, transfers, _ in self.work:  # the tag travels in the status where rows have no kv_checksum
+            for t in transfers:
+                t.tag = by_rid[t.rid]
 
 
 class Sender(threading.Thread):
@@ -211,6 +228,7 @@ class Sender(threading.Thread):
             self.wake.close(0)
 
     def _start(self, step: Step, pending) -> None:
+        step.take_seal()  # tags before any status can go (a fault may send it at start)
         for link, transfers, sends in step.work:
             for send in sends:
                 if not step.started:
@@ -335,7 +353,7 @@ class PrefillEndpoint:
         self.spin = self.cfg.endpoints.poll.spins()
         self.sender = Sender(self.ctx, self.wake_addr, self._log_decisions, self.nap_s,
                              self.cfg.transport.max_inflight_sends, self.buffers.device, self.spin)
-        self.log.info("prefill_loop", poll="spin" if self.spin else "block")
+        self.log.info("prefill_loop", transfer_thread="spin" if self.spin else "block")
         self.sender.start()
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
@@ -568,22 +586,20 @@ class _Loop:
                     Transfer(req.rid, req.room, slot, req.dst_slot))
         work = [(link, transfers, link.router.sends(transfers)) for link, transfers in per_link.values()]
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
-        step = Step(reqs, work)
+        step = Step(reqs, work, sealed=sealed)
+        if sealed.ready:  # host rows: the tags are known now
+            step.take_seal()
         t_ready = _clock()
-        started = all(link.router.starts_in_caller for link, _, _ in work)
-        if started:
-            for link, _, sends in work:  # submitted here: the write starts before any thread hop
+        for req in reqs:
+            req.t_ready = t_ready
+        # Host rows: submitted here, the write starts before any thread hop. Device rows: the
+        # transfer thread submits, so the engine's wait for the step's device work is not
+        # the scheduler thread's (it fills the next step meanwhile).
+        if not ep.engine_orders_writes and all(link.router.starts_in_caller for link, _, _ in work):
+            for link, _, sends in work:
                 for send in sends:
                     link.router.start(send)
             step.started = True
-        tags, contents = sealed.result()  # its work ran before the engine's read: no wait left
-        by_rid = {}
-        for req, tag, content in zip(reqs, tags, contents):
-            req.content, req.t_ready = content, t_ready
-            by_rid[req.rid] = tag
-        for _, transfers, _ in work:  # the tag travels in the status where the row has no kv_checksum
-            for t in transfers:
-                t.tag = by_rid[t.rid]
         ep.sender.submit(step)
 
     def sent(self, step: Step) -> None:
@@ -759,7 +775,7 @@ class _Loop:
         return out == 0 or out + step <= ep.cfg.transport.max_inflight_blocks
 
     def wait_ms(self, now: float, t0: float) -> int:
-        if self.ep.spin or self.can_form():
+        if self.can_form():
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
             return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
