@@ -24,7 +24,7 @@ from enum import Enum
 from typing import Any, Mapping, Optional, Sequence
 
 from .config import ConfigError, MemPoolType, OrchestratorConfig
-from .plan import ALLOC_CONF_VARS, Plan, Platform, Route, expandable_segments, make_plan
+from .plan import ALLOC_CONF_VARS, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
 from .serving import (POOL_VAR, PROTOCOL_VAR, SAMPLING_MASK_VAR, SEND_AUX_TCP_VAR, SGLANG_POOLS,
                       TIMEOUT_VAR, profile_from_env, sglang_bool)
 
@@ -335,8 +335,10 @@ def transport_source(env: Mapping[str, str]) -> str:
         return "MC_FORCE_TCP is set"
     if "MC_INTRANODE_NVLINK" in env:
         return "MC_INTRANODE_NVLINK is set"
-    return ("neither MC_FORCE_TCP nor MC_INTRANODE_NVLINK is set: RDMA where the node has an HCA, "
-            "TCP where it has none")
+    return "neither MC_FORCE_TCP nor MC_INTRANODE_NVLINK is set"
+
+
+RDMA_OR_TCP = "RDMA where the node has an HCA, else TCP"
 
 
 def _transport_var(env: Mapping[str, str]) -> str:
@@ -470,12 +472,13 @@ def _plan_traps(reading: Reading, wheel: Wheel) -> list[Finding]:
     cuda_buffers = pool == MemPoolType.INTRA_NODE_NVLINK.value
     engine = plan is not None and plan.route is Route.engine
     if cuda_buffers and transport != "nvlink_intra" and not (plan is not None and plan.route is Route.tcp):
-        came_up = "TCP" if transport == "tcp" else "RDMA (or TCP on a node without an HCA)"
+        came_up = "TCP (MC_FORCE_TCP is set)" if transport == "tcp" else f"{RDMA_OR_TCP}"
         out.append(Finding(Level.FAIL, "MC_INTRANODE_NVLINK",
                            f"not set, while {POOL_VAR}=INTRA_NODE_NVLINK: SGLang puts the aux buffers "
-                           f"on the GPU but Mooncake comes up on {came_up} ({transport_source(env)}); "
-                           "the 'engine tcp, cuda->cuda' rows of BENCHMARKS.md measure that shape, "
-                           "slower than nvlink_intra. Fix: export MC_INTRANODE_NVLINK=1"
+                           f"on the GPU but Mooncake comes up on {came_up}; BENCHMARKS.md measures "
+                           "the TCP case as 'engine tcp, cuda->cuda' (2x H200 at a97ce90: one-in-flight "
+                           "handoff p50 1295 us, against 869 us over nvlink_intra). Fix: export "
+                           "MC_INTRANODE_NVLINK=1"
                            + (" and unset MC_FORCE_TCP" if "MC_FORCE_TCP" in env else "") + "."))
     if transport == "nvlink_intra" and "MC_FORCE_TCP" not in env and cuda_buffers:
         if wheel.nvlink_intra is False:
@@ -529,7 +532,10 @@ def _describe(plan: Plan, env: Mapping[str, str]) -> str:
         return text + ": ZMQ AUX_DATA frames, no Mooncake batch write for aux"
     timeout = plan.mc_env.get(TIMEOUT_VAR)
     origin = "" if TIMEOUT_VAR in env else ", Mooncake's default"
-    return (text + f", Mooncake transport {plan.engine_transport.value} ({transport_source(env)}), "
+    source = transport_source(env)
+    if plan.engine_transport is EngineTransport.rdma:
+        source += f": {RDMA_OR_TCP}"
+    return (text + f", Mooncake transport {plan.engine_transport.value} ({source}), "
             f"a write to a stopped peer gives up after {timeout} s{origin}")
 
 
@@ -581,7 +587,7 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
         out.append(Finding(Level.FAIL, _transport_var(ea) if "MC_FORCE_TCP" in ea or "MC_INTRANODE_NVLINK" in ea
                            else _transport_var(eb),
                            f"the two sides bring up different Mooncake transports (prefill {ta}: "
-                           f"{transport_source(ea)}; decode {tb}: {transport_source(eb)}): a batch "
+                           f"{transport_source(ea)}; decode {tb}: {transport_source(eb)}); a batch "
                            "write needs the same transport on both ends; set the same MC_* variables "
                            "on both."))
     if sglang_bool(ea.get(SEND_AUX_TCP_VAR)) != sglang_bool(eb.get(SEND_AUX_TCP_VAR)):

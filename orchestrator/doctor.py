@@ -654,7 +654,15 @@ def run_implied(readings, extra: Sequence[str]) -> int:
 def env_main(args) -> int:
     from .deployment import Level
 
+    from .serving import profile_from_env
+
     extra = list(args.overrides)
+    implied = set(profile_from_env({}))
+    for item in extra:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key in implied:
+            error_exit(f"{item}: {key} is what the environment decides (the implied profile sets "
+                       f"it); change the environment instead, or drop --env-file/--manifest")
     readings, skipped, crossed = env_report(args.env_file, args.manifest, extra)
     if args.json:
         print(json.dumps(env_json(readings, skipped, crossed, extra), indent=2))

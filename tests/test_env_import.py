@@ -222,7 +222,7 @@ TRAPS = {
         CUDA13, [(Level.FAIL, "MC_INTRANODE_NVLINK", "prefill", "Mooncake comes up on TCP"),
                  (Level.FAIL, "MC_INTRANODE_NVLINK", "decode", "export MC_INTRANODE_NVLINK=1")]),
     "intra_pool_nothing_set": ({POOL: "INTRA_NODE_NVLINK"}, {POOL: "INTRA_NODE_NVLINK"}, CUDA13, [
-        (Level.FAIL, "MC_INTRANODE_NVLINK", "prefill", "RDMA (or TCP")]),
+        (Level.FAIL, "MC_INTRANODE_NVLINK", "prefill", "RDMA where the node has an HCA, else TCP")]),
     "expandable_segments": (
         {**NVL, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
         {**NVL, "PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:true"}, CUDA13, [
@@ -395,6 +395,13 @@ def test_cli_unreadable_input_is_one_line_exit_2(args, stdin, needle, tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+
+
+def test_cli_refuses_overrides_the_environment_decides(tmp_path):
+    path = tmp_path / "x.env"
+    path.write_text("MC_FORCE_TCP=1\n")
+    proc = doctor("--env-file", str(path), "mem_pool=NVLINK")
+    assert proc.returncode == 2 and "mem_pool is what the environment decides" in proc.stderr
 
 
 def test_cli_run_refuses_after_a_fail(tmp_path):
