@@ -424,3 +424,24 @@ def test_cli_run_runs_the_implied_profile_here(tmp_path):
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["verified"] == 20 and results["exit_code"] == 0
     assert results["plan"]["declared_transport"] == "mooncake-tcp"
+
+
+@pytest.mark.parametrize("doc,command", [
+    ("README.md", "$ python -m orchestrator.doctor --env-file docs/examples/prefill.env "
+                  "--env-file docs/examples/decode.env"),
+    ("docs/preflight.md", "$ python -m orchestrator.doctor --manifest docs/examples/pd-one-pod.yaml"),
+])
+def test_documented_examples_are_what_the_doctor_prints(doc, command):
+    """The examples in the README and docs/preflight.md, run again: same output, same exit."""
+    from orchestrator.platform import mooncake_distribution
+
+    dist = mooncake_distribution()
+    if dist is None or " ".join(dist) != "mooncake-transfer-engine-non-cuda 0.3.13.post1":
+        pytest.skip("the examples were captured with mooncake-transfer-engine-non-cuda 0.3.13.post1")
+    text = (ROOT / doc).read_text()
+    block = text[text.index(command) + len(command) + 1:]
+    block = block[:block.index("\n```")]
+    expected, exit_line = block.rsplit("\n", 1)
+    proc = doctor(*command.split()[4:])
+    assert proc.stdout.rstrip("\n") == expected
+    assert exit_line == f"(exit {proc.returncode})"
