@@ -379,7 +379,7 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
                                                 f"{exc.value!r} as a timeout."))
         return reading
     reading.overrides = overrides
-    out += _variable_traps(env)
+    out += _variable_traps(env, {name for name, _ in environment.unknown})
     try:
         cfg = load(list(extra) + reading.profile)
     except ProfileError as exc:
@@ -403,11 +403,12 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
     return reading
 
 
-def _variable_traps(env: Mapping[str, str]) -> list[Finding]:
-    """Traps read off single variables, whatever the plan."""
+def _variable_traps(env: Mapping[str, str], unknown: set[str]) -> list[Finding]:
+    """Traps read off single variables, whatever the plan (`unknown`: names whose value the
+    input does not give)."""
     out: list[Finding] = []
-    for var in sorted(k for k in env if k.startswith("MC_")):
-        if env[var].strip().lower() in OFF_LOOKING and env[var] != "":
+    for var in sorted(k for k in env if k.startswith("MC_") and k not in unknown):
+        if env[var].strip().lower() in OFF_LOOKING | {""}:
             out.append(Finding(Level.WARN, var, f"{env[var]!r} still turns it ON: Mooncake tests MC_* "
                                                 f"variables for presence only; `unset {var}` (remove "
                                                 "it from the env) to turn it off, set it to 1 if on "

@@ -595,6 +595,10 @@ def env_text(readings, skipped, crossed, extra: Sequence[str]) -> str:
         lines += [f.line() for f in r.findings]
     for e in skipped:
         lines.append(f"== {e.label}: skipped (no SGLang or Mooncake variable, no sglang in its command)")
+    if len(readings) > 2 and not crossed:
+        lines.append(f"== {len(readings)} environments, none of them named prefill or decode: not "
+                     "compared (give `--disaggregation-mode` in the command, or put prefill / decode "
+                     "in the container or file names)")
     for a, b, findings in crossed:
         lines.append(f"== prefill {_title(a)} <-> decode {_title(b)}")
         lines += [f.line() for f in findings]

@@ -333,6 +333,12 @@ def test_canonical_env_has_no_trap():
     assert "buffers on cuda, route engine" in dep.plan_line(readings[0])
 
 
+def test_an_empty_mc_value_is_still_set():
+    reading = dep.judge(dep.Environment("x", {"MC_FORCE_TCP": ""}), CUDA13, load_profile)
+    assert reading.transport == "tcp"
+    assert [(f.level, f.variable) for f in reading.findings] == [(Level.WARN, "MC_FORCE_TCP")]
+
+
 def test_bad_timeout_is_a_fail_naming_the_variable():
     reading = dep.judge(dep.Environment("x", {"MC_TCP_PROGRESS_TIMEOUT_SEC": "soon"}), CUDA13, load_profile)
     assert reading.plan is None
