@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from .config import ConfigError, MemPoolType, OrchestratorConfig
 from .plan import ALLOC_CONF_VARS, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
+from .profile import ProfileError
+from .rules import check_profile
 from .serving import (POOL_VAR, PROTOCOL_VAR, SAMPLING_MASK_VAR, SEND_AUX_TCP_VAR, SGLANG_POOLS,
                       TIMEOUT_VAR, profile_from_env, sglang_bool)
 
@@ -353,8 +355,6 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
     """Read one environment: its implied profile, the plan the rule book makes of it, and
     each trap. `load(overrides)` composes and validates a profile (profile.load_profile);
     `extra` are overrides the user adds (e.g. experiment=...), applied first."""
-    from .profile import ProfileError
-
     env = environment.env
     reading = Reading(environment)
     out = reading.findings
@@ -387,8 +387,6 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
         out.append(Finding(Level.FAIL, "profile", f"the implied profile cannot be composed: {exc}"))
         return reading
     reading.cfg = cfg
-    from .rules import check_profile
-
     platform = deployment_platform(env, cfg)
     try:
         reading.plan = check_profile(cfg, platform)

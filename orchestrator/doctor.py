@@ -667,6 +667,11 @@ def env_main(args) -> int:
         if key in implied:
             error_exit(f"{item}: {key} is what the environment decides (the implied profile sets "
                        f"it); change the environment instead, or drop --env-file/--manifest")
+    if extra:
+        try:
+            load_profile(extra)
+        except ProfileError as exc:
+            error_exit(str(exc))
     readings, skipped, crossed = env_report(args.env_file, args.manifest, extra)
     if args.json:
         print(json.dumps(env_json(readings, skipped, crossed, extra), indent=2))

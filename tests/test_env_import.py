@@ -392,11 +392,14 @@ def test_cli_manifest_names_the_installed_wheel(tmp_path):
     (["--manifest", "{manifest}"], None, "not valid YAML"),
     (["--env-file", "{dotenv}"], None, "expected NAME=VALUE"),
     (["--run"], None, "--run needs --env-file"),
+    (["--env-file", "{good}", "buffers.size=0"], None, "buffers.size=0"),
 ])
 def test_cli_unreadable_input_is_one_line_exit_2(args, stdin, needle, tmp_path):
     (tmp_path / "bad.yaml").write_text("spec: [\n")
     (tmp_path / "bad.env").write_text("not a line\n")
-    args = [a.format(manifest=tmp_path / "bad.yaml", dotenv=tmp_path / "bad.env") for a in args]
+    (tmp_path / "good.env").write_text("MC_FORCE_TCP=1\n")
+    args = [a.format(manifest=tmp_path / "bad.yaml", dotenv=tmp_path / "bad.env",
+                     good=tmp_path / "good.env") for a in args]
     proc = doctor(*args, stdin=stdin)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
