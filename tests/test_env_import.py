@@ -448,6 +448,9 @@ def test_documented_examples_are_what_the_doctor_prints(doc, command):
     if dist is None or " ".join(dist) != "mooncake-transfer-engine-non-cuda 0.3.13.post1":
         pytest.skip("the examples were captured with mooncake-transfer-engine-non-cuda 0.3.13.post1")
     text = (ROOT / doc).read_text()
+    for name in ("prefill.env", "decode.env", "pd-one-pod.yaml"):  # the inputs, as shown
+        if name in command:
+            assert (ROOT / "docs" / "examples" / name).read_text() in text
     block = text[text.index(command) + len(command) + 1:]
     block = block[:block.index("\n```")]
     expected, exit_line = block.rsplit("\n", 1)
