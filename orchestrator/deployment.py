@@ -184,11 +184,19 @@ def _dig(doc: Any, path: Sequence[str]) -> Any:
     return doc
 
 
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _map(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _documents(docs: Sequence[Any]) -> list[dict]:
     out: list[dict] = []
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == "List":
-            out += _documents(doc.get("items") or [])
+            out += _documents(_list(doc.get("items")))
         elif isinstance(doc, dict):
             out.append(doc)
     return out
@@ -208,7 +216,7 @@ def parse_manifest(text: str, source: str) -> list[Environment]:
         at = f":{where.line + 1}" if where is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{source}{at}: not valid YAML ({problem})") from None
-    config_maps = {_dig(d, ("metadata", "name")): d.get("data") or {}
+    config_maps = {_dig(d, ("metadata", "name")): _map(d.get("data"))
                    for d in docs if d.get("kind") == "ConfigMap"}
     out: list[Environment] = []
     for doc in docs:
@@ -223,10 +231,10 @@ def parse_manifest(text: str, source: str) -> list[Environment]:
             pod_name = name
             if doc["kind"] == "LeaderWorkerSet":
                 pod_name += " (leader)" if "leaderTemplate" in path else " (worker)"
-            selector = spec.get("nodeSelector") or {}
+            selector = _map(spec.get("nodeSelector"))
             pod = Pod(pod_name, bool(spec.get("hostPID")), bool(spec.get("shareProcessNamespace")),
                       spec.get("nodeName") or selector.get("kubernetes.io/hostname"))
-            for container in spec.get("containers") or []:
+            for container in _list(spec.get("containers")):
                 if isinstance(container, dict):
                     out.append(_container(container, pod, config_maps, source))
     if not out:
@@ -239,19 +247,19 @@ def _container(c: dict, pod: Pod, config_maps: Mapping[Any, dict], source: str) 
     env: dict[str, str] = {}
     unknown: list[tuple[str, str]] = []
     cname = c.get("name") or "?"
-    for item in c.get("envFrom") or []:  # first, as Kubernetes does; env: entries win
+    for item in _list(c.get("envFrom")):  # first, as Kubernetes does; env: entries win
         if not isinstance(item, dict):
             continue
-        prefix = item.get("prefix") or ""
+        prefix = str(item.get("prefix") or "")
         if "configMapRef" in item:
-            ref = (item.get("configMapRef") or {}).get("name")
+            ref = _map(item.get("configMapRef")).get("name")
             if ref in config_maps:
                 env.update({prefix + str(k): str(v) for k, v in config_maps[ref].items()})
                 continue
             unknown.append((f"{prefix}*", f"envFrom configMapRef {ref} (not in {source})"))
         elif "secretRef" in item:
-            unknown.append((f"{prefix}*", f"envFrom secretRef {(item.get('secretRef') or {}).get('name')}"))
-    for item in c.get("env") or []:
+            unknown.append((f"{prefix}*", f"envFrom secretRef {_map(item.get('secretRef')).get('name')}"))
+    for item in _list(c.get("env")):
         if not isinstance(item, dict) or "name" not in item:
             continue
         var = str(item["name"])
@@ -259,20 +267,20 @@ def _container(c: dict, pod: Pod, config_maps: Mapping[Any, dict], source: str) 
             value = item.get("value")
             env[var] = "" if value is None else str(value)
             continue
-        value_from = item.get("valueFrom") or {}
-        ref = value_from.get("configMapKeyRef") or {}
+        value_from = _map(item.get("valueFrom"))
+        ref = _map(value_from.get("configMapKeyRef"))
         data = config_maps.get(ref.get("name"))
         if ref and data is not None and ref.get("key") in data:
             env[var] = str(data[ref["key"]])
             continue
         kind = next(iter(value_from), "valueFrom")
-        what = value_from.get(kind) or {}
+        what = _map(value_from.get(kind))
         detail = ", ".join(str(what[k]) for k in ("name", "key", "fieldPath", "resource") if k in what)
         unknown.append((var, f"valueFrom {kind}" + (f" {detail}" if detail else "")))
         env.pop(var, None)
         if var.startswith("MC_"):
             env[var] = ""  # Mooncake tests MC_* for presence: set, whatever the value
-    args = tuple(str(a) for a in (c.get("command") or []) + (c.get("args") or []))
+    args = tuple(str(a) for a in _list(c.get("command")) + _list(c.get("args")))
     role = _mode_arg(args) or _role_of(cname, pod.name)
     return Environment(f"{pod.name} container {cname}", env, tuple(unknown), role, pod, args)
 
