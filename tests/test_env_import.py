@@ -4,6 +4,7 @@ decode) and `python -m orchestrator.doctor --env-file / --manifest / --run`. All
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -65,9 +66,9 @@ def test_round_trip_every_combination_the_rule_book_allows(name, platform):
     allowed = 0
     for pool, route, transport, fallback in itertools.product(
             MemPoolType, RouteSetting, EngineTransportSetting, FallbackPolicy):
-        cfg = _cfg(f"mem_pool={pool.value}", f"transport.route={route.value}",
-                   f"transport.mooncake.transport={transport.value}",
-                   f"transport.fallback={fallback.value}")
+        cfg = copy.deepcopy(_cfg())  # the four keys set directly: composing 96 profiles is slow
+        cfg.mem_pool.type, cfg.transport.route, cfg.transport.fallback = pool, route, fallback
+        cfg.transport.mooncake.transport = transport
         try:
             plan = check_profile(cfg, platform)
         except ConfigError:
@@ -239,6 +240,18 @@ TRAPS = {
         (Level.FAIL, POOL, "pair", "differs")]),
     "transports_disagree": ({"MC_FORCE_TCP": "1"}, {}, CUDA13, [
         (Level.FAIL, "MC_FORCE_TCP", "pair", "different Mooncake transports")]),
+    "pool_unknown_to_sglang": ({POOL: "intra_node_nvlink"}, {POOL: "intra_node_nvlink"}, CUDA13, [
+        (Level.WARN, POOL, "prefill", "case-sensitive")]),
+    "protocol_is_not_the_transport": (
+        {"MOONCAKE_PROTOCOL": "nvlink_intra", "MC_FORCE_TCP": "1"}, {"MC_FORCE_TCP": "1"}, CUDA13, [
+            (Level.WARN, "MOONCAKE_PROTOCOL", "prefill", "does not choose the transport")]),
+    "multi_node_nvlink": ({"MC_FORCE_MNNVL": "1"}, {"MC_FORCE_MNNVL": "1", "MC_FORCE_TCP": "1"}, CUDA13, [
+        (Level.FAIL, "MC_FORCE_MNNVL", "prefill", "-DUSE_MNNVL=ON"),
+        (Level.WARN, "MC_FORCE_MNNVL", "decode", "ignored (MC_FORCE_TCP is tested first)")]),
+    "sampling_mask_max_tokens": ({"SGLANG_DISAGGREGATION_SAMPLING_MASK_MAX_TOKENS": "256"}, {}, CUDA13, [
+        (Level.FAIL, "SGLANG_DISAGGREGATION_SAMPLING_MASK_MAX_TOKENS", "prefill", "refuses to start")]),
+    "bad_timeout": ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "5s"}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}, CUDA13, [
+        (Level.FAIL, "MC_TCP_PROGRESS_TIMEOUT_SEC", "prefill", "whole number of seconds")]),
 }
 
 
@@ -421,6 +434,7 @@ def test_cli_run_refuses_after_a_fail(tmp_path):
     assert "$ python -m orchestrator" not in proc.stdout
 
 
+@pytest.mark.integration
 def test_cli_run_runs_the_implied_profile_here(tmp_path):
     """A host-buffer deployment over Mooncake's TCP transport, run for real on this box."""
     path = tmp_path / "x.env"
