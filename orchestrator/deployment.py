@@ -479,15 +479,17 @@ def _plan_traps(reading: Reading, wheel: Wheel) -> list[Finding]:
     cuda_buffers = pool == MemPoolType.INTRA_NODE_NVLINK.value
     engine = plan is not None and plan.route is Route.engine
     if cuda_buffers and transport != "nvlink_intra" and not (plan is not None and plan.route is Route.tcp):
-        came_up = "TCP (MC_FORCE_TCP is set)" if transport == "tcp" else f"{RDMA_OR_TCP}"
+        came_up = "TCP (MC_FORCE_TCP is set)" if transport == "tcp" else RDMA_OR_TCP
+        state = ("set, but MC_FORCE_TCP is tested first" if "MC_INTRANODE_NVLINK" in env
+                 else "not set")
+        fix = ("unset MC_FORCE_TCP" if "MC_INTRANODE_NVLINK" in env else "export MC_INTRANODE_NVLINK=1"
+               + (" and unset MC_FORCE_TCP" if "MC_FORCE_TCP" in env else ""))
         out.append(Finding(Level.FAIL, "MC_INTRANODE_NVLINK",
-                           f"not set, while {POOL_VAR}=INTRA_NODE_NVLINK: SGLang puts the aux buffers "
+                           f"{state}, while {POOL_VAR}=INTRA_NODE_NVLINK: SGLang puts the aux buffers "
                            f"on the GPU but Mooncake comes up on {came_up}; BENCHMARKS.md measures "
                            "the TCP case as 'engine tcp, cuda->cuda' (2x H200 at a97ce90: one-in-flight "
-                           "handoff p50 1295 us, against 869 us over nvlink_intra). Fix: export "
-                           "MC_INTRANODE_NVLINK=1"
-                           + (" and unset MC_FORCE_TCP" if "MC_FORCE_TCP" in env else "") + "."))
-    if transport == "nvlink_intra" and "MC_FORCE_TCP" not in env and cuda_buffers:
+                           "handoff p50 1295 us, against 869 us over nvlink_intra). Fix: " + fix + "."))
+    if transport == "nvlink_intra" and cuda_buffers:
         if wheel.nvlink_intra is False:
             out.append(Finding(Level.WARN, "mooncake wheel",
                                f"the wheel installed where this doctor runs, {wheel.name}, is built "
