@@ -12,6 +12,13 @@ Every check is a small function returning a :class:`Check`; the ones that judge 
 they judge as arguments (an env mapping, a probe result, a bind function), so each status is
 unit-testable without the machine. The ``probe_*`` functions are the only ones that look at
 the machine.
+
+``--env-file FILE`` (a dotenv file; ``-``: ``env`` output on stdin) and ``--manifest FILE.yaml``
+(a Kubernetes manifest), each repeatable, judge a deployment's environment instead: the
+profile it implies, the plan SGLang and Mooncake would run with it, each trap, and a prefill
+against a decode (:mod:`orchestrator.deployment` does the reading and judging; this is the
+command line). ``--run`` then runs the implied profile here. Exit codes as above; 2 also for
+input that cannot be read (one ``error: ...`` line).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from .config import ConfigError, MemPoolType, OrchestratorConfig
-from .plan import Device, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
+from .plan import (ALLOC_CONF_VARS, Device, EngineTransport, Plan, Platform, Route, expandable_segments,
+                   make_plan)
 from .profile import ProfileError, error_exit, load_profile, overrides_dict, profile_label
 from .rules import check_profile
 from .transport.ports import port_is_free, rpc_port_range
@@ -517,6 +525,168 @@ def check_layouts(cfg: OrchestratorConfig, peer: OrchestratorConfig, peer_label:
                  "between them is refused at bootstrap, and SGLang would corrupt memory silently")
 
 
+# ---------------------------------------------------------------------------------------------
+# A deployment's environment (--env-file / --manifest)
+
+
+def _read_inputs(env_files: Sequence[str], manifests: Sequence[str]):
+    from . import deployment as dep
+
+    environments = []
+    try:
+        for name in env_files:
+            if name == "-":
+                environments.append(dep.env_file_environment(dep.parse_env_output(sys.stdin.read()),
+                                                             "stdin (env output)"))
+            else:
+                text = Path(name).read_text()
+                environments.append(dep.env_file_environment(dep.parse_dotenv(text, name), name))
+        for name in manifests:
+            found = dep.parse_manifest(Path(name).read_text(), name)
+            if not any(dep.serving(e) for e in found):
+                raise dep.InputError(f"{name}: no container runs SGLang or sets an SGLang / Mooncake "
+                                     f"variable ({len(found)} container(s) looked at)")
+            environments += found
+    except OSError as exc:
+        error_exit(f"{exc.filename}: {exc.strerror}")
+    except UnicodeDecodeError as exc:
+        error_exit(f"not a text file ({exc.reason})")
+    except dep.InputError as exc:
+        error_exit(str(exc))
+    return environments
+
+
+def _wheel():
+    from .deployment import Wheel
+
+    probe = probe_mooncake()
+    name = " ".join(probe.distribution) if probe.distribution else "no known Mooncake wheel"
+    # a build without CUDA has no nvlink_intra, whatever its engine .so says
+    return Wheel(name, probe.intra_nvlink_built if probe.cuda_build else False)
+
+
+def env_report(env_files: Sequence[str], manifests: Sequence[str], extra: Sequence[str]):
+    from . import deployment as dep
+
+    environments = _read_inputs(env_files, manifests)
+    wheel = _wheel()
+    readings, skipped = [], []
+    for e in environments:
+        if dep.serving(e):
+            readings.append(dep.judge(e, wheel, load_profile, extra))
+        else:
+            skipped.append(e)
+    crossed = [(a, b, dep.cross_check(a, b)) for a, b in dep.pairs(readings)]
+    return readings, skipped, crossed
+
+
+def _title(reading) -> str:
+    role = reading.environment.role
+    return reading.environment.label + (f" ({role.value})" if role else "")
+
+
+def env_text(readings, skipped, crossed, extra: Sequence[str]) -> str:
+    lines = []
+    for r in readings:
+        lines.append(f"== {_title(r)}")
+        if r.overrides is not None:
+            lines.append(f"profile: python -m orchestrator {shlex.join([*extra, *r.profile])}")
+        lines.append(f"plan:    {plan_text(r)}")
+        lines += [f.line() for f in r.findings]
+    for e in skipped:
+        lines.append(f"== {e.label}: skipped (no SGLang or Mooncake variable, no sglang in its command)")
+    if len(readings) > 2 and not crossed:
+        lines.append(f"== {len(readings)} environments, none of them named prefill or decode: not "
+                     "compared (give `--disaggregation-mode` in the command, or put prefill / decode "
+                     "in the container or file names)")
+    for a, b, findings in crossed:
+        lines.append(f"== prefill {_title(a)} <-> decode {_title(b)}")
+        lines += [f.line() for f in findings]
+    every = [f for r in readings for f in r.findings] + [f for _, _, fs in crossed for f in fs]
+    fails = sum(f.level.value == "FAIL" for f in every)
+    warns = sum(f.level.value == "WARN" for f in every)
+    verdict = "would not run as meant" if fails else "no FAIL"
+    lines.append(f"=> {len(readings)} environment(s), {len(crossed)} prefill/decode pair(s): "
+                 f"{fails} FAIL, {warns} WARN: {verdict}")
+    return "\n".join(lines)
+
+
+def plan_text(reading) -> str:
+    from .deployment import plan_line
+
+    return plan_line(reading)
+
+
+def env_json(readings, skipped, crossed, extra: Sequence[str]) -> dict:
+    def one(r):
+        return {"label": r.environment.label,
+                "role": r.environment.role.value if r.environment.role else None,
+                "profile": [*extra, *r.profile] if r.overrides is not None else None,
+                "plan": r.plan.as_dict() if r.plan else None, "refusal": r.refusal,
+                "unknown": [{"name": n, "from": w} for n, w in r.environment.unknown],
+                "findings": [f.as_dict() for f in r.findings]}
+
+    pairs = [{"prefill": a.environment.label, "decode": b.environment.label,
+              "findings": [f.as_dict() for f in fs]} for a, b, fs in crossed]
+    every = [f for r in readings for f in r.findings] + [f for _, _, fs in crossed for f in fs]
+    return {"ok": not any(f.level.value == "FAIL" for f in every),
+            "environments": [one(r) for r in readings], "pairs": pairs,
+            "skipped": [e.label for e in skipped]}
+
+
+def run_implied(readings, extra: Sequence[str]) -> int:
+    """python -m orchestrator with the implied profile, here; its exit code."""
+    profiles = {tuple([*extra, *r.profile]) for r in readings}
+    if len(profiles) != 1:
+        error_exit("--run: the environments imply different profiles ("
+                   + " | ".join(shlex.join(p) for p in sorted(profiles))
+                   + "); pass the one to run")
+    (profile,) = profiles
+    child = dict(os.environ)
+    for var in ALLOC_CONF_VARS:  # the deployment's allocator settings, as the rule book saw them
+        child.pop(var, None)
+        value = readings[0].environment.env.get(var)
+        if value is not None:
+            child[var] = value
+    print(f"$ python -m orchestrator {shlex.join(profile)}", flush=True)
+    try:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *profile], env=child).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+def env_main(args) -> int:
+    from .deployment import Level
+
+    from .serving import profile_from_env
+
+    extra = list(args.overrides)
+    implied = set(profile_from_env({}))
+    for item in extra:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key in implied:
+            error_exit(f"{item}: {key} is what the environment decides (the implied profile sets "
+                       f"it); change the environment instead, or drop --env-file/--manifest")
+    if extra:
+        try:
+            load_profile(extra)
+        except ProfileError as exc:
+            error_exit(str(exc))
+    readings, skipped, crossed = env_report(args.env_file, args.manifest, extra)
+    if args.json:
+        print(json.dumps(env_json(readings, skipped, crossed, extra), indent=2))
+    else:
+        print(env_text(readings, skipped, crossed, extra), flush=True)
+    failed = any(f.level is Level.FAIL for r in readings for f in r.findings) or any(
+        f.level is Level.FAIL for _, _, fs in crossed for f in fs)
+    if not args.run:
+        return 1 if failed else 0
+    if failed:
+        print("not run: fix the FAILs above first", file=sys.stderr, flush=True)
+        return 1
+    return run_implied(readings, extra)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.doctor",
@@ -528,7 +698,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--peer", metavar="OVERRIDES", default=None,
                         help="the other side's profile, one quoted string (e.g. --peer "
                              "'layout=sglang_pre_0_5_23'): its aux layout must match this one's")
+    parser.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                        help="judge a deployment's env: a dotenv file, or - for `env` output on "
+                             "stdin (twice: a prefill's and a decode's); overrides are added first")
+    parser.add_argument("--manifest", action="append", default=[], metavar="FILE.yaml",
+                        help="judge every container's env: list of a Kubernetes manifest (Pod, "
+                             "Deployment, StatefulSet, LeaderWorkerSet, ...)")
+    parser.add_argument("--run", action="store_true",
+                        help="with --env-file/--manifest: then run the implied profile here")
     args = parser.parse_args(argv)
+    if args.env_file or args.manifest:
+        if args.peer is not None:
+            error_exit("--peer compares two profiles; with --env-file/--manifest give both sides' "
+                       "environments instead")
+        return env_main(args)
+    if args.run:
+        error_exit("--run needs --env-file or --manifest (it runs the profile they imply)")
     try:
         cfg = load_profile(args.overrides)
         peer = load_profile(shlex.split(args.peer)) if args.peer is not None else None
