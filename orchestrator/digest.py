@@ -127,6 +127,23 @@ class Sealed:
         return self._tags, self._contents
 
 
+RING = 4  # graph instances per bucket: the scheduler may run that many steps ahead of the device
+
+
+class _Ring:
+    """Instances of one captured graph, used in turn, so that a step rarely has to wait for
+    the device to finish an earlier step before it can reuse pinned buffers."""
+
+    __slots__ = ("items", "i")
+
+    def __init__(self, items: list):
+        self.items, self.i = items, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
 class _Slot:
     """One captured graph's pinned buffers are rewritten only after its last replay ran and
     what it returned was read (normally long before: this does not block)."""
@@ -317,8 +334,9 @@ class RowDigest:
         sizes = buckets(min(max_batch, b.size))
         for k in sizes:
             for staged in ([False, True] if rows is not None else [False]):
-                self._seal[(k, staged)] = self._capture_seal(k, rows if staged else None)
-            self._write[k] = self._capture_write(k)
+                self._seal[(k, staged)] = _Ring([self._capture_seal(k, rows if staged else None)
+                                                 for _ in range(RING)])
+            self._write[k] = _Ring([self._capture_write(k) for _ in range(RING)])
         self._seal_sizes = sizes
 
     def _capture_write(self, k: int) -> tuple:
@@ -399,7 +417,7 @@ class RowDigest:
                 return Sealed(tags, contents)
             k = len(slots)
             kb = bucket_of(k, self._seal_sizes)
-            graph, inp, slot = self._write[kb]
+            graph, inp, slot = self._write[kb].next()
             slot.reuse()
             m = 3 if b.checksum_field is not None else 1
             pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
@@ -427,7 +445,7 @@ class RowDigest:
             return Sealed(tags, contents)
         k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
-        graph, inp, out, packed, slot = self._seal[(kb, rows is not None)]
+        graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()
         slot.reuse()
         inp[0, :k] = slots
         inp[1, :k] = b.words_at(b.room_field, slots)

@@ -592,10 +592,11 @@ class _Loop:
         t_ready = _clock()
         for req in reqs:
             req.t_ready = t_ready
-        # Host rows: submitted here, the write starts before any thread hop. Device rows: the
-        # transfer thread submits, so the engine's wait for the step's device work is not
-        # the scheduler thread's (it fills the next step meanwhile).
-        if not ep.engine_orders_writes and all(link.router.starts_in_caller for link, _, _ in work):
+        # Rows sealed on the host side (host rows; fill=ahead, signed on the host): submitted
+        # here, the write starts before any thread hop. Rows still being sealed on the device:
+        # the transfer thread submits, so the engine's wait for that device work is not the
+        # scheduler thread's (it fills the next step meanwhile).
+        if step.sealed is None and all(link.router.starts_in_caller for link, _, _ in work):
             for link, _, sends in work:
                 for send in sends:
                     link.router.start(send)
