@@ -10,8 +10,10 @@ Needs Debian's etcd-server (`make cluster-deps`); `missing()` says so for a skip
 
 from __future__ import annotations
 
+import json
 import shutil
-import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ class Etcd:
     host: str
     port: int
     data_dir: Path
+    exec_prefix: tuple = ()
 
     @property
     def url(self) -> str:
@@ -61,7 +64,7 @@ class Etcd:
                 "--initial-cluster", f"pdaux=http://127.0.0.1:{peer}",
                 "--log-level", "info", "--logger", "zap"]
         daemon = Daemon.spawn(f"etcd {host}:{port}", argv, data / "etcd.log")
-        etcd = cls(daemon, host, port, data)
+        etcd = cls(daemon, host, port, data, tuple(exec_prefix))
         deadline = time.monotonic() + START_TIMEOUT_S
         while not etcd.healthy():
             if not daemon.alive() or time.monotonic() > deadline:
@@ -71,17 +74,26 @@ class Etcd:
         return etcd
 
     def healthy(self) -> bool:
-        """Its client port accepts and /health says true (checked from this namespace when it
-        runs here; from elsewhere, the log line that it serves)."""
-        if "serving insecure client requests" in self.daemon.tail(200) or \
-                "ready to serve client requests" in self.daemon.tail(200):
-            return True
-        try:
-            with socket.create_connection((self.host, self.port), timeout=1) as s:
-                s.sendall(f"GET /health HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
-                return b'"health":"true"' in s.recv(4096)
-        except OSError:
+        """It says it serves clients (its log) and answers a range request where it runs."""
+        if "serving client traffic" not in self.daemon.tail(400):
             return False
+        try:
+            return self.revision() >= 1
+        except RuntimeError:
+            return False
+
+    def revision(self) -> int:
+        """etcd's store revision (1 when fresh; every put or delete adds one), read through its
+        v3 HTTP gateway from where it runs (inside its namespace, if any)."""
+        body = json.dumps({"key": "AA==", "range_end": "AA==", "count_only": True})
+        code = ("import json,sys,urllib.request as u;"
+                f"r=u.urlopen(u.Request('http://{self.host}:{self.port}/v3/kv/range',"
+                f"data={body!r}.encode()),timeout=5);print(json.load(r)['header']['revision'])")
+        proc = subprocess.run([*self.exec_prefix, sys.executable, "-c", code], capture_output=True,
+                              text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"etcd range request failed: {proc.stderr.strip()[-300:]}")
+        return int(proc.stdout.strip())
 
     def stop(self) -> Optional[str]:
         return self.daemon.stop()
