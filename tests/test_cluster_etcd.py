@@ -152,7 +152,7 @@ def test_split_run_across_namespaces_through_etcd(pair, tmp_path):
 def test_etcd_stopped_mid_run_does_not_stop_the_transfers(pair, tmp_path):
     """Measured: Mooncake reads a peer's descriptor from etcd once, when it opens the segment;
     a running transfer does not go back to etcd. Both sides end as they would with etcd up."""
-    requests = 3000
+    requests = 2000
     etcd = etcd_in_decode_ns(pair, tmp_path)
     stopped = False
     try:
@@ -210,7 +210,6 @@ def test_etcd_gone_before_the_prefill_side_starts_is_bounded_exit_3(pair, tmp_pa
                                          ["workload.requests=100"], pair.exec_args(pair.prefill_ns, [])),
                                  cwd=ROOT, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         elapsed = time.monotonic() - t0
-        drc = decode.wait(60)
     finally:
         if locals().get("decode") is not None and decode.poll() is None:
             decode.kill()
@@ -223,5 +222,4 @@ def test_etcd_gone_before_the_prefill_side_starts_is_bounded_exit_3(pair, tmp_pa
     assert "reason=metadata server not answering: EtcdStoragePlugin: unable to set" in errors[0]
     p = results(tmp_path / "prefill")
     assert p["exit_code"] == 3 and p["verified"] == 0 and "mooncake initialize returned -1" in p["error"]
-    print(f"\n[etcd] gone before the prefill side: exit {prefill.returncode} in {elapsed:.1f} s, "
-          f"decode side exit {drc}\n{console}")
+    print(f"\n[etcd] gone before the prefill side: exit {prefill.returncode} in {elapsed:.1f} s\n{console}")

@@ -120,3 +120,16 @@ def test_metadata_failure_reason_from_the_engine_log():
                                       "mooncake/rpc_meta/127.0.0.1:34723 in 127.0.0.1:1: context deadline exceeded")
     assert _metadata_failure("listen: Address already in use") is None
     assert _metadata_failure("") is None
+
+
+def test_missing_packages_are_a_skip_reason(monkeypatch):
+    from tests.helpers import cluster, etcd
+
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster, "_which", lambda name: None if name in ("slurmd", "munged") else "/bin/true")
+    assert cluster.missing() == ("not installed: munged, slurmd (Debian: apt-get install slurm-wlm munge; "
+                                 "`make cluster-deps`)")
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    assert cluster.missing().startswith("the test cluster needs root")
+    monkeypatch.setattr(etcd, "etcd_binary", lambda: None)
+    assert etcd.missing().startswith("etcd is not installed")
