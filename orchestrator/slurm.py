@@ -54,7 +54,8 @@ def _get(node: Any, key: str) -> Any:
 
 def parse_sinfo(text: str) -> list[Node]:
     """Lines of `sinfo -h -N -o '%N|%P|%c|%m'` (a node in several partitions: one line each).
-    Memory `1` or non-numeric (not configured) counts as unknown (0: no check)."""
+    A memory that is not a number counts 0; 0 or 1 (RealMemory not configured: Slurm's
+    default is 1) is not checked."""
     nodes = []
     for line in text.splitlines():
         parts = line.strip().split("|")
@@ -107,7 +108,7 @@ def check_request(launcher: Any, nodes: list[Node]) -> Optional[str]:
     return None
 
 
-def sinfo_nodes(partition: Optional[str] = None) -> tuple[Optional[list[Node]], Optional[str]]:
+def sinfo_nodes() -> tuple[Optional[list[Node]], Optional[str]]:
     """(nodes, None), or (None, why not) when sinfo is not here or fails."""
     sinfo = shutil.which("sinfo")
     if sinfo is None:
