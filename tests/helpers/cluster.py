@@ -329,6 +329,8 @@ if __name__ == "__main__":
     try:
         print(f"cluster under {c.base}; SLURM_CONF={c.conf}")
         print(c.sinfo().stdout)
+        print("a shell on its login namespace (sbatch, sinfo, python -m orchestrator -m ...):\n"
+              f"  SLURM_CONF={c.conf} {' '.join(c.login_exec(['bash']))}")
         input("Enter stops it ")
     finally:
         print(c.stop() or "stopped")
