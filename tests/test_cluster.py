@@ -268,3 +268,39 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
     print(f"\n[cluster] scancel after {n} verified of {requests} ({reasons}), decode judged "
           f"{decode['verified']}: exit {proc.returncode}; prefill endpoint stopped within 1.2 s: "
           f"{stopped_in_time}\n{rep.stdout}")
+
+
+# ---- docs/slurm.md's heterogeneous job, without the launcher -----------------------------------
+def test_heterogeneous_job_script_as_documented(cluster, tmp_path, recipe_env):
+    """The page's pd-het.sbatch, with each component's --cpus-per-task=4 --mem=16G made
+    --cpus-per-task=2 --mem=1G (the test nodes' size), submitted with `sbatch`."""
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S) if "#SBATCH hetjob" in b]
+    assert len(blocks) == 1
+    text = blocks[0]
+    assert text.count("--cpus-per-task=4") == 2 and text.count("--mem=16G") == 2
+    script = tmp_path / "pd-het.sbatch"
+    script.write_text(text.replace("--cpus-per-task=4", "--cpus-per-task=2").replace("--mem=16G", "--mem=1G"))
+    run_dir = tmp_path / "het"
+    env = {**cluster.env, **recipe_env, "PYTHONPATH": str(ROOT), "PD_RUN_DIR": str(run_dir)}
+    sub = subprocess.run(cluster.login_exec(["sbatch", "--parsable", "-D", str(ROOT), "-o",
+                                             str(tmp_path / "het-%j.out"), str(script),
+                                             "workload.requests=200"]),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:  # both components ended (squeue keeps them MinJobAge=600 s)
+        states = {j: s for j, s in jobs(cluster).items() if j.startswith(f"{job}+")}
+        if len(states) == 2 and all(s[0] in ("CD", "F", "CA", "TO", "NF", "OOM") for s in states.values()):
+            break
+        assert time.monotonic() < deadline, states
+        time.sleep(0.5)
+    out = (tmp_path / f"het-{job}.out").read_text()
+    assert {j: s for j, s in states.items()} == {f"{job}+0": ("CD", "pdnode1"),
+                                                 f"{job}+1": ("CD", "pdnode2")}, (states, out)
+    assert "decode side: node pdnode1, bootstrap address 192.0.2.1:29555" in out, out
+    assert "prefill side exit code 0, decode side exit code 0" in out, out
+    assert "requests 200: verified 200, corrupted 0, failed 0" in out, out
+    assert "decode side at 192.0.2.1:29555 judged 200: verified 200, corrupted 0, failed 0" in out, out
+    assert out.rstrip().endswith("both sides agree"), out
+    print(f"\n[cluster] heterogeneous job {job}: {states}\n{out}")
