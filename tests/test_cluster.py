@@ -11,6 +11,8 @@ as on a login node; the jobs run on the nodes through sbatch/srun, the way submi
 - `scancel` of that array mid-run: exit 143, and each side's counts add up and agree;
 - a launcher request larger than every node: refused before submission, exit 2, one line
   naming the keys and what sinfo says the partition has.
+- the page's heterogeneous job script through `sbatch`: one component per node, both sides
+  agree.
 
 Needs root, iproute2 and Debian's slurm-wlm and munge (`make cluster-deps`); skips otherwise.
 """
