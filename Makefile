@@ -4,6 +4,9 @@
 # Set-up: a venv in .venv, libibverbs1 (the Mooncake wheels link it) when missing, torch
 # (CPU boxes: torch==2.13.0, the CPU build on disk), and this package with the Mooncake
 # wheel for the machine (extra cpu, cuda12 or cuda13; override with `make MOONCAKE=cuda13`).
+#   make cluster-deps   Debian's slurm-wlm, munge and etcd-server when missing (root or sudo):
+#                       what tests/test_cluster*.py start (a Slurm cluster in network
+#                       namespaces, etcd); .ci/run installs them, elsewhere those tests skip
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,7 +25,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(MOONCAKE)
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench clean cluster-deps
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -36,6 +39,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[$(MOONCAKE),test]"
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	@touch $@
+
+# command:package pairs; a package is installed when its command is on neither PATH nor /usr/sbin
+CLUSTER_DEPS := slurmctld:slurm-wlm slurmd:slurm-wlm sbatch:slurm-wlm munged:munge etcd:etcd-server
+cluster-deps:
+	@missing=$$(for d in $(CLUSTER_DEPS); do c=$${d%%:*}; \
+	  command -v $$c >/dev/null 2>&1 || [ -x /usr/sbin/$$c ] || echo $${d#*:}; done | sort -u | tr '\n' ' '); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $$missing(the cluster tests' Slurm, munge and etcd)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 run: setup
 	$(PY) -m orchestrator $(ARGS)

@@ -346,7 +346,23 @@ SWEEP_EXIT: list[int] = []  # set when a multirun ends: the worst job's exit cod
 class SweepSummary(Callback):
     """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)
     and keeps the worst job's exit code for the command (jobs may have run in other
-    processes or on other hosts, through a launcher)."""
+    processes or on other hosts, through a launcher). Before a Slurm launcher submits, its
+    request is checked against sinfo (orchestrator.slurm)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from . import slurm
+
+        launcher = config.hydra.get("launcher")
+        if not slurm.is_slurm_launcher(launcher):
+            return
+        slurm.quiet_submitit(Path(config.hydra.sweep.dir) / ".submitit" / slurm.LOG_NAME)
+        try:
+            warning = slurm.precheck(launcher)
+        except slurm.LauncherRequestError as exc:  # nothing submitted: one line, exit 2
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

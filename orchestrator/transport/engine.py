@@ -39,6 +39,16 @@ _TRANSPORT_MARKERS = (
 )
 
 
+_METADATA_FAILURE = re.compile(r"EtcdStoragePlugin: unable to \w+ .*|context deadline exceeded.*")
+
+
+def _metadata_failure(text: str) -> Optional[str]:
+    """The metadata server's failure in an initialize log (etcd not answering: Mooncake's
+    etcd client gives up after 5 s per call), else None."""
+    match = _METADATA_FAILURE.search(text or "")
+    return f"metadata server not answering: {match.group(0).strip()}" if match else None
+
+
 def transport_from_log(text: str) -> Optional[EngineTransport]:
     """The transport an engine's start-up log shows, or None if it names none."""
     for pattern, transport in _TRANSPORT_MARKERS:
@@ -196,8 +206,9 @@ class MooncakeEngine:
                 rc = self._engine.initialize(local, metadata_server, protocol, device_name)
         self.init_log = logged[0] if logged else ""
         if rc != 0:
+            why = _metadata_failure(self.init_log)
             raise EngineError("initialize", rc, host=host, metadata_server=metadata_server,
-                              protocol=protocol)
+                              protocol=protocol, **({"reason": why} if why else {}))
         self.host = host
         self.protocol = protocol
         self.rpc_port = self._engine.get_rpc_port()

@@ -1,0 +1,97 @@
+"""Small pieces shared by the service helpers: bounded commands, daemons stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+CMD_TIMEOUT_S = 20.0
+
+
+def ip_binary() -> Optional[str]:
+    return shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip")
+                                       if os.access(p, os.X_OK)), None)
+
+
+def run(args: Sequence[str], check: bool = True, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    """A service run in the foreground as a child of this process, output to a log file."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    @classmethod
+    def spawn(cls, name: str, argv: Sequence[str], log: Path, env: Optional[dict] = None) -> "Daemon":
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return cls(name, proc, Path(log))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, wait_s: float = 10.0) -> Optional[str]:
+        """SIGTERM, then SIGKILL after `wait_s`; what went wrong, if anything."""
+        if not self.alive():
+            return None
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(wait_s)
+            return None
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                return f"{self.name} (pid {self.pid}) survived SIGKILL"
+            return None
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, *daemons: Daemon) -> None:
+    """Poll `predicate` until true; raises with the daemons' log tails when `timeout_s` passes
+    or one of them exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate():
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        dead = [d for d in daemons if not d.alive()]
+        if dead or time.monotonic() > deadline:
+            why = (f"{', '.join(f'{d.name} exited {d.proc.returncode}' for d in dead)}" if dead
+                   else f"not within {timeout_s:g} s")
+            logs = "\n".join(f"--- {d.name} ({d.log}):\n{d.tail()}" for d in daemons)
+            raise RuntimeError(f"waiting for {what}: {why}\n{logs}")
+        time.sleep(0.2)
