@@ -13,6 +13,7 @@ the rule book, :mod:`orchestrator.rules`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum
@@ -121,6 +122,19 @@ class SetBufMode(Enum):
 
     sglang = "sglang"
     staged = "staged"
+
+
+class GateRead(Enum):
+    """gate.read: how the decode reads a ready request's bootstrap_room for the readiness
+    gate on device rows. sglang = SGLang 0.5.23's `_apply_metadata_gate`: one `.item()` per
+    request on the current stream (a device sync each, behind whatever is queued, e.g. the
+    next forward); batched = every candidate's room of a poll in one pass with one copy to
+    pinned memory (this tool's digest pass, on the current stream); side_stream = that pass
+    on a high-priority stream of its own, off the forward's queue. Host rows: all the same."""
+
+    sglang = "sglang"
+    batched = "batched"
+    side_stream = "side_stream"
 
 
 class PollMode(Enum):
@@ -245,6 +259,7 @@ class GateConfig:
     # (the room block of a batch write can land before the others) also counts as
     # "transferring", for up to this long after its status; 0 = SGLang's room-only gate
     settle_ms: float = 50.0
+    read: GateRead = GateRead.batched  # sglang | batched | side_stream (device rows)
 
     def check(self) -> None:
         _require(self.settle_ms >= 0, "gate.settle_ms", self.settle_ms, "milliseconds >= 0")
@@ -383,6 +398,23 @@ class WorkloadConfig:
 
 
 @dataclass
+class DecodeLoadConfig:
+    """endpoints.decode_load: a decode that decodes. step_ms > 0 runs a synthetic forward loop
+    on each decode GPU (a CUDA graph of bf16 matmuls taking about step_ms), queued before
+    every poll as SGLang's overlap scheduler queues its next forward; CUDA rows only (on host
+    rows it is off, with a warning)."""
+
+    step_ms: float = 0.0
+    idle_s: float = 1.0  # forward steps/s measured this long without handoffs, at start-up
+
+    def check(self) -> None:
+        _require(math.isfinite(self.step_ms) and 0 <= self.step_ms <= 1000, "endpoints.decode_load.step_ms",
+                 self.step_ms, "0 (off) or milliseconds per forward step up to 1000")
+        _require(math.isfinite(self.idle_s) and 0 <= self.idle_s <= 60, "endpoints.decode_load.idle_s",
+                 self.idle_s, "seconds in 0..60")
+
+
+@dataclass
 class EndpointsConfig:
     # How many prefill processes and decode instances; every prefill rank hands off to every
     # decode instance (round-robin over its requests). workload.requests is per prefill rank.
@@ -398,6 +430,7 @@ class EndpointsConfig:
     decode_gpus: Optional[List[int]] = None
     startup_timeout_s: float = 60.0
     poll: PollMode = PollMode.auto  # spin | block | auto (spin on hosts with >= 8 cores)
+    decode_load: DecodeLoadConfig = field(default_factory=DecodeLoadConfig)
 
     @property
     def decode_procs(self) -> int:
@@ -414,6 +447,7 @@ class EndpointsConfig:
             gpus = getattr(self, key.split(".")[1])
             _require(gpus is None or (len(gpus) == n and min(gpus) >= 0), key, gpus,
                      f"null (auto) or {n} CUDA device indices >= 0, one per {role} process")
+        self.decode_load.check()
 
 
 @dataclass

@@ -504,10 +504,11 @@ class RowDigest:
 
     # ---- receiver ---------------------------------------------------------------------------
     def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
-             clear: Sequence[int] = ()) -> list[RowCheck]:
+             clear: Sequence[int] = (), stream: Optional["torch.cuda.Stream"] = None) -> list[RowCheck]:
         """What landed in `slots`: sums, content, room and tag, in one pass (one D2H). The
         slots in `clear` (none of `slots`) are zeroed first, as clear_slots() does (device
-        rows: in the same graph replay, covered by the same one wait)."""
+        rows: in the same graph replay, covered by the same one wait). `stream`: device rows,
+        run the pass and its wait on that stream (gate.read=side_stream)."""
         if clear and (self.device.type == "cpu" or not self._judge):
             self.b.clear_slots(clear)
             clear = ()
@@ -518,7 +519,13 @@ class RowDigest:
                 landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
             return out
-        sums = self._sums(slots) if self.device.type == "cpu" else self._read_graph(slots, clear)
+        if self.device.type == "cpu":
+            sums = self._sums(slots)
+        elif stream is None:
+            sums = self._read_graph(slots, clear)
+        else:
+            with torch.cuda.stream(stream):
+                sums = self._read_graph(slots, clear)
         c = np.mod(sums[:, :4], P).tolist()
         return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
                          _u64(s[8:12]) if self.has_tag else 0)

@@ -120,8 +120,22 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "error": out.error,
     }
     results["tp"] = _tp(cfg, out)
+    results["decode_gate"] = _gate(cfg, out)
     results["exit_code"] = exit_code(results)
     return results
+
+
+def _gate(cfg: OrchestratorConfig, out: RunResult) -> dict[str, Any]:
+    """What the readiness gate's reads cost the decode loop (gate.read), per poll, over every
+    decode process; and endpoints.decode_load's forward steps/s with and without handoffs."""
+    reads, stalls = LatencyHistogram(), LatencyHistogram()
+    for d in out.decodes.values():
+        reads.merge(d.gate_read_us)
+        stalls.merge(d.stall_us)
+    loads = [d.load for d in out.decodes.values() if d.load]
+    return {"read": cfg.gate.read.value, "gate_read_us_per_poll": reads.summary(),
+            "stall_us_per_poll": stalls.summary(), "polls": reads.n,
+            "load": loads[0] if len(loads) == 1 else (loads or None)}
 
 
 def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
@@ -252,6 +266,14 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         lines.append(f"{w['in_flight_max']} requests in flight (workload.concurrency x prefill ranks) "
                      f"> {w['decode_rows']} decode rows (buffers.size x decode ranks): the rest wait "
                      "for a row, inside handoff latency")
+    gate = results.get("decode_gate") or {}
+    load = gate.get("load")
+    if isinstance(load, dict) and load:
+        lines.append(f"decode loaded (endpoints.decode_load.step_ms={load['step_ms']}, measured "
+                     f"{load['step_ms_measured']} ms): {load['forward_steps_per_s_serving']} forward steps/s "
+                     f"with handoffs, {load['forward_steps_per_s_idle']} without; gate.read={gate['read']}: "
+                     f"gate read per poll p50/p99/p999 {_fmt(gate['gate_read_us_per_poll'])} us, loop stalled per "
+                     f"poll p50/p99/p999 {_fmt(gate['stall_us_per_poll'])} us")
     tp = results.get("tp")
     if tp:
         lines.append(f"decode TP x{tp['ranks']} (readiness gate {'on' if tp['gate']['readiness'] else 'OFF'}, "

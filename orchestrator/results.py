@@ -177,6 +177,9 @@ class DecodeResult:
     steps: int = 0
     verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # per judged batch
     batch: LatencyHistogram = field(default_factory=LatencyHistogram)  # requests per judged batch
+    gate_read_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # the gate's room reads, per poll
+    stall_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # the loop blocked on the device, per poll
+    load: dict[str, Any] = field(default_factory=dict)  # endpoints.decode_load: forward steps/s
     tp: dict[str, Any] = field(default_factory=dict)  # TP group statistics (decode_tp > 1)
     memory: dict[str, int] = field(default_factory=dict)
     error: Optional[str] = None
@@ -197,7 +200,9 @@ def decode_dict(d: DecodeResult) -> dict[str, Any]:
             "dropped_control": d.dropped_control, "unexpected": d.unexpected,
             "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "settled": d.settled, "grants": d.grants,
             "steps": d.steps, "verify_us_per_batch": d.verify_us.summary(),
-            "batch_mean": d.batch.mean, "tp": d.tp, "memory": d.memory, "error": d.error}
+            "batch_mean": d.batch.mean, "gate_read_us_per_poll": d.gate_read_us.summary(),
+            "stall_us_per_poll": d.stall_us.summary(), "load": d.load,
+            "tp": d.tp, "memory": d.memory, "error": d.error}
 
 
 def read_records(path: Path) -> Iterable[Record]:

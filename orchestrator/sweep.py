@@ -38,6 +38,8 @@ RESULT_COLUMNS = [
     "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
     "handoffs_per_s", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
     "silent_corruptions", "steps_disagreed", "exit_code", "error",
+    "taken_p50_us", "taken_p99_us", "taken_p999_us", "gate_read", "gate_read_p50_us", "gate_read_p99_us",
+    "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving",
 ]
 RATE_KEY = "workload.rate"
 
@@ -125,9 +127,15 @@ def _row(job_dir: Path) -> dict[str, Any]:
     )
     for q in ("p50", "p99"):
         row[f"e2e_{q}_us"] = _get(res, "latency_us", "e2e", q)
-    for kind in ("send_aux", "handoff"):
+    for kind in ("send_aux", "taken", "handoff"):
         for q in ("p50", "p99", "p999"):
             row[f"{kind}_{q}_us"] = _get(res, "latency_us", kind, q)
+    row["gate_read"] = _get(res, "decode_gate", "read")
+    for kind in ("gate_read_us_per_poll", "stall_us_per_poll"):
+        for q in ("p50", "p99"):
+            row[f"{kind.replace('_us_per_poll', '')}_{q}_us"] = _get(res, "decode_gate", kind, q)
+    row["forward_steps_per_s_idle"] = _get(res, "decode_gate", "load", "forward_steps_per_s_idle")
+    row["forward_steps_per_s_serving"] = _get(res, "decode_gate", "load", "forward_steps_per_s_serving")
     return row
 
 

@@ -2,7 +2,7 @@
 # The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,yardstick,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,tails
+# STEPS: any of tests,yardstick,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
 # with, run in the same call just before and just after the bench: ../shared does not travel
@@ -94,6 +94,23 @@ if want pairs; then
   timeout 300 python3 -m orchestrator -m experiment=pd_8gpu_nvlink,pd_8gpu_tcp workload.fill=ahead hydra.sweep.dir="$out/pd-4x4" 2>&1 \
     | grep -E "mem_pool=|requests|handoffs/s|pairs|ERROR" | head -20
   cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
+fi
+if want gate; then
+  echo "== decode under load: gate.read x decode_load, host rows and CUDA rows, one in flight, fill ahead"
+  timeout 400 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE,INTRA_NODE_NVLINK workload.fill=ahead \
+    workload.concurrency=1 workload.requests=400 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
+    hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed"
+  python3 - "$out/gate/summary.csv" <<'PY' | tee "$out/gate.txt"
+import csv, sys
+keys = ["mem_pool", "gate_read", "decode_load", "verified", "taken_p50_us", "handoff_p50_us", "gate_read_p50_us",
+        "gate_read_p99_us", "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving"]
+rows = list(csv.DictReader(open(sys.argv[1])))
+for r in rows:
+    r["decode_load"] = next((v for k, v in r.items() if k.endswith("decode_load.step_ms")), "")
+print("| " + " | ".join(keys) + " |")
+for r in rows:
+    print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+PY
 fi
 if want tprace; then
   echo "== decode TP=2, the race fault with the gate on (the rows the room gate lets through torn)"

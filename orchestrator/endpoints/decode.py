@@ -31,7 +31,7 @@ import zmq
 from .. import wire
 from ..auth import Authenticator
 from ..buffers import SlotAllocator
-from ..config import FaultKind, OrchestratorConfig, Role
+from ..config import FaultKind, GateRead, OrchestratorConfig, Role
 from ..digest import Keys, RowDigest
 from ..faults import decode_setup, silent_listener
 from ..layout import describe, first_difference
@@ -112,6 +112,35 @@ class DecodeEndpoint:
         self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
         self.host_rows = self.buffers.device.type == Device.cpu.value
         self.defer_clears = not self.host_rows and self.group.size == 1
+        # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
+        self.gate_read = cfg.gate.read
+        self.stream = None  # the stream of the step's device pass (None: the current one)
+        if not self.host_rows and self.gate_read is GateRead.side_stream:
+            import torch
+
+            self.stream = torch.cuda.Stream(self.buffers.device, priority=-1)
+        self.load = None
+        if cfg.endpoints.decode_load.step_ms > 0:
+            import torch
+
+            # the decode GPU decodes whatever the aux rows' device: host rows (the gate reads
+            # host memory) against CUDA rows (it reads behind the queued forward)
+            gpu = self.buffers.device if not self.host_rows else (
+                torch.device("cuda", (e.decode_gpus or [0])[(instance * e.decode_tp + tp_rank) % len(e.decode_gpus or [0])])
+                if torch.cuda.is_available() else None)
+            if gpu is None:
+                log.warning("decode_load_off", detail="endpoints.decode_load needs a CUDA device: "
+                            "none here, running without a forward loop")
+            else:
+                from .load import ForwardLoop
+
+                torch.cuda.set_device(gpu)  # host rows: this process's only CUDA work
+                with torch.cuda.device(gpu):
+                    self.load = ForwardLoop(gpu, cfg.endpoints.decode_load.step_ms)
+                    self.load.measure_idle(cfg.endpoints.decode_load.idle_s)  # before serving: no handoffs
+                log.info("decode_load", step_ms=cfg.endpoints.decode_load.step_ms, device=str(gpu),
+                         matmuls_per_step=self.load.matmuls, gate_read=self.gate_read.value,
+                         forward_steps_per_s_idle=self.load.idle_per_s)
         self.boot_id = boot_id()
         self.warm = 1000
         self._silent = silent_listener(cfg.transport.host) if cfg.faults.kind is FaultKind.silent_peer else None
@@ -317,17 +346,21 @@ class DecodeEndpoint:
             return
         if not self.ready:
             if self.quarantine and (self.waiting or 4 * len(self.quarantine) >= self.cfg.buffers.size):
-                cleared = self._queue_clears()  # slots are wanted: a pass of its own
-                self.buffers.sync()
-                self._release(cleared)
+                self._clear_pass()  # slots are wanted: a pass of its own
                 self._flush()
             return
         t0 = time.perf_counter()
         cands = list(self.ready.values())
+        taken_at = self._sglang_gate(cands) if self.gate_read is GateRead.sglang and not self.host_rows else None
+        t_pass = time.perf_counter()
         cleared, self.quarantine = self.quarantine, []
-        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands], clear=cleared)
+        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands], clear=cleared,
+                                stream=self.stream)
         self._release(cleared)  # zeroed in the read's pass, covered by its wait
         now, now_ns = _clock(), time.monotonic_ns()
+        t_end = time.perf_counter()
+        self.res.gate_read_us.add(((t_pass - t0) if taken_at is not None else (t_end - t_pass)) * 1e6)
+        self.res.stall_us.add((t_end - t0) * 1e6)
         for g, r in zip(cands, rows):
             if g.status == KVPoll.Failed:
                 self._finish(g, Outcome.failed, Detail.sender_error, now_ns)
@@ -338,7 +371,8 @@ class DecodeEndpoint:
                     self.res.gate_waits += 1
             else:  # taken (the gate passed at now_ns); the verdict once the digest is compared
                 outcome, detail = self._judge(g, r)
-                self._finish(g, outcome, detail, time.monotonic_ns(), t_taken_ns=now_ns)
+                taken = taken_at.get(g.slot, now_ns) if taken_at is not None else now_ns
+                self._finish(g, outcome, detail, time.monotonic_ns(), t_taken_ns=taken)
         self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
         self.res.batch.add(len(cands))
         self.res.steps += 1
@@ -375,6 +409,26 @@ class DecodeEndpoint:
         if not self._digest_ok(g, r):
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
+
+    def _sglang_gate(self, cands: list[Grant]) -> dict[int, int]:
+        """gate.read=sglang on device rows: SGLang 0.5.23's `_apply_metadata_gate`, one
+        `bootstrap_room[idx, 0].item()` per ready request on the current stream (each a device
+        sync, behind whatever is queued there). Returns when each was taken (ns); the verdict
+        still comes from the step's digest pass."""
+        out = {}
+        for g in cands:
+            self.buffers.room(g.slot)
+            out[g.slot] = time.monotonic_ns()
+        return out
+
+    def _clear_pass(self) -> None:
+        """Zero the quarantined slots' rooms and free them once that landed (one wait)."""
+        import torch
+
+        with torch.cuda.stream(self.stream or torch.cuda.current_stream(self.buffers.device)):
+            cleared = self._queue_clears()
+            self.buffers.sync()
+        self._release(cleared)
 
     def _queue_clears(self) -> list[int]:
         """Queue the zeroing of the quarantined slots (device rows: no wait here)."""
@@ -452,8 +506,13 @@ class DecodeEndpoint:
         lockstep = self.group.size > 1
         spin = self.cfg.endpoints.poll.spins()
         self.log.info("decode_loop", poll="spin" if spin else "block")
+        load = self.load
+        if load is not None:
+            load.start()
         while True:
-            events = dict(poller.poll(0 if spin else 1 if (self.ready or lockstep) else 50))
+            if load is not None:
+                load.tick()  # the next forward is queued before the poll, as SGLang's overlap scheduler does
+            events = dict(poller.poll(0 if spin or load else 1 if (self.ready or lockstep) else 50))
             if self.control in events:
                 for _ in range(1024):
                     try:
@@ -489,6 +548,8 @@ class DecodeEndpoint:
                 stop = self.group.any(stop)
             if stop:
                 self.res.memory["rss_kb_end"] = rss_kb()
+                if load is not None:
+                    self.res.load = load.summary(self.cfg.endpoints.decode_load.step_ms)
                 if self.group.size > 1:
                     self.res.tp = self.group.summary()
                 return
