@@ -114,6 +114,7 @@ class RankResult:
     row_bytes: int = 0
     clock: str = "one_way"  # "round_trip" when decode's clock is not this host's
     rejected: int = 0  # messages dropped: bad MAC or malformed
+    replayed: int = 0  # authentic, but a replay or for a request not in the state it needs
     memory: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
@@ -167,6 +168,8 @@ class DecodeResult:
     dropped_data: int = 0  # malformed data-plane messages
     dropped_control: int = 0  # malformed control messages
     unexpected: int = 0  # well-formed, authentic, but for no grant of ours
+    replayed: int = 0  # authentic, this run's, seen before: a replay (no effect)
+    hijack_refused: int = 0  # a hello for a prefill rank already bound to a connection
     ambiguous: int = 0  # a bare SGLang status whose room matches several grants
     gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
     settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
@@ -192,6 +195,7 @@ def decode_dict(d: DecodeResult) -> dict[str, Any]:
     return {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
             "rejected_auth": d.rejected_auth, "dropped_data": d.dropped_data,
             "dropped_control": d.dropped_control, "unexpected": d.unexpected,
+            "replayed": d.replayed, "hijack_refused": d.hijack_refused,
             "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "settled": d.settled, "grants": d.grants,
             "steps": d.steps, "verify_us_per_batch": d.verify_us.summary(),
             "batch_mean": d.batch.mean, "tp": d.tp, "memory": d.memory, "error": d.error}

@@ -284,6 +284,7 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     zctx = zmq.Context()
     sock = zctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
     if cfg.transport.bootstrap_port:
         sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
         port = cfg.transport.bootstrap_port
@@ -386,6 +387,7 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
                     pass
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
             sock.connect(f"tcp://{host}:{port}")
             sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks)))
             got = sock.poll(1000)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from .. import wire
-from ..auth import Authenticator
+from ..auth import Authenticator, Replayed, new_nonce
 from ..buffers import SlotAllocator
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, StatusMode
 from ..digest import SIGNATURE, Keys, RowDigest
@@ -124,6 +124,7 @@ class Instance:
     backlog: collections.deque = field(default_factory=collections.deque)  # arrived, not announced
     announce: list[list[int]] = field(default_factory=list)
     same_clock: bool = True
+    auth: Any = None  # the session with its leader (orchestrator.auth.Session)
 
 
 @dataclass
@@ -253,8 +254,9 @@ class PrefillEndpoint:
         self.layout = describe(self.buffers.specs)
         self.src = SlotAllocator(cfg.buffers.size)
         self.timeout_s = cfg.transport.timeout_s
-        self.auth = Authenticator(secret)
-        self.keys = Keys(secret)
+        self.auth = Authenticator(secret)  # hello and its answer only: the rest is per session
+        self.nonce = new_nonce()  # this process's, this run's: in every session key and pad
+        self.keys = Keys(secret, self.nonce)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
         self.digest.warm()
@@ -267,6 +269,7 @@ class PrefillEndpoint:
         self.instances: list[Instance] = []
         self.boot_id = boot_id()
         self.rejected = 0
+        self.replayed = 0
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
         suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
@@ -317,7 +320,7 @@ class PrefillEndpoint:
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
         ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                             fingerprint=fingerprint(self.layout))))
+                                             fingerprint=fingerprint(self.layout), nonce=self.nonce)))
         msg = self._recv_one(ctl, link.name)
         if msg.get("type") == "error":
             raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
@@ -326,11 +329,13 @@ class PrefillEndpoint:
         diff = first_difference(self.layout, msg["layout"])
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
+        session = self.auth.session(self.rank, self.nonce, msg["nonce"], "prefill")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
-                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"])
+                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"], auth=session)
         link.router.connect(peer)
         if link.tp_rank == 0:
             inst.slots = peer.slots
+            inst.auth = session
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
         warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
@@ -344,6 +349,10 @@ class PrefillEndpoint:
                 raise TimeoutError(f"{name} did not answer hello within "
                                    f"transport.timeout_s={self.timeout_s:g}")
             msg = self._open(ctl.recv_multipart())
+            if msg and msg.get("type") == "bootstrap" and msg["hello_nonce"] != self.nonce:
+                self.replayed += 1  # an answer to another hello (another run's): not ours
+                self.log.warning("bootstrap_replayed", decode=name)
+                continue
             if msg:
                 return msg
 
@@ -382,10 +391,15 @@ class PrefillEndpoint:
 
     # ---- messages -----------------------------------------------------------------------
     def _send(self, inst: Instance, payload: bytes) -> None:
-        inst.control.send(self.auth.seal(payload))
+        inst.control.send((inst.auth or self.auth).seal(payload))
 
-    def _open(self, frames: list[bytes]) -> dict:
-        body = self.auth.unseal(frames[0]) if len(frames) == 1 else None
+    def _open(self, frames: list[bytes], auth=None) -> dict:
+        try:
+            body = (auth or self.auth).unseal(frames[0]) if len(frames) == 1 else None
+        except Replayed as exc:
+            self.replayed += 1
+            self.log.warning("control_replayed", error=str(exc))
+            return {}
         if body is None:
             self.rejected += 1
             self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
@@ -563,16 +577,25 @@ class _Loop:
                 self.finish(req)
 
     def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
+        """Verdicts are taken only for a request in the state that expects one: judged
+        (verified, corrupted or failed) once this prefill handed its row to the transfer
+        thread (its status goes out behind the write); failed unsent only while it waits
+        for a slot (the decode shed it). Anything else is counted and changes nothing."""
         now = _clock()
         for rid, outcome, detail, t_ns, t_status_ns in verdicts:
             req = self.outstanding.get(rid)
             if req is None or req.inst != inst.index or req.verdict is not None:
-                self.res.rejected += 1  # not ours, or judged twice
+                self.res.replayed += 1  # not ours, or judged twice
                 continue
             try:
                 o, d = Outcome.of(outcome), Detail.of(detail)
             except KeyError:
                 self.res.rejected += 1
+                continue
+            if (req.src_slot < 0 if req.dst_slot >= 0 else o is not Outcome.failed):
+                self.res.replayed += 1  # a verdict for a row not sent yet
+                self.ep.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
+                                    outcome=o.value)
                 continue
             t_verified = t_ns / 1e9 if inst.same_clock else now
             req.verdict = (o, d, t_verified)
@@ -684,6 +707,7 @@ class _Loop:
         ep.memory["rss_kb_end"] = rss_kb()
         self.res.memory = dict(ep.memory)
         self.res.rejected += ep.rejected
+        self.res.replayed += ep.replayed
         self.sink.close()
         return self.res
 
@@ -729,7 +753,7 @@ class _Loop:
                 frames = inst.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self.ep._open(frames)
+            msg = self.ep._open(frames, inst.auth)
             if not msg:
                 continue
             inst.last_heard = _clock()
@@ -737,8 +761,8 @@ class _Loop:
             if kind == "update":
                 for rid, slot in msg["grants"]:
                     req = self.outstanding.get(rid)
-                    if req is None or req.inst != inst.index or req.dst_slot >= 0:
-                        self.res.rejected += 1
+                    if req is None or req.inst != inst.index or req.dst_slot >= 0 or req.verdict is not None:
+                        self.res.replayed += 1  # a grant for no request waiting for one
                         continue
                     req.dst_slot = slot
                     inst.ungranted -= 1
