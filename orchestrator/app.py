@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from . import fingerprint, plots, report
-from .config import ConfigError, OrchestratorConfig, Role, resolve_host, validate
+from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
 from .logs import configure
 from .platform import detect
 from .progress import Progress
@@ -31,13 +31,16 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, An
 def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     obj = validate(cfg)
     resolve_host(obj)
+    drawn = resolve_seed(obj)
     plan = check_profile(obj, detect())
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
                     console_level=logging.INFO if obj.logging.console else logging.WARNING)
     log.info("plan", **plan.as_dict())
     for event in plan.events:
         log.warning(event.event, reason=event.reason.value, detail=event.detail)
-    write_atomic(run_dir / "fingerprint.json", json.dumps(fingerprint.collect(obj, plan), indent=2) + "\n")
+    fp = fingerprint.collect(obj, plan)
+    fp["seeds"]["drawn"] = drawn  # replay passes a drawn seed back (orchestrator.replay)
+    write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
 
     total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
     progress = Progress(total, log) if obj.role is not Role.decode else None

@@ -332,7 +332,10 @@ class WorkloadConfig:
     sampling_mask: bool = False  # requests carry sampling masks (needs buffers.enable_sampling_mask)
     multimodal: bool = False  # requests carry image/audio/video token counts
     dsa_indices: bool = True  # speculative requests carry DSA top-k indices (when the field exists)
-    seed: int = 0
+    # Rooms and synthetic content derive from it. null: every run draws its own (so rooms
+    # differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
+    # seed repeats its rooms.
+    seed: Optional[int] = None
 
     def check(self, buffers: BuffersConfig) -> None:
         _positive("workload.requests", self.requests,
@@ -350,8 +353,8 @@ class WorkloadConfig:
                  f"0..buffers.max_top_logprobs_num ({buffers.max_top_logprobs_num})")
         _require(not self.sampling_mask or buffers.enable_sampling_mask, "workload.sampling_mask",
                  self.sampling_mask, "false unless buffers.enable_sampling_mask=true")
-        _require(0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
-                 f"a whole number in 0..{MAX_SEED}")
+        _require(self.seed is None or 0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
+                 f"null (drawn per run) or a whole number in 0..{MAX_SEED}")
 
 
 @dataclass
@@ -497,6 +500,16 @@ def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, 
                               "a file the decode side (role=decode) writes its address to; none "
                               f"appeared within {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def resolve_seed(cfg: OrchestratorConfig) -> bool:
+    """workload.seed=null: draw this run's seed (True when drawn)."""
+    if cfg.workload.seed is not None:
+        return False
+    import secrets
+
+    cfg.workload.seed = secrets.randbelow(MAX_SEED + 1)
+    return True
 
 
 def resolve_host(cfg: OrchestratorConfig) -> None:

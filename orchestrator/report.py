@@ -95,7 +95,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "wall_s": round(wall, 4) if wall else None,
         "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
                      "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
-                     "duplicate_rooms": w.duplicate_rooms, "layout": cfg.layout.name,
+                     "duplicate_rooms": w.duplicate_rooms, "seed": w.seed, "layout": cfg.layout.name,
                      "digest": cfg.verify.digest.value,
                      "in_flight_max": w.concurrency * cfg.endpoints.prefill_ranks,
                      "decode_rows": cfg.buffers.size * cfg.endpoints.decode_ranks},

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import structlog
 
 from .auth import run_secret
-from .config import ConfigError, FaultKind, OrchestratorConfig, Role
+from .config import ConfigError, FaultKind, OrchestratorConfig, Role, resolve_seed
 from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
@@ -151,6 +151,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     ctx = mp.get_context("spawn")
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
+    resolve_seed(cfg)  # callers other than the CLI (which records it) get one too
     out = RunResult()
     out.run_dir = str(run_dir)
     e = cfg.endpoints

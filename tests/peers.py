@@ -98,7 +98,7 @@ class PrefillPeer:
 
     def send_frames(self, room: int, dst_slot: int, rows, skip=(), sign: bool = True, rid=None) -> None:
         if rid is None:
-            rid = next((r for r, s in self.grants.items() if s == dst_slot), 0)
+            rid = next((r for r, s in reversed(list(self.grants.items())) if s == dst_slot), 0)
         ad = rid.to_bytes(8, "little")  # the slot's tenant, which the decode knows
         for i, payload in enumerate(rows):
             if i not in skip:

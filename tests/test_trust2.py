@@ -1,0 +1,284 @@
+"""Trust II (issue 19): messages bound to their run and session, control identity bound to a
+connection, bounded listeners, and every failure after start as one line with exit 3.
+Real processes, real sockets, real Mooncake engines; nothing mocked."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from orchestrator import MetadataBuffers, wire
+from orchestrator.auth import Authenticator, Replayed, new_nonce
+from orchestrator.digest import SIGNATURE
+from orchestrator.layout import describe
+from orchestrator.outcomes import Detail, KVPoll, Outcome
+from orchestrator.plan import Platform, make_plan
+from orchestrator.transport.engine import MooncakeEngine
+
+from .conftest import ROOT, DecodeProcess, typed_cfg
+from .peers import PrefillPeer
+
+pytestmark = pytest.mark.integration
+SECRET = b"one secret shared by every split run"
+
+
+def _cli(tmp_path: Path, *overrides: str, env=None, timeout=180, name="run"):
+    run_dir = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    return proc, run_dir
+
+
+def _mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---- 1. bound to the run -------------------------------------------------------------------
+def test_auth_sessions_are_bound_to_both_nonces_and_reject_replays():
+    base = Authenticator(SECRET)
+    p, d = new_nonce(), new_nonce()
+    mine, theirs = base.session(0, p, d, "prefill"), base.session(0, p, d, "decode")
+    sealed = mine.seal(b"payload")
+    assert theirs.unseal(sealed) == b"payload"
+    with pytest.raises(Replayed):
+        theirs.unseal(sealed)  # the same message again
+    assert base.session(0, p, new_nonce(), "decode").unseal(mine.seal(b"x")) is None  # another run
+    assert base.session(1, p, d, "decode").unseal(mine.seal(b"x")) is None  # another rank
+    assert mine.unseal(mine.seal(b"x")) is None  # reflected back: the other direction's key
+    frames = mine.sign([b"a", b"b"], b"ad")
+    assert theirs.open(frames, b"ad") == [b"a", b"b"] and theirs.open(frames, b"other") is None
+    assert base.open(frames) is None  # the bare secret opens nothing of a session
+
+
+def test_replay_from_an_earlier_run_under_a_shared_secret_never_opens(tmp_path):
+    """Run 1's genuine, authentic frames and status for request 1, replayed into run 2 (same
+    secret, same room, same request id) while run 2 waits for request 1: all refused; and
+    run 1's row with its valid digest, written straight into run 2's registered memory
+    through Mooncake, fails the digest (the pad is bound to run 2's prefill nonce)."""
+    cfg = typed_cfg("mem_pool=NVLINK", "workload.seed=5")  # a pinned seed: same rooms
+    run1 = PrefillPeer(cfg, _mk(tmp_path / "1"), secret=SECRET)
+    captured = []
+    try:
+        room, tag = run1.fill(1)
+        slot = run1.arrive(1, room)
+        rows = run1.rows()
+        ad = (1).to_bytes(8, "little")
+        captured = [run1.auth.sign(wire.encode_aux(room, i, slot, r), ad) for i, r in enumerate(rows)]
+        captured.append(run1.auth.sign(wire.encode_status(room, KVPoll.Success, 0, 1, slot, tag)))
+        for frames in captured:
+            run1.push.send_multipart(frames)
+        assert run1.verdict(1) == (Outcome.verified, Detail.none)
+    finally:
+        run1.close()
+    run2 = PrefillPeer(cfg, _mk(tmp_path / "2"), secret=SECRET)
+    try:
+        room2, tag2 = run2.fill(1)
+        assert room2 == room  # pinned seed: the same room, the same request id
+        slot2 = run2.arrive(1, room2)
+        for frames in captured:  # the replay, whatever slot it names
+            run2.push.send_multipart(frames)
+        assert not run2.control.poll(700)  # no verdict from the replay
+        run2.send_frames(room2, slot2, run2.rows())
+        run2.status(room2, 1, slot2, tag2)
+        assert run2.verdict(1) == (Outcome.verified, Detail.none)
+    finally:
+        stats = run2.close()
+    assert stats.rejected_auth == len(captured) and stats.outcomes[Outcome.verified] == 1
+
+
+def test_row_from_an_earlier_run_fails_the_digest_under_a_shared_secret(tmp_path):
+    cfg = typed_cfg("mem_pool=NONE", "buffers.kv_checksum_enabled=true", "workload.seed=5")
+    old = PrefillPeer(cfg, _mk(tmp_path / "1"), secret=SECRET)
+    old.fill(1)  # run 1's row for request 1 and its valid digest (kv_checksum field)
+    old_rows = [f[0].clone() for f in old.buffers.fields]
+    old.close()
+    peer = PrefillPeer(cfg, _mk(tmp_path / "2"), secret=SECRET)
+    try:
+        rows = MetadataBuffers(4, cfg.buffers.hidden_size, torch.float32, cfg.buffers.max_sampling_mask_tokens,
+                               kv_checksum_enabled=True, device="cpu")
+        for f, t in zip(rows.fields, old_rows):
+            f[0].copy_(t)
+        attacker = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "tcp", env=peer.plan.mc_env)
+        attacker.register(rows.arena_ptr, rows.arena_bytes)
+        ptrs, _, lens = rows.get_buf_infos()
+        room = peer.pool.get(1, 0).bootstrap_room
+        slot = peer.arrive(1, room)
+        dst = peer.bootstrap["aux_ptrs"]
+        attacker.batch_write(peer.bootstrap["session_id"], ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
+        peer.status(room, 1, slot, 0)  # run 2's own authentic "done"
+        assert peer.verdict(1) == (Outcome.corrupted, Detail.checksum_mismatch)
+    finally:
+        stats = peer.close()
+    assert stats.outcomes[Outcome.verified] == 0
+
+
+def test_replays_inside_a_run_are_counted_and_change_nothing(tmp_path):
+    """buffers.size=1: request 2 gets request 1's slot. Request 1's status, its arrive and
+    its AUX_DATA frames replayed after its verdict: counted, no second grant, no verdict,
+    and request 2 verifies."""
+    cfg = typed_cfg("mem_pool=NVLINK", "buffers.size=1", "workload.batch_size=1")
+    peer = PrefillPeer(cfg, tmp_path)
+    try:
+        room, tag = peer.fill(1)
+        arrive = peer.auth.seal(wire.encode("arrive", reqs=[[1, room]], contiguous=False))
+        peer.control.send(arrive)
+        while 1 not in peer.grants:
+            peer.recv()
+        slot = peer.grants[1]
+        ad = (1).to_bytes(8, "little")
+        frames = [peer.auth.sign(wire.encode_aux(room, i, slot, r), ad) for i, r in enumerate(peer.rows())]
+        status = peer.auth.sign(wire.encode_status(room, KVPoll.Success, 0, 1, slot, tag))
+        for f in frames + [status]:
+            peer.push.send_multipart(f)
+        assert peer.verdict(1) == (Outcome.verified, Detail.none)
+        peer.push.send_multipart(status)  # replayed status: request 1 is judged
+        peer.control.send(arrive)  # replayed arrive: would re-grant request 1
+        time.sleep(0.5)
+        room2, tag2 = peer.fill(2)
+        slot2 = peer.arrive(2, room2)
+        assert slot2 == slot and peer.grants.get(1) == slot  # one grant for request 1, ever
+        for f in frames:  # request 1's bytes replayed into request 2's slot
+            peer.push.send_multipart(f)
+        peer.send_frames(room2, slot2, peer.rows())
+        peer.status(room2, 2, slot2, tag2)
+        assert peer.verdict(2) == (Outcome.verified, Detail.none)
+        for f in frames:  # ...and after request 2's own rows landed: still refused
+            peer.push.send_multipart(f)
+        peer.push.send_multipart(status)
+        time.sleep(0.3)
+    finally:
+        stats = peer.close()
+    assert stats.replayed == 3  # the arrive and the two statuses
+    assert stats.rejected_auth == 2 * len(frames)  # frames under another tenant's grant
+    assert stats.outcomes[Outcome.verified] == 2 and stats.grants == 2
+
+
+def _scripted_decode(cfg, secret, tmp_path, on_arrive):
+    """A decode side played by the test (tcp route): a real prefill process bootstraps with
+    it; `on_arrive(rid, slot)` returns the extra updates to send right after the grant."""
+    from orchestrator.endpoints.prefill import prefill_main
+
+    b = cfg.buffers
+    bufs = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
+                           b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim, layout=cfg.layout,
+                           device="cpu")
+    ptrs, _, lens = bufs.get_buf_infos()
+    base = Authenticator(secret)
+    nonce = new_nonce()
+    z = zmq.Context()
+    router, pull = z.socket(zmq.ROUTER), z.socket(zmq.PULL)
+    ctl = "tcp://127.0.0.1:%d" % router.bind_to_random_port("tcp://127.0.0.1")
+    data = "tcp://127.0.0.1:%d" % pull.bind_to_random_port("tcp://127.0.0.1")
+    plan = make_plan(cfg, Platform())
+    conn, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=prefill_main, args=(cfg, plan, str(tmp_path), secret, child),
+                                           daemon=True)
+    proc.start()
+    result, sess, ident, free = None, None, None, list(range(b.size))
+    granted: dict[int, tuple[int, int]] = {}
+    try:
+        assert conn.poll(60) and conn.recv()[0] == "up"
+        conn.send(("decodes", [[{"control_endpoint": ctl, "data_endpoint": data, "transport": "zmq-tcp",
+                                 "session_id": None}]]))
+        deadline = time.monotonic() + 120
+        while result is None and time.monotonic() < deadline:
+            if router.poll(10):
+                ident, raw = router.recv_multipart()
+                if sess is None:
+                    hello = wire.decode(base.unseal(raw))
+                    sess = base.session(hello["rank"], hello["nonce"], nonce, "decode")
+                    router.send_multipart([ident, base.seal(wire.encode(
+                        "bootstrap", session_id=None, aux_ptrs=ptrs, item_lens=lens, slots=b.size,
+                        layout=describe(bufs.specs), fingerprint=hello["fingerprint"], tp_rank=0,
+                        boot_id="", scratch_ptr=0, nonce=nonce, hello_nonce=hello["nonce"]))])
+                else:
+                    msg = wire.decode(sess.unseal(raw))
+                    for rid, room in msg.get("reqs", []):
+                        slot = free.pop()
+                        granted[rid] = (slot, room)
+                        # the grant and the first extra in one message: taken in that order
+                        extra = on_arrive(rid, slot)
+                        router.send_multipart([ident, sess.seal(wire.encode(
+                            "update", grants=[[rid, slot]] + extra[0][0], v=extra[0][1]))])
+                        for grants, v in extra[1:]:
+                            router.send_multipart([ident, sess.seal(wire.encode("update", grants=grants, v=v))])
+            while pull.poll(0):
+                frames = pull.recv_multipart()
+                if frames[0] == wire.AUX_DATA:
+                    continue  # the rows themselves do not matter here
+                msg = wire.parse(sess.open(frames), lens, b.size)
+                if isinstance(msg, wire.Status):
+                    free.append(granted.pop(msg.rid)[0])
+                    now = time.monotonic_ns()
+                    router.send_multipart([ident, sess.seal(wire.encode(
+                        "update", grants=[], v=[[msg.rid, Outcome.verified.code, Detail.none.code, now, now]]))])
+            while conn.poll(0):
+                kind, value = conn.recv()
+                if kind == "result":
+                    result = value
+                elif kind == "error":
+                    raise AssertionError(value)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        router.close(0)
+        pull.close(0)
+        z.term()
+    assert result is not None, "the prefill did not finish"
+    return result
+
+
+def test_prefill_takes_a_verdict_only_for_a_request_it_sent(tmp_path):
+    """The decode side (here: a scripted one) says "corrupted" for each request the moment
+    it grants it, before the prefill sent anything, and re-grants it: the prefill counts and
+    ignores both, and every request ends with its real verdict."""
+    cfg = typed_cfg("mem_pool=NVLINK", "workload.requests=40", "workload.concurrency=4", "buffers.size=8",
+                    "transport.timeout_s=5")
+    now = time.monotonic_ns()
+
+    def premature(rid, slot):
+        return [([], [[rid, Outcome.corrupted.code, Detail.checksum_mismatch.code, now, now]]),
+                ([[rid, slot]], []),  # a second grant
+                ([], [[rid + 10_000, Outcome.verified.code, Detail.none.code, now, now]])]  # not ours
+
+    res = _scripted_decode(cfg, SECRET, tmp_path, premature)
+    assert res.outcomes[Outcome.verified] == 40 and res.outcomes[Outcome.corrupted] == 0
+    assert res.replayed == 3 * 40
+    records = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert all(r["route"] == "tcp" and r["handoff_us"] > 0 for r in records)
+
+
+# ---- 2. control identity is a session ----------------------------------------------------
+def test_replayed_hello_cannot_take_over_a_prefill(tmp_path):
+    """An authentic hello copied off the wire and replayed from another connection is
+    refused and counted; grants and verdicts keep going to the real prefill."""
+    cfg = typed_cfg("mem_pool=NVLINK")
+    peer = PrefillPeer(cfg, tmp_path)
+    z = zmq.Context()
+    thief = z.socket(zmq.DEALER)
+    thief.connect(peer.info["control_endpoint"])
+    try:
+        assert peer.handoff(1) == (Outcome.verified, Detail.none)
+        thief.send(peer.sealed_hello)  # the copy
+        thief.send(peer.auth.seal(wire.encode("arrive", reqs=[[9, 9]], contiguous=False)))  # not its session
+        assert not thief.poll(700)  # no bootstrap, no grant to the thief
+        for rid in range(2, 6):
+            assert peer.handoff(rid) == (Outcome.verified, Detail.none)
+    finally:
+        thief.close(0)
+        z.term()
+        stats = peer.close()
+    assert stats.hijack_refused == 1 and stats.rejected_auth == 1
+    assert stats.outcomes[Outcome.verified] == 5 and stats.grants == 5
