@@ -282,3 +282,62 @@ def test_replayed_hello_cannot_take_over_a_prefill(tmp_path):
         stats = peer.close()
     assert stats.hijack_refused == 1 and stats.rejected_auth == 1
     assert stats.outcomes[Outcome.verified] == 5 and stats.grants == 5
+
+
+# ---- 3. bounded listeners ----------------------------------------------------------------
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _zmtp_huge_frame(endpoint: str, declared: int, body: bytes):
+    """A raw ZMTP 3.0 PUSH peer that announces one frame of `declared` bytes, sends `body`
+    of it and holds the connection open (what an outsider can do to any listener it
+    reaches); returns the socket."""
+    import socket
+    import struct
+
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+        prop = b"\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
+        ready = b"\x05READY" + prop
+        s.sendall(bytes([0x04, len(ready)]) + ready)
+        s.sendall(b"\x02" + struct.pack(">Q", declared))
+        for i in range(0, len(body), 1 << 20):
+            s.sendall(body[i:i + (1 << 20)])
+    except OSError:
+        pass  # dropped by the receiver: what it should do
+    return s
+
+
+def test_huge_frames_are_dropped_before_they_are_buffered(tmp_path):
+    """An outsider holds 8 connections open to the decode's data and control listeners,
+    each announcing a 4 GiB frame and sending 48 MiB of it: libzmq drops them at the header
+    (ZMQ_MAXMSGSIZE from the layout), the decode's resident memory grows by less than
+    64 MB, and real handoffs then verify."""
+    cfg = typed_cfg("mem_pool=NVLINK")
+    peer = PrefillPeer(cfg, tmp_path)
+    pid = peer.decode.proc.pid
+    held = []
+    try:
+        assert peer.handoff(1) == (Outcome.verified, Detail.none)
+        before = _rss_kb(pid)
+        payload = b"\x00" * (48 << 20)
+        for endpoint in (peer.info["data_endpoint"], peer.info["control_endpoint"]):
+            for _ in range(4):
+                held.append(_zmtp_huge_frame(endpoint, 1 << 32, payload))
+        time.sleep(1.0)
+        grown_kb = _rss_kb(pid) - before
+        for rid in range(2, 12):
+            assert peer.handoff(rid) == (Outcome.verified, Detail.none)
+    finally:
+        for s in held:
+            s.close()
+        stats = peer.close()
+    print(f"decode RSS {before} KiB before the flood, grown by {grown_kb} KiB with 8 x 48 MiB held")
+    assert grown_kb < 64 * 1024
+    assert stats.outcomes[Outcome.verified] == 11
