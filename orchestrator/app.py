@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve
 from .logs import configure
 from .platform import detect
 from .progress import Progress
-from .results import write_atomic
+from .results import NoSpace, lock_run_dir, write_atomic
 from .rules import check_profile
 from .runner import Signals, run_handoffs
 
@@ -24,11 +25,17 @@ from .runner import Signals, run_handoffs
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     """Raises ConfigError for user mistakes (before anything starts). SIGINT and SIGTERM
     end the job with what it measured (results.json says interrupted)."""
-    with Signals() as signals:
-        return _run_job(cfg, run_dir, signals)
+    lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
+    try:
+        with Signals() as signals:
+            return _run_job(cfg, run_dir, signals)
+    finally:
+        os.close(lock.high_fd)
+        lock.close()
 
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
+    logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
     obj = validate(cfg)
     resolve_host(obj)
     drawn = resolve_seed(obj)
@@ -52,16 +59,37 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     results = (report.build_decode_side(obj, plan, out) if obj.role is Role.decode
                else report.build_results(obj, plan, out))
     results["role"], results["run_dir"] = obj.role.value, str(run_dir)
-    report.write(run_dir, results)
-    if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
-        plan_d = results["plan"]
-        plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
-                                       f"{plan_d['buffer_device']}, "
-                                       f"{results['effective_transport'] or plan_d['declared_transport']}")
+    try:
+        _write_outputs(obj, run_dir, results)
+    except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
+        results.update(exit_code=report.EXIT_LOST, error=str(exc))
+        if exc.path.name != "results.json":  # it was written: say how the run ended
+            try:
+                report.write(run_dir, results)
+            except OSError:
+                pass
+        print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+        return results
     log.info("results", **{k: results.get(k) for k in ("requests", "verified", "corrupted", "failed",
                                                       "routes", "effective_transport", "exit_code")})
     print(report.summary(results, run_dir), flush=True)
     return results
+
+
+def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: dict[str, Any]) -> None:
+    report.write(run_dir, results)
+    if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
+        plan_d = results["plan"]
+        png = run_dir / plots.LATENCY_PNG
+        try:
+            plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
+                                           f"{plan_d['buffer_device']}, "
+                                           f"{results['effective_transport'] or plan_d['declared_transport']}")
+        except OSError as exc:
+            png.unlink(missing_ok=True)  # no torn or empty image left behind
+            if exc.errno in (28, 122):
+                raise NoSpace(png) from None
+            raise
 
 
 def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> dict[str, Any]:
@@ -72,6 +100,19 @@ def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> dict[str,
     write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
     if announce:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+    return results
+
+
+def no_space(run_dir: Path, exc: NoSpace) -> dict[str, Any]:
+    """The disk filled after start: one line, exit 3, and results.json when it still fits."""
+    results = {"requests": 0, "verified": 0, "corrupted": 0, "failed": 0, "error": str(exc),
+               "exit_code": report.EXIT_LOST}
+    print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+    if exc.path.name != "results.json":
+        try:
+            write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+        except OSError:
+            pass
     return results
 
 

@@ -40,6 +40,19 @@ def _positive(key: str, value: Any, what: str = "a whole number > 0") -> None:
     _require(value > 0, key, value, what)
 
 
+MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, inf a hang
+
+
+def _seconds(key: str, value: Any, low: float = 0.0, high: float = MAX_WAIT_S, unit: str = "seconds",
+             closed: bool = False) -> None:
+    """A finite duration in (low, high] ([low, high] when `closed`)."""
+    import math
+
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and \
+        (value >= low if closed else value > low) and value <= high
+    _require(ok, key, value, f"{unit} in {'[' if closed else '('}{low:g}, {high:g}] (finite)")
+
+
 # ---- enums (typed as users type them) ------------------------------------------------------
 class MemPoolType(Enum):
     """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values. NONE stands for "no custom pool"."""
@@ -219,7 +232,7 @@ class GateConfig:
     settle_ms: float = 50.0
 
     def check(self) -> None:
-        _require(self.settle_ms >= 0, "gate.settle_ms", self.settle_ms, "milliseconds >= 0")
+        _seconds("gate.settle_ms", self.settle_ms, 0.0, 60_000.0, "milliseconds", closed=True)
 
 
 @dataclass
@@ -247,8 +260,10 @@ class MooncakeConfig:
 
     def check(self) -> None:
         ms = self.metadata_server
-        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT"
+        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT (lower-case scheme)"
         if ms != "P2PHANDSHAKE":
+            # Mooncake matches the scheme case-sensitively (HTTP:// aborts it): spelled exactly
+            _require(ms.startswith(("http://", "etcd://")), "transport.mooncake.metadata_server", ms, forms)
             from urllib.parse import urlsplit
 
             try:
@@ -292,7 +307,7 @@ class TransportConfig:
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def check(self) -> None:
-        _require(self.timeout_s > 0, "transport.timeout_s", self.timeout_s, "seconds > 0")
+        _seconds("transport.timeout_s", self.timeout_s)
         if self.host == "auto":
             _require(self.allow_remote, "transport.host", self.host,
                      "auto (this host's address on its default route) only with "
@@ -341,8 +356,8 @@ class WorkloadConfig:
         _positive("workload.requests", self.requests,
                   "a whole number > 0 (requests per prefill rank)")
         _positive("workload.concurrency", self.concurrency)
-        _require(self.rate is None or self.rate > 0, "workload.rate", self.rate,
-                 "null (closed loop) or requests per second > 0")
+        if self.rate is not None:
+            _seconds("workload.rate", self.rate, 0.0, 1e9, "null (closed loop) or requests per second")
         _positive("workload.batch_size", self.batch_size)
         _require(self.batch_size <= buffers.size, "workload.batch_size", self.batch_size,
                  f"at most buffers.size ({buffers.size}) requests per step")
@@ -381,8 +396,7 @@ class EndpointsConfig:
         _positive("endpoints.prefill_ranks", self.prefill_ranks, "a whole number of processes > 0")
         _positive("endpoints.decode_ranks", self.decode_ranks, "a whole number of instances > 0")
         _positive("endpoints.decode_tp", self.decode_tp, "a whole number of ranks > 0")
-        _require(self.startup_timeout_s > 0, "endpoints.startup_timeout_s",
-                 self.startup_timeout_s, "seconds > 0")
+        _seconds("endpoints.startup_timeout_s", self.startup_timeout_s)
         for role, n in (("prefill", self.prefill_ranks), ("decode", self.decode_procs)):
             key = f"endpoints.{role}_gpus"
             gpus = getattr(self, key.split(".")[1])
@@ -405,6 +419,8 @@ class FaultsConfig:
                  f"at_request={self.at_request} every={self.every} duration_s={self.duration_s} "
                  f"margin_us={self.margin_us} rank={self.rank}",
                  "at_request >= 0, every > 0, duration_s > 0, margin_us >= 0, rank >= 0")
+        _seconds("faults.duration_s", self.duration_s)
+        _seconds("faults.margin_us", self.margin_us, 0.0, 60e6, "microseconds", closed=True)
 
 
 @dataclass

@@ -214,16 +214,93 @@ def read_records(path: Path) -> Iterable[Record]:
                     continue
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file so that a reader sees the old or the new content, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        import os
+LOCK_NAME = ".run.lock"
 
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+
+class RunDirBusy(Exception):
+    """Another live run holds this run dir's lock (refused before start: exit 2)."""
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold `run_dir`'s lock for as long as the returned file stays open (one run per run
+    dir; the kernel drops the lock when the process ends, however it ends). Raises
+    RunDirBusy when another process holds it."""
+    import fcntl
+    import os
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise RunDirBusy(f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); "
+                         "give this one its own hydra.run.dir") from None
+    fh.truncate(0)
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    # a second descriptor far from the low numbers: a stray close of a low fd number by some
+    # library cannot drop the lock (it is the open file's, and both refer to it)
+    fh.high_fd = fcntl.fcntl(fh.fileno(), fcntl.F_DUPFD_CLOEXEC, 512)
+    return fh
+
+
+def run_dir_busy(run_dir: Path) -> Optional[str]:
+    """The refusal line when a live run holds `run_dir`'s lock, else None (takes nothing)."""
+    import fcntl
+
+    path = run_dir / LOCK_NAME
+    if not path.exists():
+        return None
+    try:
+        with open(path) as fh:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return (f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); give this "
+                "one its own hydra.run.dir")
+    return None
+
+
+class NoSpace(OSError):
+    """The disk filled while writing `path` (after start: exit 3, one line)."""
+
+    def __init__(self, path: Path):
+        super().__init__(28, f"no space left writing {path}")
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"no space left writing {self.path}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file so that a reader sees the old or the new content, never a torn one; a
+    failed write leaves no temporary file behind (a full disk raises NoSpace)."""
+    import errno
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, NoSpace):
+            raise NoSpace(path) from None
+        raise
 
 
 def jsonable(obj: Any) -> Any:

@@ -102,7 +102,7 @@ class Shapes:
 
 
 def make_request(w: WorkloadConfig, index: int, shapes: Shapes) -> AuxRequest:
-    g = torch.Generator().manual_seed(seed_of(w) * 1_000_003 + index)
+    g = torch.Generator().manual_seed((seed_of(w) * 1_000_003 + index) % (1 << 63))
     prompt = int(torch.randint(16, 8192, (1,), generator=g).item())
     cached = int(torch.randint(0, prompt, (1,), generator=g).item())
     device_part = int(torch.randint(0, cached + 1, (1,), generator=g).item())

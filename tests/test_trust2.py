@@ -341,3 +341,28 @@ def test_huge_frames_are_dropped_before_they_are_buffered(tmp_path):
     print(f"decode RSS {before} KiB before the flood, grown by {grown_kb} KiB with 8 x 48 MiB held")
     assert grown_kb < 64 * 1024
     assert stats.outcomes[Outcome.verified] == 11
+
+
+# ---- 6. one run per run dir --------------------------------------------------------------
+def test_a_second_run_into_a_busy_run_dir_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=6000",
+                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "requests.jsonl").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second, _ = _cli(tmp_path, "workload.requests=100", name="run")
+        assert first.poll() is None, "the first run ended before the second was tried"
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2, second.stdout + second.stderr
+    lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "in use by another run" in lines[0], lines
+    assert "Traceback" not in second.stderr
+    assert first.returncode == 0, err
+    rids = [json.loads(x)["rid"] for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert len(rids) == len(set(rids)) == 6000
