@@ -366,3 +366,135 @@ def test_a_second_run_into_a_busy_run_dir_is_refused(tmp_path):
     assert first.returncode == 0, err
     rids = [json.loads(x)["rid"] for x in (run_dir / "requests.jsonl").read_text().splitlines()]
     assert len(rids) == len(set(rids)) == 6000
+
+
+# ---- 4. every failure after start: exit 3, one line, no traceback, nothing torn ---------------
+def _tmpfs(path: Path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+
+
+def test_disk_full_after_start_is_one_line_and_exit_3(tmp_path):
+    disk = tmp_path / "small"
+    _tmpfs(disk, "900k")
+    try:
+        proc, run_dir = _cli(disk, "workload.requests=1000")
+        leftovers = [p.name for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: no space left writing "), proc.stderr
+    assert leftovers == []
+
+
+def test_a_side_killed_during_start_up_is_exit_3_with_one_line(tmp_path):
+    """Every endpoint process is SIGKILLed the moment it exists (before it reports)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=100",
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    killed = set()
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline and len(killed) < 2:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) in killed:
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid and b"spawn_main" in cmd:
+                os.kill(int(pid), 9)
+                killed.add(int(pid))
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=60)
+    assert killed
+    assert proc.returncode == 3, out + err
+    assert "Traceback" not in out + err
+    assert "while starting" in out + err or "while bootstrapping" in out + err
+    assert json.loads((run_dir / "results.json").read_text())["exit_code"] == 3
+
+
+def _decode_that_fails(conn) -> None:
+    conn.send(("error", "MemoryError: the decode's own last word"))
+
+
+def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
+    """runner._finish reads a decode's pipe after it died, so its error is reported (it was
+    dropped while the runner read the pipe only of a living decode)."""
+    import structlog
+
+    from orchestrator.runner import RunResult, _finish, _Proc
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    p = ctx.Process(target=_decode_that_fails, args=(child,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    out = RunResult()
+    _finish(typed_cfg(), tmp_path, [], [_Proc("decode", p, conn, "decode", 0)], out, structlog.get_logger())
+    assert "MemoryError: the decode's own last word" in out.error
+    assert "MemoryError: the decode's own last word" in out.decodes["decode"].error
+
+
+# ---- 5. refused before start: exit 2, one line ------------------------------------------
+@pytest.mark.parametrize("override,expect", [
+    ("transport.timeout_s=inf", "transport.timeout_s=inf"),
+    ("endpoints.startup_timeout_s=1e9", "endpoints.startup_timeout_s="),
+    ("transport.mooncake.metadata_server=HTTP://127.0.0.1:8080/metadata", "lower-case scheme"),
+    ("buffers.size=100000000", "bytes"),
+])
+def test_refused_before_start_with_one_line(tmp_path, override, expect):
+    proc, run_dir = _cli(tmp_path, override)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
+    assert not (run_dir / "requests.jsonl").exists()
+
+
+def test_buffers_beyond_memory_name_the_bytes_needed():
+    from orchestrator.config import ConfigError
+    from orchestrator.rules import buffer_bytes, check_profile
+
+    cfg = typed_cfg("buffers.size=1000000", "buffers.hidden_size=7168", "buffers.hidden_states_dtype=bfloat16")
+    need = 2 * buffer_bytes(cfg)
+    with pytest.raises(ConfigError) as info:
+        check_profile(cfg, Platform(host_mem_bytes=need - 1))
+    assert info.value.key == "buffers.size" and f"{need:,} bytes" in str(info.value)
+    check_profile(cfg, Platform(host_mem_bytes=need))  # fits: allowed
+    gpu = typed_cfg("mem_pool=INTRA_NODE_NVLINK", "buffers.size=1000000", "buffers.hidden_size=7168")
+    with pytest.raises(ConfigError, match="GPU 0"):
+        check_profile(gpu, Platform(cuda_devices=2, mooncake_cuda=True, gpu_mem_bytes=(10**9, 10**9)))
+
+
+@pytest.mark.parametrize("content,where", [
+    (b"workload:\n  requests: 10\n  concurrency: [1, 2\n", "bad.yaml:"),
+    (b"workload:\n  requests: 10\n\xff\xfe: x\n", "bad.yaml:3: not UTF-8"),
+])
+def test_bad_yaml_in_a_config_dir_is_named_with_its_line(tmp_path, content, where):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "bad.yaml").write_bytes(content)
+    proc, _ = _cli(tmp_path, "--config-dir", str(conf))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and where in lines[0] and "Traceback" not in proc.stderr, lines
+
+
+# ---- 5'. a slow sibling is not a lost peer ------------------------------------------------
+@pytest.mark.slow
+def test_a_stalled_sibling_prefill_never_makes_a_healthy_one_lose_the_decode(tmp_path):
+    """Two prefill ranks, 4 decode rows: prefill 0 stopped 5 s holds the rows prefill 1
+    waits for; the decode's own heartbeat keeps prefill 1 from declaring it lost."""
+    proc, run_dir = _cli(tmp_path, "endpoints.prefill_ranks=2", "buffers.size=4", "faults=prefill_stopped",
+                         "faults.at_request=100", "faults.duration_s=5", "transport.timeout_s=3",
+                         "workload.requests=1500")
+    res = json.loads((run_dir / "results.json").read_text())
+    assert proc.returncode == 0 and (res["verified"], res["failed"]) == (3000, 0), res["failure_reasons"]
+    assert res["faults_applied"][0]["fault"] == "prefill_stopped"
