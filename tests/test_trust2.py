@@ -498,3 +498,39 @@ def test_a_stalled_sibling_prefill_never_makes_a_healthy_one_lose_the_decode(tmp
     res = json.loads((run_dir / "results.json").read_text())
     assert proc.returncode == 0 and (res["verified"], res["failed"]) == (3000, 0), res["failure_reasons"]
     assert res["faults_applied"][0]["fault"] == "prefill_stopped"
+
+
+# ---- 3'. a stalled Mooncake listener ---------------------------------------------------------
+def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(tmp_path):
+    """Mooncake's handshake listener (0.0.0.0, not ours to bind) serves one handshake at a
+    time: 5 idle connections to it held one for 25 s on this box. The prefill gives up within
+    transport.timeout_s and its one line names the listener."""
+    import socket
+
+    from orchestrator.endpoints.prefill import prefill_main
+
+    cfg = typed_cfg("mem_pool=NONE", "transport.timeout_s=3")
+    decode = DecodeProcess(cfg, tmp_path, secret=SECRET)
+    host, port = decode.info["session_id"].rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(5)]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_main, args=(cfg, decode.plan, str(tmp_path), SECRET, child), daemon=True)
+    proc.start()
+    try:
+        assert conn.poll(60) and conn.recv()[0] == "up"
+        t0 = time.monotonic()
+        conn.send(("decodes", [[decode.info]]))
+        assert conn.poll(30)
+        kind, line = conn.recv()
+        waited = time.monotonic() - t0
+    finally:
+        for s in idle:
+            s.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        decode.stop()
+    assert kind == "error" and "TimeoutError" in line and decode.info["session_id"] in line, line
+    assert "\n" not in line and "listener" in line
+    assert waited < 20  # the 3 s timeout and slack for a loaded box; held, the handshake took 25 s

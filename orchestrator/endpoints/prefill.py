@@ -381,7 +381,9 @@ class PrefillEndpoint:
         if t.is_alive():
             self.stuck = True
             raise TimeoutError(f"Mooncake handshake with decode session {session} did not finish "
-                               f"within transport.timeout_s={self.timeout_s:g}")
+                               f"within transport.timeout_s={self.timeout_s:g}: its engine listener "
+                               f"{session} stalled (Mooncake serves handshakes one at a time, and "
+                               "idle connections to that port from anyone hold it)")
         if not result.get("ok"):
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
         if "warm_error" in result:
