@@ -74,6 +74,19 @@ class PrefillPeer:
             self.recv()
         return self.grants[rid]
 
+    def quiet(self, ms: int) -> bool:
+        """True when nothing but the decode's heartbeats (empty updates) arrives for `ms`."""
+        import time
+
+        deadline = time.monotonic() + ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.control.poll(int(left * 1000) + 1):
+                break
+            msg = self.recv()
+            if msg["type"] != "update" or msg["grants"] or msg["v"]:
+                return False
+        return True
+
     def verdict(self, rid: int, timeout_ms: int = 20000) -> tuple[Outcome, Detail]:
         while rid not in self.verdicts:
             self.recv(timeout_ms)

@@ -232,7 +232,7 @@ def test_grants_come_at_arrival_and_go_back_on_bye(cfg_factory, tmp_path):
         a, b = peer.arrive(1, 111), peer.arrive(2, 222)  # slots before any row is ready
         assert {a, b} == {0, 1}
         peer.send_control(wire.encode("arrive", reqs=[[3, 333]], contiguous=False))
-        assert not peer.control.poll(300)  # no slot free: request 3 waits
+        assert peer.quiet(300)  # no slot free: request 3 waits
         peer.send_control(wire.encode("bye"))  # this prefill writes nothing more
         peer.recv()
         assert 3 in peer.grants

@@ -102,7 +102,7 @@ class DecodeEndpoint:
         self.secret = secret
         self.nonce = new_nonce()
         self.sessions: dict[bytes, PrefillSession] = {}  # control identity -> session
-        self.heartbeat_s = max(0.05, min(1.0, cfg.transport.timeout_s / 4))
+        self.heartbeat_s = max(0.05, min(1.0, cfg.transport.timeout_s / 4))  # well inside the prefill's timeout
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
         self.digest.warm()
@@ -298,12 +298,20 @@ class DecodeEndpoint:
             sess.told = _clock()
 
     def heartbeat(self) -> None:
-        """The leader's word to every bound prefill it has said nothing to for a while: the
-        prefill's liveness check of this process rests on this process alone."""
+        """The leader's word (an empty update) to every bound prefill that waits on this
+        process (a grant or an arrival of its is here) and has heard nothing for a while:
+        the prefill's liveness check of this process rests on this process alone, not on
+        what other prefills make it wait for."""
         now = _clock()
-        for sess in self.prefills.values():
-            if now - sess.told >= self.heartbeat_s:
+        due = [s for s in self.prefills.values() if now - s.told >= self.heartbeat_s]
+        if not due:
+            return
+        waiting = {g.prank for g in self.grants.values()} | {w[0] for w in self.waiting}
+        for sess in due:
+            if sess.rank in waiting:
                 self._reply(sess.identity, wire.encode("update", grants=[], v=[]))
+            else:
+                sess.told = now  # nothing owed: look again in a while
 
     # ---- data plane ---------------------------------------------------------------------
     def _data_auth(self, frames: list[bytes]) -> tuple[Optional[Session], bytes]:
