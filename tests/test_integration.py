@@ -180,13 +180,14 @@ def test_decode_judges_corruption_room_mismatch_stale_room_and_failed_sender(cfg
         peer.send_frames(room, slot, peer.rows())
         peer.status(room, 5, slot, tag, status=KVPoll.Failed)
         assert peer.verdict(5) == (Outcome.failed, Detail.sender_error)
-        # 6. frames for a slot that was never granted are dropped, nothing written
+        # 6. frames for a slot that was never granted are refused (no grant: no session key
+        #    opens them), nothing written
         peer.send_frames(999, 5, peer.rows())
         assert peer.handoff(6) == (Outcome.verified, Detail.none)
     finally:
         stats = peer.close()
     assert stats.outcomes[Outcome.verified] == 2 and stats.outcomes[Outcome.corrupted] == 2
-    assert stats.outcomes[Outcome.failed] == 2 and stats.unexpected == len(peer.buffers.fields)
+    assert stats.outcomes[Outcome.failed] == 2 and stats.rejected_auth == len(peer.buffers.fields)
 
 
 @pytest.mark.slow

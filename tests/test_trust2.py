@@ -534,3 +534,23 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     assert kind == "error" and "TimeoutError" in line and decode.info["session_id"] in line, line
     assert "\n" not in line and "listener" in line
     assert waited < 20  # the 3 s timeout and slack for a loaded box; held, the handshake took 25 s
+
+
+# ---- 1'. rooms differ per run -------------------------------------------------------------
+def _rooms(run_dir: Path) -> list[int]:
+    return [json.loads(x)["room"] for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+
+
+def test_rooms_differ_per_run_unless_the_seed_is_pinned(tmp_path):
+    a, da = _cli(tmp_path, "workload.requests=200", name="a")
+    b, db = _cli(tmp_path, "workload.requests=200", name="b")
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert not set(_rooms(da)) & set(_rooms(db))  # a drawn seed each: no room in common
+    seeds = [json.loads((d / "fingerprint.json").read_text())["seeds"] for d in (da, db)]
+    assert all(s["drawn"] for s in seeds) and seeds[0]["workload.seed"] != seeds[1]["workload.seed"]
+    assert json.loads((da / "results.json").read_text())["workload"]["seed"] == seeds[0]["workload.seed"]
+    c, dc = _cli(tmp_path, "workload.requests=200", "workload.seed=5", name="c")
+    d, dd = _cli(tmp_path, "workload.requests=200", "workload.seed=5", name="d")
+    assert c.returncode == d.returncode == 0
+    assert _rooms(dc) == _rooms(dd)  # a pinned seed repeats its rooms
+    assert json.loads((dc / "fingerprint.json").read_text())["seeds"]["drawn"] is False
