@@ -120,8 +120,7 @@ class PrefillPeer:
 
     def status(self, room: int, rid: int, dst_slot: int, tag: int, status=KVPoll.Success,
                sign: bool = True) -> None:
-        frames = wire.encode_status(room, status, self.rank, rid, dst_slot,
-                                    tag if self.buffers.checksum_field is None else 0)
+        frames = wire.encode_status(room, status, self.rank, rid, dst_slot, tag)  # as the real prefill
         self.push.send_multipart(self.auth.sign(frames) if sign else frames)
 
     def handoff(self, rid: int, corrupt=None) -> tuple[Outcome, Detail]:

@@ -112,12 +112,17 @@ def test_row_from_an_earlier_run_fails_the_digest_under_a_shared_secret(tmp_path
         attacker = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "tcp", env=peer.plan.mc_env)
         attacker.register(rows.arena_ptr, rows.arena_bytes)
         ptrs, _, lens = rows.get_buf_infos()
-        room = peer.pool.get(1, 0).bootstrap_room
+        room, tag = peer.fill(1)  # what run 2's prefill writes and says it wrote
         slot = peer.arrive(1, room)
         dst = peer.bootstrap["aux_ptrs"]
         attacker.batch_write(peer.bootstrap["session_id"], ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
-        peer.status(room, 1, slot, 0)  # run 2's own authentic "done"
+        peer.status(room, 1, slot, 0)  # run 2's own authentic "done", without its tag
         assert peer.verdict(1) == (Outcome.corrupted, Detail.checksum_mismatch)
+        # with the sender's tag in its status (what the prefill sends): told apart
+        slot = peer.arrive(2, room)
+        attacker.batch_write(peer.bootstrap["session_id"], ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
+        peer.status(room, 2, slot, peer.fill(2, room=room)[1])
+        assert peer.verdict(2) == (Outcome.corrupted, Detail.written_by_someone_else)
     finally:
         stats = peer.close()
     assert stats.outcomes[Outcome.verified] == 0

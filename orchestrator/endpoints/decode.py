@@ -455,6 +455,9 @@ class DecodeEndpoint:
         if r.room != g.room:
             return Outcome.corrupted, Detail.room_mismatch
         if not self._digest_ok(g, r):
+            if (self.buffers.checksum_field is not None and g.tag
+                    and r.landed_tag not in (0, g.tag)):  # not the tag its sender wrote, nor none
+                return Outcome.corrupted, Detail.written_by_someone_else
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
 
