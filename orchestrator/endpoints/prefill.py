@@ -589,7 +589,7 @@ class _Loop:
         for rid, outcome, detail, t_ns, t_status_ns in verdicts:
             req = self.outstanding.get(rid)
             if req is None or req.inst != inst.index or req.verdict is not None:
-                self.res.replayed += 1  # not ours, or judged twice
+                self.res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
                 continue
             try:
                 o, d = Outcome.of(outcome), Detail.of(detail)
@@ -765,8 +765,11 @@ class _Loop:
             if kind == "update":
                 for rid, slot in msg["grants"]:
                     req = self.outstanding.get(rid)
-                    if req is None or req.inst != inst.index or req.dst_slot >= 0 or req.verdict is not None:
-                        self.res.replayed += 1  # a grant for no request waiting for one
+                    if req is None or req.inst != inst.index or req.verdict is not None:
+                        self.res.rejected += 1  # not ours, or already done
+                        continue
+                    if req.dst_slot >= 0:
+                        self.res.replayed += 1  # a second grant for one request
                         continue
                     req.dst_slot = slot
                     inst.ungranted -= 1
