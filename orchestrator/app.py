@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, An
         with Signals() as signals:
             return _run_job(cfg, run_dir, signals)
     finally:
-        os.close(lock.high_fd)
         lock.close()
 
 

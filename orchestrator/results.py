@@ -247,9 +247,6 @@ def lock_run_dir(run_dir: Path):
     fh.truncate(0)
     fh.write(f"{os.getpid()}\n")
     fh.flush()
-    # a second descriptor far from the low numbers: a stray close of a low fd number by some
-    # library cannot drop the lock (it is the open file's, and both refer to it)
-    fh.high_fd = fcntl.fcntl(fh.fileno(), fcntl.F_DUPFD_CLOEXEC, 512)
     return fh
 
 
