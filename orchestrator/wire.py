@@ -11,7 +11,7 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
                        tp_rank, boot_id, scratch_ptr, nonce, hello_nonce}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
                        grants and verdicts, one message per loop; times are the decode's
-                       CLOCK_MONOTONIC), error {detail}
+                       CLOCK_MONOTONIC; an empty one is the decode's heartbeat), error {detail}
 A request is announced ("arrive") when it arrives, as SGLang's decode pre-allocates while the
 request bootstraps, so the slot is known before its prefill finishes.
 
