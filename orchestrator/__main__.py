@@ -12,8 +12,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .app import failed_job, refused, run_job
+from .app import failed_job, no_space, refused, run_job
 from .config import ConfigError, register_configs
+from .results import NoSpace, RunDirBusy
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -32,6 +33,11 @@ def main(cfg: DictConfig) -> float:
         results = run_job(cfg, run_dir)
     except ConfigError as exc:
         results = refused(run_dir, exc)
+    except NoSpace as exc:
+        results = no_space(run_dir, exc)
+    except RunDirBusy as exc:  # refused before start; the other run's files stay untouched
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        results = {"exit_code": 2, "verified": 0}
     except Exception as exc:  # noqa: BLE001 - a sweep must survive any one job
         if single:
             raise

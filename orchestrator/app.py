@@ -12,11 +12,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from . import fingerprint, plots, report
-from .config import ConfigError, OrchestratorConfig, Role, resolve_host, validate
+from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
 from .logs import configure
 from .platform import detect
 from .progress import Progress
-from .results import write_atomic
+from .results import NoSpace, lock_run_dir, write_atomic
 from .rules import check_profile
 from .runner import Signals, run_handoffs
 
@@ -24,20 +24,28 @@ from .runner import Signals, run_handoffs
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     """Raises ConfigError for user mistakes (before anything starts). SIGINT and SIGTERM
     end the job with what it measured (results.json says interrupted)."""
-    with Signals() as signals:
-        return _run_job(cfg, run_dir, signals)
+    lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
+    try:
+        with Signals() as signals:
+            return _run_job(cfg, run_dir, signals)
+    finally:
+        lock.close()
 
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
+    logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
     obj = validate(cfg)
     resolve_host(obj)
+    drawn = resolve_seed(obj)
     plan = check_profile(obj, detect())
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
                     console_level=logging.INFO if obj.logging.console else logging.WARNING)
     log.info("plan", **plan.as_dict())
     for event in plan.events:
         log.warning(event.event, reason=event.reason.value, detail=event.detail)
-    write_atomic(run_dir / "fingerprint.json", json.dumps(fingerprint.collect(obj, plan), indent=2) + "\n")
+    fp = fingerprint.collect(obj, plan)
+    fp["seeds"]["drawn"] = drawn  # replay passes a drawn seed back (orchestrator.replay)
+    write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
 
     total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
     progress = Progress(total, log) if obj.role is not Role.decode else None
@@ -49,16 +57,37 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     results = (report.build_decode_side(obj, plan, out) if obj.role is Role.decode
                else report.build_results(obj, plan, out))
     results["role"], results["run_dir"] = obj.role.value, str(run_dir)
-    report.write(run_dir, results)
-    if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
-        plan_d = results["plan"]
-        plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
-                                       f"{plan_d['buffer_device']}, "
-                                       f"{results['effective_transport'] or plan_d['declared_transport']}")
+    try:
+        _write_outputs(obj, run_dir, results)
+    except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
+        results.update(exit_code=report.EXIT_LOST, error=str(exc))
+        if exc.path.name != "results.json":  # it was written: say how the run ended
+            try:
+                report.write(run_dir, results)
+            except OSError:
+                pass
+        print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+        return results
     log.info("results", **{k: results.get(k) for k in ("requests", "verified", "corrupted", "failed",
                                                       "routes", "effective_transport", "exit_code")})
     print(report.summary(results, run_dir), flush=True)
     return results
+
+
+def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: dict[str, Any]) -> None:
+    report.write(run_dir, results)
+    if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
+        plan_d = results["plan"]
+        png = run_dir / plots.LATENCY_PNG
+        try:
+            plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
+                                           f"{plan_d['buffer_device']}, "
+                                           f"{results['effective_transport'] or plan_d['declared_transport']}")
+        except OSError as exc:
+            png.unlink(missing_ok=True)  # no torn or empty image left behind
+            if exc.errno in (28, 122):
+                raise NoSpace(png) from None
+            raise
 
 
 def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> dict[str, Any]:
@@ -69,6 +98,19 @@ def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> dict[str,
     write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
     if announce:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+    return results
+
+
+def no_space(run_dir: Path, exc: NoSpace) -> dict[str, Any]:
+    """The disk filled after start: one line, exit 3, and results.json when it still fits."""
+    results = {"requests": 0, "verified": 0, "corrupted": 0, "failed": 0, "error": str(exc),
+               "exit_code": report.EXIT_LOST}
+    print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+    if exc.path.name != "results.json":
+        try:
+            write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+        except OSError:
+            pass
     return results
 
 

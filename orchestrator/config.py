@@ -41,6 +41,19 @@ def _positive(key: str, value: Any, what: str = "a whole number > 0") -> None:
     _require(value > 0, key, value, what)
 
 
+MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, inf a hang
+
+
+def _seconds(key: str, value: Any, low: float = 0.0, high: float = MAX_WAIT_S, unit: str = "seconds",
+             closed: bool = False) -> None:
+    """A finite duration in (low, high] ([low, high] when `closed`)."""
+    import math
+
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and \
+        (value >= low if closed else value > low) and value <= high
+    _require(ok, key, value, f"{unit} in {'[' if closed else '('}{low:g}, {high:g}] (finite)")
+
+
 # ---- enums (typed as users type them) ------------------------------------------------------
 class MemPoolType(Enum):
     """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values. NONE stands for "no custom pool"."""
@@ -262,7 +275,7 @@ class GateConfig:
     read: GateRead = GateRead.batched  # sglang | batched | side_stream (device rows)
 
     def check(self) -> None:
-        _require(self.settle_ms >= 0, "gate.settle_ms", self.settle_ms, "milliseconds >= 0")
+        _seconds("gate.settle_ms", self.settle_ms, 0.0, 60_000.0, "milliseconds", closed=True)
 
 
 @dataclass
@@ -290,8 +303,10 @@ class MooncakeConfig:
 
     def check(self) -> None:
         ms = self.metadata_server
-        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT"
+        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT (lower-case scheme)"
         if ms != "P2PHANDSHAKE":
+            # Mooncake matches the scheme case-sensitively (HTTP:// aborts it): spelled exactly
+            _require(ms.startswith(("http://", "etcd://")), "transport.mooncake.metadata_server", ms, forms)
             from urllib.parse import urlsplit
 
             try:
@@ -335,7 +350,7 @@ class TransportConfig:
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def check(self) -> None:
-        _require(self.timeout_s > 0, "transport.timeout_s", self.timeout_s, "seconds > 0")
+        _seconds("transport.timeout_s", self.timeout_s)
         if self.host == "auto":
             _require(self.allow_remote, "transport.host", self.host,
                      "auto (this host's address on its default route) only with "
@@ -375,14 +390,17 @@ class WorkloadConfig:
     sampling_mask: bool = False  # requests carry sampling masks (needs buffers.enable_sampling_mask)
     multimodal: bool = False  # requests carry image/audio/video token counts
     dsa_indices: bool = True  # speculative requests carry DSA top-k indices (when the field exists)
-    seed: int = 0
+    # Rooms and synthetic content derive from it. null: every run draws its own (so rooms
+    # differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
+    # seed repeats its rooms.
+    seed: Optional[int] = None
 
     def check(self, buffers: BuffersConfig) -> None:
         _positive("workload.requests", self.requests,
                   "a whole number > 0 (requests per prefill rank)")
         _positive("workload.concurrency", self.concurrency)
-        _require(self.rate is None or self.rate > 0, "workload.rate", self.rate,
-                 "null (closed loop) or requests per second > 0")
+        if self.rate is not None:
+            _seconds("workload.rate", self.rate, 0.0, 1e9, "null (closed loop) or requests per second")
         _positive("workload.batch_size", self.batch_size)
         _require(self.batch_size <= buffers.size, "workload.batch_size", self.batch_size,
                  f"at most buffers.size ({buffers.size}) requests per step")
@@ -393,8 +411,8 @@ class WorkloadConfig:
                  f"0..buffers.max_top_logprobs_num ({buffers.max_top_logprobs_num})")
         _require(not self.sampling_mask or buffers.enable_sampling_mask, "workload.sampling_mask",
                  self.sampling_mask, "false unless buffers.enable_sampling_mask=true")
-        _require(0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
-                 f"a whole number in 0..{MAX_SEED}")
+        _require(self.seed is None or 0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
+                 f"null (drawn per run) or a whole number in 0..{MAX_SEED}")
 
 
 @dataclass
@@ -440,8 +458,7 @@ class EndpointsConfig:
         _positive("endpoints.prefill_ranks", self.prefill_ranks, "a whole number of processes > 0")
         _positive("endpoints.decode_ranks", self.decode_ranks, "a whole number of instances > 0")
         _positive("endpoints.decode_tp", self.decode_tp, "a whole number of ranks > 0")
-        _require(self.startup_timeout_s > 0, "endpoints.startup_timeout_s",
-                 self.startup_timeout_s, "seconds > 0")
+        _seconds("endpoints.startup_timeout_s", self.startup_timeout_s)
         for role, n in (("prefill", self.prefill_ranks), ("decode", self.decode_procs)):
             key = f"endpoints.{role}_gpus"
             gpus = getattr(self, key.split(".")[1])
@@ -465,6 +482,8 @@ class FaultsConfig:
                  f"at_request={self.at_request} every={self.every} duration_s={self.duration_s} "
                  f"margin_us={self.margin_us} rank={self.rank}",
                  "at_request >= 0, every > 0, duration_s > 0, margin_us >= 0, rank >= 0")
+        _seconds("faults.duration_s", self.duration_s)
+        _seconds("faults.margin_us", self.margin_us, 0.0, 60e6, "microseconds", closed=True)
 
 
 @dataclass
@@ -560,6 +579,16 @@ def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, 
                               "a file the decode side (role=decode) writes its address to; none "
                               f"appeared within {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def resolve_seed(cfg: OrchestratorConfig) -> bool:
+    """workload.seed=null: draw this run's seed (True when drawn)."""
+    if cfg.workload.seed is not None:
+        return False
+    import secrets
+
+    cfg.workload.seed = secrets.randbelow(MAX_SEED + 1)
+    return True
 
 
 def resolve_host(cfg: OrchestratorConfig) -> None:

@@ -196,13 +196,16 @@ class RowCheck:
 
 
 class Keys:
-    """The secret-derived parts of the digest (weights seed, pad key)."""
+    """The secret-derived parts of the digest (weights seed, pad key). `nonce`, the prefill
+    process's per-run nonce (orchestrator.auth), goes into the pad key: a row and tag from
+    another run, even under the same secret, carries the wrong pad."""
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, nonce: str = ""):
         h = hashlib.blake2b(secret, digest_size=32, person=b"orch-digest-v1")
         material = h.digest()
         self.weight_seed = int.from_bytes(material[:16], "little")
-        self.pad_key = material[16:]
+        self.pad_key = (hashlib.blake2b(nonce.encode(), key=material[16:], digest_size=16).digest()
+                        if nonce else material[16:])
 
     def pad(self, rank: int, rid: int) -> tuple[int, int]:
         raw = hashlib.blake2b(struct.pack("<IQ", rank, rid), key=self.pad_key, digest_size=8).digest()
@@ -219,6 +222,7 @@ class RowDigest:
         self._seal: dict = {}
         self._write: dict = {}
         self._judge: dict = {}
+        self.rank_keys: dict[int, Keys] = {}  # receiver: each prefill rank's run-bound keys
         if kind is DigestKind.blake2b:
             if self.device.type != "cpu":
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
@@ -564,7 +568,7 @@ class RowDigest:
     def _blake(self, slot: int, ident: tuple[int, int]) -> tuple[int, str]:
         skip = [self.b.checksum_field] if self.b.checksum_field is not None else []
         snap = self.b.row_snapshot(slot, skip=skip)
-        keyed = hashlib.blake2b(snap, key=self.keys.pad_key, digest_size=8,
+        keyed = hashlib.blake2b(snap, key=self.rank_keys.get(ident[0], self.keys).pad_key, digest_size=8,
                                 person=struct.pack("<IQ", *ident)).digest()
         tag = (int.from_bytes(keyed, "little") & ((1 << 62) - 1)) | MARK
         return tag, hashlib.blake2b(snap, digest_size=6).hexdigest()

@@ -54,6 +54,9 @@ class Detail(Enum):
     run_error = "run_error"  # the run could not start or an endpoint failed
     tp_disagreement = "tp_disagreement"  # ranks of one decode TP group judged it differently
     decode_overloaded = "decode_overloaded"  # the decode's arrival queue was full: shed
+    # the row's kv_checksum holds a tag its authenticated sender did not write (it said which
+    # in its status): someone else wrote into the registered row
+    written_by_someone_else = "written_by_someone_else"
 
     @property
     def code(self) -> int:

@@ -67,6 +67,8 @@ class Platform:
     mooncake_cuda: bool = False  # the installed Mooncake wheel has the CUDA transports
     rdma_devices: tuple[str, ...] = ()  # /sys/class/infiniband entries (HCAs the engine can open)
     env: Mapping[str, str] = field(default_factory=dict)  # snapshot of os.environ
+    host_mem_bytes: Optional[int] = None  # MemAvailable (None: not known, not checked)
+    gpu_mem_bytes: tuple[int, ...] = ()  # each CUDA device's total memory (empty: not checked)
 
     @property
     def cuda(self) -> bool:

@@ -45,10 +45,25 @@ def rdma_devices(sysfs: str = "/sys/class/infiniband") -> tuple[str, ...]:
         return ()
 
 
+def host_mem_available(meminfo: str = "/proc/meminfo"):
+    """MemAvailable in bytes, or None where the kernel does not say."""
+    try:
+        for line in open(meminfo):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def detect() -> Platform:
     import torch
 
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        gpu_mem = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_devices))
+    except Exception:  # noqa: BLE001 - not known: not checked
+        gpu_mem = ()
     npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
     return Platform(
         cuda_devices=cuda_devices,
@@ -57,4 +72,6 @@ def detect() -> Platform:
         mooncake_cuda=mooncake_has_cuda(),
         rdma_devices=rdma_devices(),
         env=dict(os.environ),
+        host_mem_bytes=host_mem_available(),
+        gpu_mem_bytes=gpu_mem,
     )

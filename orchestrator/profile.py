@@ -110,11 +110,63 @@ def cli_overrides(argv: Sequence[str]) -> Optional[list[str]]:
     return out
 
 
+def config_dirs(argv: Sequence[str]) -> list[Path]:
+    """The directories --config-dir / --config-path (and -cd / -cp) name."""
+    out, want = [], False
+    for arg in argv:
+        flag, sep, value = arg.partition("=")
+        if want:
+            out.append(Path(arg))
+            want = False
+        elif flag in ("-cd", "--config-dir", "-cp", "--config-path"):
+            if sep:
+                out.append(Path(value))
+            else:
+                want = True
+    return out
+
+
+def yaml_problem(directory: Path) -> Optional[str]:
+    """The first YAML file under `directory` that does not parse, as one line naming the
+    file and the line (Hydra would print a traceback for it), else None."""
+    import yaml
+
+    if not directory.is_dir():
+        return f"{directory} is not a directory of configs"
+    for path in sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")):
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            return f"{path}:{line}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            return f"{where}: not valid YAML ({problem})"
+    return None
+
+
 def precheck(argv: Sequence[str]) -> Optional[str]:
     """One line naming what Hydra or validate would refuse in these overrides, else None.
     Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
-    single run also goes through the rule book here (a sweep's refused job is a row)."""
+    single run also goes through the rule book here (a sweep's refused job is a row). YAML
+    files of a --config-dir that do not parse are named with their line."""
+    for directory in config_dirs(argv):
+        problem = yaml_problem(directory)
+        if problem is not None:
+            return problem
     overrides = cli_overrides(argv)
+    for o in overrides or ():
+        if o.startswith("hydra.run.dir=") and "${" not in o:  # before Hydra writes into it
+            from .results import run_dir_busy
+
+            busy = run_dir_busy(Path(o.split("=", 1)[1]))
+            if busy is not None:
+                return busy
     if overrides is None or any("${hydra:" in o for o in overrides):
         return None  # another primary config, or values only a running job can resolve
     from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or run_dir / "replays" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     cmd = [sys.executable, "-m", "orchestrator", "--config-path", str(run_dir / ".hydra"),
            "--config-name", "config", f"hydra.run.dir={out}", "hydra.job.name=orchestrator"]
+    seeds = json.loads((run_dir / "fingerprint.json").read_text()).get("seeds", {})
+    if seeds.get("drawn") and seeds.get("workload.seed") is not None:  # the run drew its seed
+        cmd.append(f"workload.seed={seeds['workload.seed']}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if not (out / "results.json").exists():
         print(f"error: the replay did not produce results (exit {proc.returncode}):\n"

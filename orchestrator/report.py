@@ -40,7 +40,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
     lat = {k: LatencyHistogram() for k in LATENCIES}
     stages = {k: LatencyHistogram() for k in STAGES}
     pairs: dict[str, dict] = {}
-    sends = blocks = rejected = 0
+    sends = blocks = rejected = replayed = 0
     for r in ranks:
         outcomes.update(r.outcomes)
         details.update(r.details)
@@ -58,6 +58,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         sends += r.sends
         blocks += r.send_blocks
         rejected += r.rejected
+        replayed += r.replayed
     verified, corrupted = outcomes[Outcome.verified], outcomes[Outcome.corrupted]
     accounted = sum(outcomes.values())
     failed = requests - verified - corrupted
@@ -95,7 +96,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "wall_s": round(wall, 4) if wall else None,
         "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
                      "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
-                     "duplicate_rooms": w.duplicate_rooms, "layout": cfg.layout.name,
+                     "duplicate_rooms": w.duplicate_rooms, "seed": w.seed, "layout": cfg.layout.name,
                      "digest": cfg.verify.digest.value,
                      "in_flight_max": w.concurrency * cfg.endpoints.prefill_ranks,
                      "decode_rows": cfg.buffers.size * cfg.endpoints.decode_ranks},
@@ -105,7 +106,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "pairs": pairs,
         "authenticated": {"secret": f"transport.secret_env={t.secret_env}" if t.secret_env
                           else "generated for this run", "rejected": rejected + sum(
-                              d.rejected_auth for d in out.decodes.values())},
+                              d.rejected_auth for d in out.decodes.values()),
+                          "replayed": replayed + sum(d.replayed for d in out.decodes.values()),
+                          "hijack_refused": sum(d.hijack_refused for d in out.decodes.values())},
         "decode": decodes,
         "decode_verified": decode_verified,
         "memory_kb": {**{name: r.memory for name, r in out.ranks.items() if isinstance(r, RankResult)},

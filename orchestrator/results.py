@@ -117,6 +117,7 @@ class RankResult:
     row_bytes: int = 0
     clock: str = "one_way"  # "round_trip" when decode's clock is not this host's
     rejected: int = 0  # messages dropped: bad MAC or malformed
+    replayed: int = 0  # authentic, but a replay or for a request not in the state it needs
     memory: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
@@ -170,6 +171,8 @@ class DecodeResult:
     dropped_data: int = 0  # malformed data-plane messages
     dropped_control: int = 0  # malformed control messages
     unexpected: int = 0  # well-formed, authentic, but for no grant of ours
+    replayed: int = 0  # authentic, this run's, seen before: a replay (no effect)
+    hijack_refused: int = 0  # a hello for a prefill rank already bound to a connection
     ambiguous: int = 0  # a bare SGLang status whose room matches several grants
     gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
     settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
@@ -198,6 +201,7 @@ def decode_dict(d: DecodeResult) -> dict[str, Any]:
     return {"outcomes": counter_dict(d.outcomes), "details": counter_dict(d.details),
             "rejected_auth": d.rejected_auth, "dropped_data": d.dropped_data,
             "dropped_control": d.dropped_control, "unexpected": d.unexpected,
+            "replayed": d.replayed, "hijack_refused": d.hijack_refused,
             "ambiguous": d.ambiguous, "gate_waits": d.gate_waits, "settled": d.settled, "grants": d.grants,
             "steps": d.steps, "verify_us_per_batch": d.verify_us.summary(),
             "batch_mean": d.batch.mean, "gate_read_us_per_poll": d.gate_read_us.summary(),
@@ -218,16 +222,90 @@ def read_records(path: Path) -> Iterable[Record]:
                     continue
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file so that a reader sees the old or the new content, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        import os
+LOCK_NAME = ".run.lock"
 
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+
+class RunDirBusy(Exception):
+    """Another live run holds this run dir's lock (refused before start: exit 2)."""
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold `run_dir`'s lock for as long as the returned file stays open (one run per run
+    dir; the kernel drops the lock when the process ends, however it ends). Raises
+    RunDirBusy when another process holds it."""
+    import fcntl
+    import os
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise RunDirBusy(f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); "
+                         "give this one its own hydra.run.dir") from None
+    fh.truncate(0)
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def run_dir_busy(run_dir: Path) -> Optional[str]:
+    """The refusal line when a live run holds `run_dir`'s lock, else None (takes nothing)."""
+    import fcntl
+
+    path = run_dir / LOCK_NAME
+    if not path.exists():
+        return None
+    try:
+        with open(path) as fh:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return (f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); give this "
+                "one its own hydra.run.dir")
+    return None
+
+
+class NoSpace(OSError):
+    """The disk filled while writing `path` (after start: exit 3, one line)."""
+
+    def __init__(self, path: Path):
+        super().__init__(28, f"no space left writing {path}")
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"no space left writing {self.path}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file so that a reader sees the old or the new content, never a torn one; a
+    failed write leaves no temporary file behind (a full disk raises NoSpace)."""
+    import errno
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, NoSpace):
+            raise NoSpace(path) from None
+        raise
 
 
 def jsonable(obj: Any) -> Any:

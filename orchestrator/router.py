@@ -51,6 +51,7 @@ class Peer:
     tp_rank: int = 0
     boot_id: str = ""
     scratch_ptr: int = 0  # the decode's warm-up target (0: none advertised)
+    auth: Optional[Authenticator] = None  # the session's keys (orchestrator.auth.Session)
 
 
 @dataclass(slots=True)
@@ -122,6 +123,8 @@ class AuxRouter:
         if self.route is Route.engine and not peer.session_id:
             raise LayoutMismatch("the decode side has no engine session for the engine route")
         self.peer = peer
+        if peer.auth is not None:  # from here on, every message is signed for this run and pair
+            self.auth = peer.auth
 
     def warm(self) -> float:
         """Engine route: one write of our scratch into the peer's (no field covers either),
@@ -161,7 +164,8 @@ class AuxRouter:
         """tcp route: one AUX_DATA message per field, n consecutive rows in its payload."""
         first, n = send.transfers[0], len(send.transfers)
         rows = wire.read_rows(self.src_ptrs, self.item_lens, first.src_slot, n)
-        return [self.auth.sign(wire.encode_aux(first.room, i, first.dst_slot, payload))
+        ad = b"".join(t.rid.to_bytes(8, "little") for t in send.transfers)  # the slots' tenants
+        return [self.auth.sign(wire.encode_aux(first.room, i, first.dst_slot, payload), ad)
                 for i, payload in enumerate(rows)]
 
     # ---- moving bytes -------------------------------------------------------------------

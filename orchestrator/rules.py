@@ -10,7 +10,9 @@ what is allowed). It applies, in order:
   4. the secret: a named one must be set; a run across hosts must name one; NVLink stays
      on one host; rdma needs an RDMA device unless it may degrade;
   5. the digest: blake2b reads rows on the host;
-  6. the metadata service the runner would start.
+  6. the metadata service the runner would start;
+  7. memory: every process's buffers must fit the host's available memory (host buffers)
+     or their GPU's memory (CUDA buffers).
 Pure: the machine is described by `platform` (its env snapshot included).
 """
 
@@ -77,7 +79,45 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
+    _check_memory(cfg, plan, platform)
     return plan
+
+
+def buffer_bytes(cfg: OrchestratorConfig) -> int:
+    """One process's MetadataBuffers arena (every present field, 256-byte aligned, plus its
+    alignment slack and warm-up scratch), computed from the layout without allocating."""
+    from .buffers import TORCH_DTYPES
+    from .layout import Sizes, field_specs
+
+    b = cfg.buffers
+    sizes = Sizes(b.hidden_size, TORCH_DTYPES[b.hidden_states_dtype], b.max_sampling_mask_tokens,
+                  b.max_top_logprobs_num, b.output_dsa_topk_indices_dim, b.kv_checksum_enabled,
+                  b.enable_sampling_mask)
+    return sum(-(-b.size * s.item_len // 256) * 256 for s in field_specs(cfg.layout, sizes)) + 3 * 256
+
+
+def _check_memory(cfg: OrchestratorConfig, plan: Plan, platform: Platform) -> None:
+    e = cfg.endpoints
+    each = buffer_bytes(cfg)
+    if plan.buffer_device is Device.cpu:
+        procs = ((e.prefill_ranks if cfg.role is not Role.decode else 0)
+                 + (e.decode_ranks * e.decode_tp if cfg.role is not Role.prefill else 0))
+        need, have = each * procs, platform.host_mem_bytes
+        if have is not None and need > have:
+            raise ConfigError("buffers.size", cfg.buffers.size,
+                              f"fewer slots or a smaller row: {procs} processes' host buffers would "
+                              f"need {need:,} bytes ({each:,} each) and this host has {have:,} "
+                              "bytes available")
+    elif plan.buffer_device is Device.cuda and platform.gpu_mem_bytes:
+        per_gpu: dict[int, int] = {}
+        for gpu in (plan.prefill_gpus or ()) + (plan.decode_gpus or ()):
+            per_gpu[gpu] = per_gpu.get(gpu, 0) + each
+        for gpu, need in sorted(per_gpu.items()):
+            have = platform.gpu_mem_bytes[gpu] if gpu < len(platform.gpu_mem_bytes) else None
+            if have is not None and need > have:
+                raise ConfigError("buffers.size", cfg.buffers.size,
+                                  f"fewer slots or a smaller row: the buffers on GPU {gpu} would need "
+                                  f"{need:,} bytes ({each:,} per process) and it has {have:,} bytes")
 
 
 def _loopback(host: str | None) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import structlog
 
 from .auth import run_secret
-from .config import ConfigError, FaultKind, OrchestratorConfig, Role
+from .config import ConfigError, FaultKind, OrchestratorConfig, Role, resolve_seed
 from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
@@ -151,6 +151,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     ctx = mp.get_context("spawn")
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
+    resolve_seed(cfg)  # callers other than the CLI (which records it) get one too
     out = RunResult()
     out.run_dir = str(run_dir)
     e = cfg.endpoints
@@ -244,7 +245,11 @@ def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[
             raise Interrupted
         for name, p in list(pending.items()):
             if p.conn.poll(0.02):
-                kind, value = p.conn.recv()
+                try:
+                    kind, value = p.conn.recv()
+                except (EOFError, OSError):  # it died while starting: its pipe closed
+                    p.proc.join(1.0)
+                    raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} while starting") from None
                 if kind == "ready":
                     infos[(p.index, p.tp_rank)] = value
                     out.transports[p.name] = value["transport"]
@@ -284,6 +289,7 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     zctx = zmq.Context()
     sock = zctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
     if cfg.transport.bootstrap_port:
         sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
         port = cfg.transport.bootstrap_port
@@ -386,6 +392,7 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
                     pass
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
             sock.connect(f"tcp://{host}:{port}")
             sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks)))
             got = sock.poll(1000)
@@ -440,7 +447,12 @@ def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -
             raise Interrupted
         for p in list(pending):
             if p.conn.poll(0.02):
-                kind, value = p.conn.recv()
+                try:
+                    kind, value = p.conn.recv()
+                except (EOFError, OSError):
+                    p.proc.join(1.0)
+                    raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} while "
+                                    "bootstrapping") from None
                 if kind == expected:
                     pending.remove(p)
                     p.last_seen = _clock()
@@ -562,8 +574,10 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
                 pass
             _send(d, "stop")
     deadline = _clock() + (1.0 if out.interrupted else 10.0)
+    own: dict[str, str] = {}  # a decode's own last word: its error
     for d in decodes:
-        while d.proc.is_alive() and _clock() < deadline:
+        # a decode that already died may have said why before it did: read its pipe too
+        while (d.proc.is_alive() or _readable(d.conn)) and _clock() < deadline:
             if d.conn.poll(0.05):
                 try:
                     kind, value = d.conn.recv()
@@ -572,9 +586,11 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
                 if kind == "stats":
                     out.decodes[d.name] = value
                     break
-                if kind == "error" and out.error is None:
-                    out.error = f"{d.name} endpoint failed: {value}"
-                    out.engine_log = _engine_log_tail(run_dir, d.name)
+                if kind == "error":
+                    own[d.name] = value
+                    if out.error is None:
+                        out.error = f"{d.name} endpoint failed: {value}"
+                        out.engine_log = _engine_log_tail(run_dir, d.name)
                     break
     for p in prefills + decodes:
         p.proc.join(0.5 if not out.interrupted else 0.2)
@@ -582,6 +598,8 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
     for d in decodes:
         if d.name not in out.decodes:
             out.decodes[d.name] = _decode_from_disk(run_dir, d.name)
+            if d.name in own:
+                out.decodes[d.name].error = f"{own[d.name]} (counts from its verdicts file)"
             if not out.interrupted and out.error is None and d.proc.exitcode not in (0, None):
                 out.lost.setdefault(d.name, f"exited with code {d.proc.exitcode}")
     for p in prefills:
@@ -596,6 +614,13 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
         for inst, why in (rank.lost.items() if isinstance(rank, RankResult) else ()):
             out.lost.setdefault(proc_name("decode", inst, ep.decode_ranks, 0, ep.decode_tp),
                                 f"declared lost by {p.name}: {why}")
+
+
+def _readable(conn) -> bool:
+    try:
+        return conn.poll(0)
+    except (EOFError, OSError):
+        return False
 
 
 def _decode_from_disk(run_dir: Path, name: str) -> DecodeResult:

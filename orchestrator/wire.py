@@ -2,16 +2,16 @@
 
 Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with json only
 (no code-executing decoder) and checked against SCHEMA:
-    prefill -> decode: hello {rank, layout, fingerprint}, arrive {reqs: [[rid, room], ...],
+    prefill -> decode: hello {rank, layout, fingerprint, nonce}, arrive {reqs: [[rid, room], ...],
                        contiguous}, bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
     lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
     transport, session_id}, ...], ...], prefill_ranks}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
-                       tp_rank, boot_id, scratch_ptr}, update {grants: [[rid, slot], ...],
-                       v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
+                       tp_rank, boot_id, scratch_ptr, nonce, hello_nonce}, update {grants: [[rid, slot], ...],
+                       v: [[rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns], ...]} (new
                        grants and verdicts, one message per loop; times are the decode's
-                       CLOCK_MONOTONIC), error {detail}
+                       CLOCK_MONOTONIC; an empty one is the decode's heartbeat), error {detail}
 A request is announced ("arrive") when it arrives, as SGLang's decode pre-allocates while the
 request bootstraps, so the slot is known before its prefill finishes.
 
@@ -24,8 +24,11 @@ Data plane (ZMQ PUSH -> PULL), SGLang's formats first:
               identity and, when the layout has no kv_checksum field, the row's digest tag
     step      [b"ORCH_STEP", prefill rank, entries]: one status for a whole step (our own
               framing), entries packed as STEP_DTYPE
-With a secret every message carries one more frame, its MAC (orchestrator.auth).
-Receipt is strict: anything malformed raises WireError and writes nothing.
+With a secret every message carries one more frame, its MAC (orchestrator.auth); after
+hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the session's.
+Receipt is strict: anything malformed raises WireError and writes nothing. Every socket is
+opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a connection that announces a
+longer frame before buffering it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def _str(v: Any) -> bool:
     return isinstance(v, str) and len(v) <= 4096
 
 
+def _nonce(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+
+
 def _opt_str(v: Any) -> bool:
     return v is None or _str(v)
 
@@ -97,18 +104,27 @@ def _infos(v: Any) -> bool:
 
 
 SCHEMA: dict[str, dict[str, Any]] = {
-    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str},
+    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce},
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
     "bye": {},
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
-                  "scratch_ptr": _u64},
+                  "scratch_ptr": _u64, "nonce": _nonce, "hello_nonce": _nonce},
     "update": {"grants": _rows(2), "v": _rows(6)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)
     "lookup": {"rank": _u64, "prefill_ranks": _u64},
     "decodes": {"infos": _infos, "prefill_ranks": _u64},
 }
+
+
+CONTROL_FRAME_BYTES = MAX_MESSAGE_BYTES + 64  # a control payload, its sequence number and MAC
+
+
+def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
+    """The longest frame a legal message of this layout has: a coalesced AUX_DATA payload
+    of every slot of the widest field, a step status of every slot, or a control message."""
+    return max(max(item_lens, default=0) * slots, STEP_DTYPE.itemsize * slots, CONTROL_FRAME_BYTES)
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

@@ -29,9 +29,15 @@ def room_for(seed: int, group: int) -> int:
     return (int.from_bytes(raw, "little") & _ROOM_MASK) or 1
 
 
+def seed_of(w: WorkloadConfig) -> int:
+    """The workload's seed. A run resolves a null one first (runner.run_handoffs draws it);
+    a library caller outside any run gets 0."""
+    return 0 if w.seed is None else w.seed
+
+
 def room_of(w: WorkloadConfig, rid: int) -> int:
     """Request `rid`'s room: `duplicate_rooms` consecutive requests share one (retries, n>1)."""
-    return room_for(w.seed, rid // w.duplicate_rooms)
+    return room_for(seed_of(w), rid // w.duplicate_rooms)
 
 
 @dataclass
@@ -96,7 +102,7 @@ class Shapes:
 
 
 def make_request(w: WorkloadConfig, index: int, shapes: Shapes) -> AuxRequest:
-    g = torch.Generator().manual_seed(w.seed * 1_000_003 + index)
+    g = torch.Generator().manual_seed((seed_of(w) * 1_000_003 + index) % (1 << 63))
     prompt = int(torch.randint(16, 8192, (1,), generator=g).item())
     cached = int(torch.randint(0, prompt, (1,), generator=g).item())
     device_part = int(torch.randint(0, cached + 1, (1,), generator=g).item())

@@ -8,7 +8,7 @@ import torch
 import zmq
 
 from orchestrator import MetadataBuffers, wire
-from orchestrator.auth import Authenticator
+from orchestrator.auth import Authenticator, new_nonce
 from orchestrator.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.layout import describe, fingerprint
 from orchestrator.outcomes import Detail, KVPoll, Outcome
@@ -20,12 +20,15 @@ from .conftest import DecodeProcess
 class PrefillPeer:
     """Plays prefill rank `rank` against a DecodeProcess."""
 
-    def __init__(self, cfg, tmp_path, rank: int = 0, secret: bytes = b"test-secret", decode=None):
+    def __init__(self, cfg, tmp_path, rank: int = 0, secret: bytes = b"test-secret", decode=None,
+                 nonce=None):
         self.cfg, self.rank = cfg, rank
         self.decode = decode or DecodeProcess(cfg, tmp_path, secret)
         self.info, self.plan = self.decode.info, self.decode.plan
-        self.auth = Authenticator(secret)
-        self.keys = Keys(secret)
+        self.secret = secret
+        self.base = self.auth = Authenticator(secret)  # until bootstrap: then the session's
+        self.nonce = new_nonce() if nonce is None else nonce
+        self.keys = Keys(secret, self.nonce)
         self.z = zmq.Context()
         self.control = self.z.socket(zmq.DEALER)
         self.control.connect(self.info["control_endpoint"])
@@ -40,9 +43,14 @@ class PrefillPeer:
         self.digest = RowDigest(self.buffers, self.keys)
         self.pool = RequestPool(cfg.workload, Shapes(b.hidden_size, self.buffers.sizes.hidden_states_dtype))
         layout = describe(self.buffers.specs)
-        self.send_control(wire.encode("hello", rank=rank, layout=layout, fingerprint=fingerprint(layout)))
-        self.bootstrap = self.recv()
         self.grants: dict[int, int] = {}
+        self.hello = wire.encode("hello", rank=rank, layout=layout, fingerprint=fingerprint(layout),
+                                 nonce=self.nonce)
+        self.sealed_hello = self.base.seal(self.hello)  # what a listener on the wire could copy
+        self.control.send(self.sealed_hello)
+        self.bootstrap = self.recv()
+        if self.bootstrap["type"] == "bootstrap":
+            self.auth = self.base.session(rank, self.nonce, self.bootstrap["nonce"], "prefill")
         self.verdicts: dict[int, tuple[Outcome, Detail]] = {}
 
     # ---- control --------------------------------------------------------------------------
@@ -66,6 +74,19 @@ class PrefillPeer:
             self.recv()
         return self.grants[rid]
 
+    def quiet(self, ms: int) -> bool:
+        """True when nothing but the decode's heartbeats (empty updates) arrives for `ms`."""
+        import time
+
+        deadline = time.monotonic() + ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.control.poll(int(left * 1000) + 1):
+                break
+            msg = self.recv()
+            if msg["type"] != "update" or msg["grants"] or msg["v"]:
+                return False
+        return True
+
     def verdict(self, rid: int, timeout_ms: int = 20000) -> tuple[Outcome, Detail]:
         while rid not in self.verdicts:
             self.recv(timeout_ms)
@@ -88,16 +109,18 @@ class PrefillPeer:
         ptrs, _, lens = self.buffers.get_buf_infos()
         return wire.read_rows(ptrs, lens, slot)
 
-    def send_frames(self, room: int, dst_slot: int, rows, skip=(), sign: bool = True) -> None:
+    def send_frames(self, room: int, dst_slot: int, rows, skip=(), sign: bool = True, rid=None) -> None:
+        if rid is None:
+            rid = next((r for r, s in reversed(list(self.grants.items())) if s == dst_slot), 0)
+        ad = rid.to_bytes(8, "little")  # the slot's tenant, which the decode knows
         for i, payload in enumerate(rows):
             if i not in skip:
                 frames = wire.encode_aux(room, i, dst_slot, payload)
-                self.push.send_multipart(self.auth.sign(frames) if sign else frames)
+                self.push.send_multipart(self.auth.sign(frames, ad) if sign else frames)
 
     def status(self, room: int, rid: int, dst_slot: int, tag: int, status=KVPoll.Success,
                sign: bool = True) -> None:
-        frames = wire.encode_status(room, status, self.rank, rid, dst_slot,
-                                    tag if self.buffers.checksum_field is None else 0)
+        frames = wire.encode_status(room, status, self.rank, rid, dst_slot, tag)  # as the real prefill
         self.push.send_multipart(self.auth.sign(frames) if sign else frames)
 
     def handoff(self, rid: int, corrupt=None) -> tuple[Outcome, Detail]:

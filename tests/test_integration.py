@@ -180,13 +180,14 @@ def test_decode_judges_corruption_room_mismatch_stale_room_and_failed_sender(cfg
         peer.send_frames(room, slot, peer.rows())
         peer.status(room, 5, slot, tag, status=KVPoll.Failed)
         assert peer.verdict(5) == (Outcome.failed, Detail.sender_error)
-        # 6. frames for a slot that was never granted are dropped, nothing written
+        # 6. frames for a slot that was never granted are refused (no grant: no session key
+        #    opens them), nothing written
         peer.send_frames(999, 5, peer.rows())
         assert peer.handoff(6) == (Outcome.verified, Detail.none)
     finally:
         stats = peer.close()
     assert stats.outcomes[Outcome.verified] == 2 and stats.outcomes[Outcome.corrupted] == 2
-    assert stats.outcomes[Outcome.failed] == 2 and stats.unexpected == len(peer.buffers.fields)
+    assert stats.outcomes[Outcome.failed] == 2 and stats.rejected_auth == len(peer.buffers.fields)
 
 
 @pytest.mark.slow
@@ -232,7 +233,7 @@ def test_grants_come_at_arrival_and_go_back_on_bye(cfg_factory, tmp_path):
         a, b = peer.arrive(1, 111), peer.arrive(2, 222)  # slots before any row is ready
         assert {a, b} == {0, 1}
         peer.send_control(wire.encode("arrive", reqs=[[3, 333]], contiguous=False))
-        assert not peer.control.poll(300)  # no slot free: request 3 waits
+        assert peer.quiet(300)  # no slot free: request 3 waits
         peer.send_control(wire.encode("bye"))  # this prefill writes nothing more
         peer.recv()
         assert 3 in peer.grants

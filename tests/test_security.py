@@ -62,7 +62,7 @@ def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path):
     z = zmq.Context()
     dealer = z.socket(zmq.DEALER)
     dealer.connect(info["control_endpoint"])
-    hello = wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="")
+    hello = wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce="0" * 32)
     dealer.send(hello)  # no MAC
     assert not dealer.poll(1000)
     dealer.send(Authenticator(b"wrong").seal(hello))  # wrong secret

@@ -9,7 +9,8 @@ compare, over a grid of buffer configurations:
   * set_buf then get_buf on identical SGLang-shaped requests, every branch of set_buf;
   * AUX_DATA frames both ways over real ZMQ sockets on 127.0.0.1 (ours -> SGLang's receiver,
     with and without our MAC frame; SGLang's send_aux_tcp -> wire.parse/write_rows; a
-    coalesced frame of ours landing in consecutive rows of SGLang's receiver);
+    coalesced frame of ours landing in consecutive rows of SGLang's receiver), and SGLang's
+    sender into our real decode process, which refuses its unsigned frames;
   * status messages both ways, and KVPoll;
   * the layout-mismatch hazard: SGLang's receiver has no bounds check, wire.parse refuses.
 Skipped (not failed) when sglang 0.5.23 is not installed.
@@ -573,6 +574,38 @@ def test_sglang_sender_to_ours(env, zctx, cfg):
             assert torch.equal(raw(o[slot]), raw(want)), f"{name}[{slot}]"
     for slot in slots:
         assert_same_get_buf(theirs.get_buf(slot), ours.get_buf(cfg.size - 1 - slot))
+
+
+def test_sglang_sender_into_our_real_decode_is_refused(env, zctx, tmp_path):
+    """The same path as a run: SGLang 0.5.23's own send_aux_tcp and status sender into our
+    decode PROCESS (not wire.parse). Its frames carry no MAC, so a run's decode refuses
+    every one of them (rejected_auth) and nothing lands: the row stays empty, and the
+    request's authentic status then finds no room (room_never_landed). Our parser takes
+    SGLang's frames (test_sglang_sender_to_ours); our decode, in a run, does not."""
+    from orchestrator.outcomes import Detail, Outcome
+
+    from .conftest import typed_cfg
+    from .peers import PrefillPeer
+
+    cfg = typed_cfg("mem_pool=NVLINK", "transport.timeout_s=1")
+    peer = PrefillPeer(cfg, tmp_path)
+    try:
+        room, tag = peer.fill(1)
+        slot = peer.arrive(1, room)
+        ptrs, _, lens = peer.buffers.get_buf_infos()
+        port = int(peer.info["data_endpoint"].rsplit(":", 1)[1])
+        sender = sgl.sender(zctx, ptrs, lens)
+        try:
+            assert sender.send_aux_tcp("127.0.0.1", port, room, 0, slot, peer.bootstrap["aux_ptrs"]) == 0
+            sender.send_status("127.0.0.1", port, room, int(OurKVPoll.Success))
+        finally:
+            sender.close()
+        assert peer.quiet(700)  # no verdict from SGLang's status
+        peer.status(room, 1, slot, tag)
+        assert peer.verdict(1) == (Outcome.failed, Detail.room_never_landed)
+    finally:
+        stats = peer.close()
+    assert stats.rejected_auth == len(lens) + 1  # every AUX_DATA frame and the status
 
 
 @grid

@@ -151,13 +151,18 @@ def rss_kb() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def new_socket(ctx, kind: int, timeout_s: float):
-    """A socket that never blocks forever and never lingers at close."""
+def new_socket(ctx, kind: int, timeout_s: float, max_bytes: Optional[int] = None):
+    """A socket that never blocks forever, never lingers at close, and takes no frame
+    longer than `max_bytes` (ZMQ_MAXMSGSIZE, default: a control message): libzmq drops a
+    peer announcing a longer one before it buffers a byte of it."""
     import zmq
+
+    from ..wire import CONTROL_FRAME_BYTES
 
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes or CONTROL_FRAME_BYTES))
     return sock
 
 

@@ -16,6 +16,16 @@ all-reduce (MIN) their poll status per request and act only on what they agree o
 (orchestrator.endpoints.tp).
 
 Requests are identified by (prefill rank, request id), never by room alone.
+
+Control identity is a session, not a message: the first authentic hello for a prefill rank
+binds that rank to its connection (the ROUTER identity) and opens a Session keyed with both
+processes' per-run nonces (orchestrator.auth). Another hello for a bound rank, from any
+connection, is refused and counted (`hijack_refused`); every later message of that rank,
+control or data, must open under its session's keys. Replays inside the session (a control
+message seen before, a status for a request already judged or with a status) are counted
+(`replayed`) and change nothing. The leader also tells every bound prefill that it is
+alive when it has had nothing to say for a while (an empty update), so a prefill whose
+requests wait behind a stalled sibling's never takes this decode for lost.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Optional
 import zmq
 
 from .. import wire
-from ..auth import Authenticator
+from ..auth import Authenticator, Replayed, Session, new_nonce
 from ..buffers import SlotAllocator
 from ..config import FaultKind, GateRead, OrchestratorConfig, Role
 from ..digest import Keys, RowDigest
@@ -44,6 +54,17 @@ from .common import (report_failure, Stop, bind_random, boot_id, build_side, new
 from .tp import Group, single
 
 _clock = time.monotonic
+
+
+@dataclass(slots=True)
+class PrefillSession:
+    """One prefill rank as this process knows it: its connection, keys and last contact."""
+
+    rank: int
+    identity: bytes
+    auth: Session
+    keys: Keys
+    told: float = 0.0  # the last message this process sent it
 
 
 @dataclass(slots=True)
@@ -76,8 +97,12 @@ class DecodeEndpoint:
         self.layout = describe(self.buffers.specs)
         self.ptrs, _, self.item_lens = self.buffers.get_buf_infos()
         self.slots = SlotAllocator(cfg.buffers.size)
-        self.auth = Authenticator(secret)
+        self.auth = Authenticator(secret)  # hello and its answer only: the rest is per session
         self.keys = Keys(secret)
+        self.secret = secret
+        self.nonce = new_nonce()
+        self.sessions: dict[bytes, PrefillSession] = {}  # control identity -> session
+        self.heartbeat_s = max(0.05, min(1.0, cfg.transport.timeout_s / 4))  # well inside the prefill's timeout
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         self.buffers.warm()  # start-up pays the device's first-use costs, not request 1
         self.digest.warm()
@@ -93,7 +118,7 @@ class DecodeEndpoint:
         self.waiting: collections.deque = collections.deque()  # arrivals without a free slot
         self.waiting_cap = max(4 * cfg.buffers.size, 1024)
         self.next_slot: dict[int, int] = {}  # prefill rank -> the slot after its last grant
-        self.prefills: dict[int, bytes] = {}  # prefill rank -> control identity
+        self.prefills: dict[int, PrefillSession] = {}  # prefill rank -> its session (bound at hello)
         self.new_grants: list[Grant] = []  # granted since the last step (the leader shares them)
         self.verdicts: dict[int, list[list[int]]] = collections.defaultdict(list)
         self.granted: dict[int, list[Grant]] = collections.defaultdict(list)  # not yet told
@@ -147,7 +172,8 @@ class DecodeEndpoint:
         self.ctx = zmq.Context()
         host = cfg.transport.host
         self.control = new_socket(self.ctx, zmq.ROUTER, self.timeout_s)
-        self.data = new_socket(self.ctx, zmq.PULL, self.timeout_s)
+        self.data = new_socket(self.ctx, zmq.PULL, self.timeout_s,
+                               wire.max_frame_bytes(self.item_lens, cfg.buffers.size))
         self.control_endpoint = bind_random(self.control, host)
         self.data_endpoint = bind_random(self.data, host)
 
@@ -164,7 +190,13 @@ class DecodeEndpoint:
             self._drop("dropped_control", "control_dropped", error="no payload frame")
             return
         identity = frames[0]
-        body = self.auth.unseal(frames[1]) if len(frames) == 2 else None
+        sess = self.sessions.get(identity)
+        try:
+            body = (sess.auth if sess is not None else self.auth).unseal(frames[1]) \
+                if len(frames) == 2 else None
+        except Replayed as exc:
+            self._drop("replayed", "control_replayed", prefill=sess.rank, error=str(exc))
+            return
         if body is None:
             self._drop("rejected_auth", "control_rejected", reason="bad or missing MAC")
             return
@@ -174,27 +206,14 @@ class DecodeEndpoint:
             self._drop("dropped_control", "control_dropped", error=str(exc))
             return
         kind = msg["type"]
-        prank = self._prank(identity)
+        prank = sess.rank if sess is not None else None
         if prank is not None:
             self.heard[prank] = _clock()
         if kind == "hello":
-            diff = first_difference(self.layout, msg["layout"])
-            if diff is not None:
-                self.log.error("layout_mismatch", prefill=msg["rank"], detail=diff)
-                self._reply(identity, wire.encode("error", detail=f"layout mismatch: {diff}"))
-                if self.leader:
-                    self.refused.append((msg["rank"], f"layout mismatch: {diff}"))
-                return
-            self.prefills[msg["rank"]] = identity
-            self._reply(identity, wire.encode(
-                "bootstrap", session_id=self.session_id, aux_ptrs=self.ptrs, item_lens=self.item_lens,
-                slots=self.cfg.buffers.size, layout=self.layout, fingerprint=msg["fingerprint"],
-                tp_rank=self.tp_rank, boot_id=self.boot_id, scratch_ptr=self.buffers.scratch_ptr))
+            self._hello(identity, sess, msg)
+        elif sess is None:  # authentic under the bare secret, but only hello may be
+            self._drop("rejected_auth", "control_rejected", reason=f"{kind} outside a session")
         elif kind == "arrive" and self.leader:
-            prank = self._prank(identity)
-            if prank is None:
-                self._drop("unexpected", "arrive_before_hello")
-                return
             for rid, room in msg["reqs"]:
                 if len(self.waiting) >= self.waiting_cap:  # shed, and say so
                     self._drop("dropped_control", "arrival_shed",
@@ -206,18 +225,46 @@ class DecodeEndpoint:
                 self.waiting.append((prank, rid, room, msg["contiguous"]))
             self.grant_waiting()
         elif kind == "bye" and self.leader:
-            prank = self._prank(identity)
-            if prank is not None:
-                self.release_prefill(prank, "bye")
-                self.byes.append(prank)
+            self.release_prefill(prank, "bye")
+            self.byes.append(prank)
         else:
             self._drop("dropped_control", "control_dropped", error=f"{kind} is not for this rank")
 
-    def _prank(self, identity: bytes) -> Optional[int]:
-        for rank, ident in self.prefills.items():
-            if ident == identity:
-                return rank
-        return None
+    def _hello(self, identity: bytes, sess: Optional[PrefillSession], msg: dict) -> None:
+        """The first authentic hello of a rank binds it to this connection; any other hello
+        for a bound rank (a copy replayed from anywhere, or a second one) is refused."""
+        rank = msg["rank"]
+        bound = self.prefills.get(rank)
+        if bound is not None or sess is not None:
+            self._drop("hijack_refused", "hello_refused", prefill=rank,
+                       detail="rank already bound to another connection" if bound is not None
+                       and bound.identity != identity else "hello again on a bound connection")
+            return
+        diff = first_difference(self.layout, msg["layout"])
+        if diff is not None:
+            self.log.error("layout_mismatch", prefill=rank, detail=diff)
+            self._reply(identity, wire.encode("error", detail=f"layout mismatch: {diff}"))
+            if self.leader:
+                self.refused.append((rank, f"layout mismatch: {diff}"))
+            return
+        keys = Keys(self.secret, msg["nonce"])
+        new = PrefillSession(rank, identity, self.auth.session(rank, msg["nonce"], self.nonce, "decode"),
+                             keys, _clock())
+        self.digest.rank_keys[rank] = keys
+        # the answer goes under the secret (the prefill needs our nonce to derive the session)
+        self._reply(identity, wire.encode(
+            "bootstrap", session_id=self.session_id, aux_ptrs=self.ptrs, item_lens=self.item_lens,
+            slots=self.cfg.buffers.size, layout=self.layout, fingerprint=msg["fingerprint"],
+            tp_rank=self.tp_rank, boot_id=self.boot_id, scratch_ptr=self.buffers.scratch_ptr,
+            nonce=self.nonce, hello_nonce=msg["nonce"]))
+        self.sessions[identity] = new
+        self.prefills[rank] = new
+        self.heard[rank] = _clock()
+        self.log.info("prefill_bound", prefill=rank)
+
+    def _pad(self, prank: int, rid: int) -> tuple[int, int]:
+        sess = self.prefills.get(prank)
+        return (sess.keys if sess is not None else self.keys).pad(prank, rid)
 
     def grant_waiting(self) -> None:
         """Grant slots to waiting arrivals, in order. Arrivals marked contiguous get
@@ -240,8 +287,8 @@ class DecodeEndpoint:
                     self.slots.free(slot)
                     self._drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
-                g = Grant(prank, rid, room, slot, self.keys.pad(prank, rid), _clock(),
-                          identity=self.prefills[prank], shared=self.group.size == 1)
+                g = Grant(prank, rid, room, slot, self._pad(prank, rid), _clock(),
+                          identity=self.prefills[prank].identity, shared=self.group.size == 1)
                 self._add(g)
                 self.new_grants.append(g)
                 self.granted[prank].append(g)
@@ -254,7 +301,7 @@ class DecodeEndpoint:
     def adopt_grant(self, prank: int, rid: int, slot: int, room: int) -> Grant:
         """A TP follower learns a grant its leader made (the same slot in its own buffers)."""
         self.slots._take(slot)
-        g = Grant(prank, rid, room, slot, self.keys.pad(prank, rid), _clock())
+        g = Grant(prank, rid, room, slot, self._pad(prank, rid), _clock())
         self._add(g)
         return g
 
@@ -275,14 +322,56 @@ class DecodeEndpoint:
         self.grant_waiting()
 
     def _reply(self, identity: bytes, payload: bytes) -> None:
+        sess = self.sessions.get(identity)
         try:
-            self.control.send_multipart([identity, self.auth.seal(payload)])
+            self.control.send_multipart([identity, (sess.auth if sess is not None else self.auth).seal(payload)])
         except zmq.ZMQError as exc:
             self.log.warning("reply_failed", error=str(exc))
+            return
+        if sess is not None:
+            sess.told = _clock()
+
+    def heartbeat(self) -> None:
+        """The leader's word (an empty update) to every bound prefill that waits on this
+        process (a grant or an arrival of its is here) and has heard nothing for a while:
+        the prefill's liveness check of this process rests on this process alone, not on
+        what other prefills make it wait for."""
+        now = _clock()
+        due = [s for s in self.prefills.values() if now - s.told >= self.heartbeat_s]
+        if not due:
+            return
+        waiting = {g.prank for g in self.grants.values()} | {w[0] for w in self.waiting}
+        for sess in due:
+            if sess.rank in waiting:
+                self._reply(sess.identity, wire.encode("update", grants=[], v=[]))
+            else:
+                sess.told = now  # nothing owed: look again in a while
 
     # ---- data plane ---------------------------------------------------------------------
+    def _data_auth(self, frames: list[bytes]) -> tuple[Optional[Session], bytes]:
+        """The session a data-plane message claims (from the rank it names, or, for
+        AUX_DATA, the grants of the slots it lands in) and the associated data its MAC
+        covers; (None, b"") when it names nothing this process knows."""
+        try:
+            if frames[0] == wire.AUX_DATA:
+                slot, field = int(frames[3]), int(frames[2])
+                rows = max(1, len(frames[5]) // self.item_lens[field])
+                gs = [self.by_slot.get(slot + k) for k in range(min(rows, self.cfg.buffers.size))]
+                if not gs or any(g is None for g in gs):
+                    return None, b""
+                sess = self.prefills.get(gs[0].prank)
+                return (sess.auth if sess else None), b"".join(g.rid.to_bytes(8, "little") for g in gs)
+            rank = int(frames[1] if frames[0] == wire.STEP else frames[2])
+        except (IndexError, ValueError, ZeroDivisionError):
+            return None, b""
+        sess = self.prefills.get(rank)
+        return (sess.auth if sess else None), b""
+
     def on_data(self, frames: list[bytes]) -> None:
-        body = self.auth.open(frames)
+        auth, ad = self._data_auth(frames) if frames else (None, b"")
+        body = auth.open(frames, ad) if auth is not None else None
+        if body is None and not self.auth.enabled:  # no secret (interop tests): nothing to check
+            body = list(frames)
         if body is None:
             self._drop("rejected_auth", "data_rejected", reason="bad or missing MAC")
             return
@@ -322,11 +411,17 @@ class DecodeEndpoint:
             g = found[0]
         else:
             g = self.grants.get((prank, rid))
-            if g is None or g.slot != slot or g.room != room:
+            if g is None:  # authentic, this run's, for no live grant: judged already (a replay)
+                self._drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
+                return
+            if g.slot != slot or g.room != room:
                 self._drop("unexpected", "status_for_no_grant", prefill=prank, rid=rid, slot=slot)
                 return
-        if status not in (KVPoll.Success, KVPoll.Failed) or g.status is not None:
-            return  # non-terminal, or a second status: SGLang ignores those too
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            return  # non-terminal: SGLang ignores those too
+        if g.status is not None:  # a second terminal status for one grant
+            self._drop("replayed", "status_replayed", prefill=prank, rid=g.rid, slot=g.slot)
+            return
         g.status, g.tag, g.reason, g.t_status = status, tag, reason, _clock()
         self.ready[(g.prank, g.rid)] = g
 
@@ -407,6 +502,9 @@ class DecodeEndpoint:
         if r.room != g.room:
             return Outcome.corrupted, Detail.room_mismatch
         if not self._digest_ok(g, r):
+            if (self.buffers.checksum_field is not None and g.tag
+                    and r.landed_tag not in (0, g.tag)):  # not the tag its sender wrote, nor none
+                return Outcome.corrupted, Detail.written_by_someone_else
             return Outcome.corrupted, Detail.checksum_mismatch
         return Outcome.verified, Detail.none
 
@@ -490,7 +588,8 @@ class DecodeEndpoint:
             told = [g for g in self.granted.get(prank, []) if g.shared]
             v = self.verdicts.pop(prank, [])
             if told or v:
-                self._reply(self.prefills[prank], wire.encode("update", grants=[[g.rid, g.slot] for g in told], v=v))
+                self._reply(self.prefills[prank].identity,
+                            wire.encode("update", grants=[[g.rid, g.slot] for g in told], v=v))
             left = [g for g in self.granted.get(prank, []) if not g.shared]
             if left:
                 self.granted[prank] = left
@@ -528,6 +627,8 @@ class DecodeEndpoint:
             self.step()
             if self.verdicts or any(g.shared for gs in self.granted.values() for g in gs):
                 self._flush()
+            if self.leader:
+                self.heartbeat()
             while self.byes:
                 conn.send(("bye", self.byes.pop()))
             if self.watch_prefills and self.leader:

@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from .. import wire
-from ..auth import Authenticator
+from ..auth import Authenticator, Replayed, new_nonce
 from ..buffers import SlotAllocator, StagedRows
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from ..digest import Keys, RowDigest
@@ -127,6 +127,7 @@ class Instance:
     backlog: collections.deque = field(default_factory=collections.deque)  # arrived, not announced
     announce: list[list[int]] = field(default_factory=list)
     same_clock: bool = True
+    auth: Any = None  # the session with its leader (orchestrator.auth.Session)
 
 
 @dataclass
@@ -278,8 +279,9 @@ class PrefillEndpoint:
         self.layout = describe(self.buffers.specs)
         self.src = SlotAllocator(cfg.buffers.size)
         self.timeout_s = cfg.transport.timeout_s
-        self.auth = Authenticator(secret)
-        self.keys = Keys(secret)
+        self.auth = Authenticator(secret)  # hello and its answer only: the rest is per session
+        self.nonce = new_nonce()  # this process's, this run's: in every session key and pad
+        self.keys = Keys(secret, self.nonce)
         self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
         device_rows = self.buffers.device.type == "cuda"
         # buffers.set_buf=staged (a phase's choice): SGLang's set_buf into pinned host rows,
@@ -298,7 +300,9 @@ class PrefillEndpoint:
         log.info("step_ordering", engine_orders_writes=self.engine_orders_writes,
                  set_buf=cfg.buffers.set_buf.value)
         self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
-        self.tag_in_status = self.buffers.checksum_field is None
+        # the tag travels in the (authenticated) status even when the row carries it too: the
+        # decode then tells a row written by someone else from one corrupted on the way
+        self.tag_in_status = True
         self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
                       if plan.completion is CompletionSetting.nap else 0.0)
         self.ctx = zmq.Context()
@@ -306,6 +310,7 @@ class PrefillEndpoint:
         self.instances: list[Instance] = []
         self.boot_id = boot_id()
         self.rejected = 0
+        self.replayed = 0
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
         suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
@@ -358,7 +363,7 @@ class PrefillEndpoint:
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
         ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                             fingerprint=fingerprint(self.layout))))
+                                             fingerprint=fingerprint(self.layout), nonce=self.nonce)))
         msg = self._recv_one(ctl, link.name)
         if msg.get("type") == "error":
             raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
@@ -367,11 +372,13 @@ class PrefillEndpoint:
         diff = first_difference(self.layout, msg["layout"])
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
+        session = self.auth.session(self.rank, self.nonce, msg["nonce"], "prefill")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
-                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"])
+                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"], auth=session)
         link.router.connect(peer)
         if link.tp_rank == 0:
             inst.slots = peer.slots
+            inst.auth = session
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
         warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
@@ -385,6 +392,10 @@ class PrefillEndpoint:
                 raise TimeoutError(f"{name} did not answer hello within "
                                    f"transport.timeout_s={self.timeout_s:g}")
             msg = self._open(ctl.recv_multipart())
+            if msg and msg.get("type") == "bootstrap" and msg["hello_nonce"] != self.nonce:
+                self.replayed += 1  # an answer to another hello (another run's): not ours
+                self.log.warning("bootstrap_replayed", decode=name)
+                continue
             if msg:
                 return msg
 
@@ -413,7 +424,9 @@ class PrefillEndpoint:
         if t.is_alive():
             self.stuck = True
             raise TimeoutError(f"Mooncake handshake with decode session {session} did not finish "
-                               f"within transport.timeout_s={self.timeout_s:g}")
+                               f"within transport.timeout_s={self.timeout_s:g}: its engine listener "
+                               f"{session} stalled (Mooncake serves handshakes one at a time, and "
+                               "idle connections to that port from anyone hold it)")
         if not result.get("ok"):
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
         if "warm_error" in result:
@@ -423,10 +436,15 @@ class PrefillEndpoint:
 
     # ---- messages -----------------------------------------------------------------------
     def _send(self, inst: Instance, payload: bytes) -> None:
-        inst.control.send(self.auth.seal(payload))
+        inst.control.send((inst.auth or self.auth).seal(payload))
 
-    def _open(self, frames: list[bytes]) -> dict:
-        body = self.auth.unseal(frames[0]) if len(frames) == 1 else None
+    def _open(self, frames: list[bytes], auth=None) -> dict:
+        try:
+            body = (auth or self.auth).unseal(frames[0]) if len(frames) == 1 else None
+        except Replayed as exc:
+            self.replayed += 1
+            self.log.warning("control_replayed", error=str(exc))
+            return {}
         if body is None:
             self.rejected += 1
             self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
@@ -621,16 +639,25 @@ class _Loop:
                 self.finish(req)
 
     def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
+        """Verdicts are taken only for a request in the state that expects one: judged
+        (verified, corrupted or failed) once this prefill handed its row to the transfer
+        thread (its status goes out behind the write); failed unsent only while it waits
+        for a slot (the decode shed it). Anything else is counted and changes nothing."""
         now = _clock()
         for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
             req = self.outstanding.get(rid)
             if req is None or req.inst != inst.index or req.verdict is not None:
-                self.res.rejected += 1  # not ours, or judged twice
+                self.res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
                 continue
             try:
                 o, d = Outcome.of(outcome), Detail.of(detail)
             except KeyError:
                 self.res.rejected += 1
+                continue
+            if (req.src_slot < 0 if req.dst_slot >= 0 else o is not Outcome.failed):
+                self.res.replayed += 1  # a verdict for a row not sent yet
+                self.ep.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
+                                    outcome=o.value)
                 continue
             t_verified = t_ns / 1e9 if inst.same_clock else now
             req.verdict = (o, d, t_verified)
@@ -744,6 +771,7 @@ class _Loop:
         ep.memory["rss_kb_end"] = rss_kb()
         self.res.memory = dict(ep.memory)
         self.res.rejected += ep.rejected
+        self.res.replayed += ep.replayed
         self.sink.close()
         return self.res
 
@@ -789,7 +817,7 @@ class _Loop:
                 frames = inst.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self.ep._open(frames)
+            msg = self.ep._open(frames, inst.auth)
             if not msg:
                 continue
             inst.last_heard = _clock()
@@ -797,8 +825,11 @@ class _Loop:
             if kind == "update":
                 for rid, slot in msg["grants"]:
                     req = self.outstanding.get(rid)
-                    if req is None or req.inst != inst.index or req.dst_slot >= 0:
-                        self.res.rejected += 1
+                    if req is None or req.inst != inst.index or req.verdict is not None:
+                        self.res.rejected += 1  # not ours, or already done
+                        continue
+                    if req.dst_slot >= 0:
+                        self.res.replayed += 1  # a second grant for one request
                         continue
                     req.dst_slot = slot
                     inst.ungranted -= 1
