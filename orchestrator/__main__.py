@@ -4,20 +4,43 @@ results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations
 
+import signal
 import sys
-from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
 
-from .app import failed_job, refused, run_job
-from .config import ConfigError, register_configs
+class _EarlyStop(BaseException):
+    """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
+
+
+def _early(signum, _frame):
+    raise _EarlyStop(signum)
+
+
+def _interrupted(signum: int) -> None:
+    print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # before torch, Hydra and the rest are imported
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _early)
+
+try:
+    from pathlib import Path
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
+
+    from .app import failed_job, refused, run_job
+    from .config import ConfigError, register_configs
+
+    register_configs()
+except _EarlyStop as _exc:
+    _interrupted(_exc.args[0])
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-register_configs()
 _EXIT: list[int] = []  # every job's exit code, in the order they ran
 
 
@@ -41,6 +64,13 @@ def main(cfg: DictConfig) -> float:
 
 
 def entry() -> None:
+    try:
+        _entry()
+    except (_EarlyStop, KeyboardInterrupt) as exc:  # before a job started, or between jobs
+        _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
+
+
+def _entry() -> None:
     from .profile import precheck
 
     problem = precheck(sys.argv[1:])
@@ -49,9 +79,6 @@ def entry() -> None:
         sys.exit(2)
     try:
         main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
     except SystemExit as exc:
         if exc.code == 1 and not _EXIT:  # Hydra refused before any job ran
             sys.exit(2)

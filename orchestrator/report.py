@@ -40,8 +40,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
     lat = {k: LatencyHistogram() for k in ("set_buf_us", "send_us", "handoff_us", "e2e_us")}
     stages = {k: LatencyHistogram() for k in STAGES}
     pairs: dict[str, dict] = {}
-    sends = blocks = rejected = 0
+    sends = blocks = rejected = not_started = 0
     for r in ranks:
+        not_started += r.not_started
         outcomes.update(r.outcomes)
         details.update(r.details)
         routes.update(r.routes)
@@ -59,8 +60,8 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         blocks += r.send_blocks
         rejected += r.rejected
     verified, corrupted = outcomes[Outcome.verified], outcomes[Outcome.corrupted]
-    accounted = sum(outcomes.values())
-    failed = requests - verified - corrupted
+    accounted = sum(outcomes.values()) + not_started
+    failed = requests - verified - corrupted - not_started
     if accounted < requests:  # a rank that left no trace at all (cannot start)
         details["run_error" if out.error else "prefill_lost"] += requests - accounted
     starts = [r.t_start for r in ranks if r.t_start is not None]
@@ -79,6 +80,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "verified": verified,
         "corrupted": corrupted,
         "failed": failed,
+        "not_started": not_started,  # never arrived: an interrupt came first (no requests.jsonl line)
         "routes": counter_dict(routes),
         "failure_reasons": counter_dict(details),
         "latency_us": {"set_buf": lat["set_buf_us"].summary(), "send_aux": lat["send_us"].summary(),
@@ -114,6 +116,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "lost": out.lost,
         "interrupted": out.interrupted is not None,
         "signal": out.interrupted,
+        "slow_to_stop": out.slow_to_stop,
         "engine_log": out.engine_log,
         "plan": plan.as_dict(),
         "error": out.error,
@@ -189,7 +192,7 @@ def exit_code(results: dict[str, Any]) -> int:
         return EXIT_SIGNAL.get(results["signal"], 130)
     if results.get("error") or results.get("lost"):
         return EXIT_LOST
-    if results["verified"] != results["requests"]:
+    if results["verified"] != results["requests"] - results.get("not_started", 0):
         return EXIT_NOT_VERIFIED
     return EXIT_OK
 
@@ -207,8 +210,27 @@ def rel(path: Path) -> str:
         return str(path)
 
 
+def _num(v: float) -> str:
+    """A measured number with the digits it was rounded to (`%g` keeps 6 significant digits:
+    328546.37 would print as 328546, 1234567.8 as 1.23457e+06)."""
+    return f"{v:.2f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v)
+
+
 def _fmt(d: dict) -> str:
-    return " / ".join("-" if d.get(q) is None else f"{d[q]:g}" for q in ("p50", "p99", "p999"))
+    return " / ".join("-" if d.get(q) is None else _num(d[q]) for q in ("p50", "p99", "p999"))
+
+
+def _rate_line(results: dict[str, Any]) -> str:
+    """handoffs/s and MB/s over the handoff phase that ran (first arrival to the last verdict
+    a decode gave); never `None`."""
+    start = f"start-up {results['startup_s']} s excluded" if results.get("startup_s") is not None else \
+        "start-up not reached"
+    if results.get("handoffs_per_s") is None:
+        return (f"rate not measured ({results['verified']} verified, no handoff phase to time); "
+                f"{results['bytes_per_request']} B per request; {start}")
+    phase = f" over {results['wall_s']:g} s" if results.get("wall_s") else ""
+    return (f"{_num(results['handoffs_per_s'])} handoffs/s, {results['mb_per_s']} MB/s{phase} "
+            f"({results['bytes_per_request']} B per request); {start}")
 
 
 def summary(results: dict[str, Any], run_dir: Path) -> str:
@@ -222,16 +244,18 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         f"mem_pool={plan['mem_pool']} buffers on {plan['buffer_device']}, route {plan['route']} "
         f"({plan['route_reason']}), transport {results['effective_transport'] or plan['declared_transport']}",
         f"requests {results['requests']}: verified {results['verified']}, corrupted {results['corrupted']}, "
-        f"failed {results['failed']}   routes: {routes}",
+        f"failed {results['failed']}"
+        + (f", not started {results['not_started']}" if results.get("not_started") else "")
+        + f"   routes: {routes}",
     ]
+    w = results["workload"]
     if results["verified"]:
         set_buf = lat["set_buf"]["p50"]  # None when rows were filled ahead (workload.fill)
         lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
                      f"handoff {_fmt(lat['handoff'])}"
-                     + (f"   set_buf p50 {set_buf:g}" if set_buf is not None else ""))
-        lines.append(f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
-                     f"({results['bytes_per_request']} B per request); start-up "
-                     f"{results['startup_s']} s excluded")
+                     + (f"   from arrival {_fmt(lat['e2e'])}" if w["rate"] is not None else "")
+                     + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
+        lines.append(_rate_line(results))
     if results["failure_reasons"]:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
     problems = []
@@ -242,9 +266,12 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     if results.get("engine_log"):
         problems.append(f"engine said: {results['engine_log'][-200:]}")
     if results["interrupted"]:
-        problems.append(f"interrupted ({results['signal']}): counts so far")
+        slow = results.get("slow_to_stop")
+        problems.append(f"interrupted ({results['signal']}): counts so far"
+                        + (f" ({', '.join(slow)} ended by the runner; counted from its records and the "
+                           "decodes' verdicts)" if slow else ""))
     lines = problems[:2] + lines
-    w = results["workload"]
+    lines += [f"warning: {c}" for c in results.get("warnings", [])]
     if w["rate"] is None and w["in_flight_max"] > w["decode_rows"]:
         lines.append(f"{w['in_flight_max']} requests in flight (workload.concurrency x prefill ranks) "
                      f"> {w['decode_rows']} decode rows (buffers.size x decode ranks): the rest wait "

@@ -66,6 +66,9 @@ class RunResult:
     bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
     prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
     run_dir: str = ""
+    t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
+    t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
+    slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
 
 
 @dataclass
@@ -78,6 +81,7 @@ class _Proc:
     tp_rank: int = 0
     last_seen: float = 0.0
     done: bool = False
+    running: bool = False  # a prefill that reached its handoff phase (it may hold records)
 
 
 class Signals:
@@ -103,13 +107,24 @@ class Signals:
 
 
 def spawn(proc: mp.Process) -> None:
-    """Start a child with SIGINT and SIGTERM blocked: a Ctrl-C on the terminal reaches every
-    process of the group, and a child still importing would die with a traceback. The child
-    installs its own handlers, then unblocks them (endpoints.common.start_process)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """Start a child that ignores SIGINT and SIGTERM until it installs its own handlers
+    (endpoints.common.start_process): a Ctrl-C on the terminal, or a SIGTERM to the whole
+    group, reaches every process, and a child still importing torch would die with a
+    traceback. A spawned child starts with an empty signal mask, but keeps an ignored
+    disposition (and Python then installs no KeyboardInterrupt handler). Here the signals are
+    blocked meanwhile, so one that arrives during the start reaches the runner's handler."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
+    pending = signal.sigpending() & set(sigs)  # SIG_IGN would discard these: raised again below
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
     try:
         proc.start()
     finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for s in pending:
+            signal.raise_signal(s)  # still blocked: delivered to the handler at the unblock
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
@@ -207,6 +222,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                 p.conn.send(("decodes", infos))
             _wait_all(prefills, "running", cfg.endpoints.startup_timeout_s, out, signals)
             out.startup_s = round(_clock() - t_spawn, 3)
+            out.t_phase = _clock()
             if progress is not None:
                 progress.start()
             _watch(cfg, prefills, decodes, out, log, progress, signals)
@@ -218,7 +234,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
         finally:
             if signals.caught:
                 out.interrupted = signals.caught
-            _finish(cfg, run_dir, prefills, decodes, out, log)
+            _finish(cfg, run_dir, prefills, decodes, out, log, plan.route.value)
             if silent is not None:
                 silent.close()
             if metadata is not None:
@@ -444,6 +460,7 @@ def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -
                 if kind == expected:
                     pending.remove(p)
                     p.last_seen = _clock()
+                    p.running = expected == "running"
                 else:
                     raise RunFailed(f"{p.name} endpoint failed: {value}")
             elif not p.proc.is_alive() and not p.conn.poll(0):
@@ -452,13 +469,16 @@ def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -
             raise RunFailed(f"{', '.join(p.name for p in pending)} did not bootstrap in time")
 
 
+STOP_GRACE_S = 1.0  # after an interrupt, a prefill's own result is awaited this long
+
+
 def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> None:
     watchdog = cfg.transport.timeout_s + 5.0  # a prefill reports four times a second
     done: dict[str, int] = Counter()
     stopped_at: Optional[float] = None
     while not all(p.done for p in prefills):
         if signals.caught and stopped_at is None:
-            stopped_at = _clock()
+            stopped_at = out.t_stop = _clock()
             log.warning("interrupted", signal=signals.caught)
             for p in prefills:
                 if not p.done:
@@ -484,13 +504,20 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
                 else:
                     _lose(p, decodes, out, log, f"endpoint failed: {value}")
             elif not p.proc.is_alive() and not p.conn.poll(0):
-                _lose(p, decodes, out, log, f"exited with code {p.proc.exitcode}")
-            elif _clock() - p.last_seen > watchdog:
+                if stopped_at is not None:  # it ended after the interrupt: its records count
+                    p.done = True
+                    out.slow_to_stop.append(p.name)
+                else:
+                    _lose(p, decodes, out, log, f"exited with code {p.proc.exitcode}")
+            elif stopped_at is None and _clock() - p.last_seen > watchdog:
                 _lose(p, decodes, out, log, f"sent nothing for {watchdog:g} s")
-        if stopped_at is not None and _clock() - stopped_at > 1.2:
-            for p in prefills:
+        if stopped_at is not None and _clock() - stopped_at > STOP_GRACE_S:
+            for p in prefills:  # slow to stop is not lost: its records and the decodes' count
                 if not p.done:
-                    _lose(p, decodes, out, log, "did not stop within 1.2 s of the interrupt")
+                    p.done = True
+                    out.slow_to_stop.append(p.name)
+                    log.warning("slow_to_stop", process=p.name, grace_s=STOP_GRACE_S)
+                    _kill(p)
 
 
 def _send(p: _Proc, msg) -> None:
@@ -537,15 +564,17 @@ def _process_fault(cfg, kind: str, p: _Proc, decodes, out: RunResult, log) -> No
     _send(p, "fault_done")
 
 
-def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
+def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log, plan_route: str = "") -> None:
     """Stop the decodes, collect their results, account for every lost prefill's requests
     from what is on disk, and end every process."""
     for p in prefills:
         if not p.done and p.proc.is_alive():
             _send(p, "stop")
+    if out.interrupted and out.t_stop is None:
+        out.t_stop = _clock()
     deadline = _clock() + 1.0
-    for p in prefills:
-        while not p.done and _clock() < deadline and p.proc.is_alive():
+    for p in prefills:  # one that never reached its handoff phase has no result to wait for
+        while not p.done and (p.running or not out.interrupted) and _clock() < deadline and p.proc.is_alive():
             if p.conn.poll(0.05):
                 try:
                     kind, value = p.conn.recv()
@@ -561,7 +590,8 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
             except ProcessLookupError:
                 pass
             _send(d, "stop")
-    deadline = _clock() + (1.0 if out.interrupted else 10.0)
+    ran = any(p.running for p in prefills) or not prefills
+    deadline = _clock() + ((1.0 if ran else 0.3) if out.interrupted else 10.0)
     for d in decodes:
         while d.proc.is_alive() and _clock() < deadline:
             if d.conn.poll(0.05):
@@ -576,8 +606,9 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
                     out.error = f"{d.name} endpoint failed: {value}"
                     out.engine_log = _engine_log_tail(run_dir, d.name)
                     break
+    deadline = _clock() + (0.5 if not out.interrupted else 0.2)
     for p in prefills + decodes:
-        p.proc.join(0.5 if not out.interrupted else 0.2)
+        p.proc.join(max(0.0, deadline - _clock()))
         _kill(p)
     for d in decodes:
         if d.name not in out.decodes:
@@ -589,7 +620,9 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
             reason = out.lost.get(p.name)
             out.ranks[p.name] = reconstruct(cfg, run_dir, p.index, p.name,
                                             Detail.interrupted if out.interrupted and not reason else
-                                            Detail.prefill_lost if reason else Detail.run_error)
+                                            Detail.prefill_lost if reason else Detail.run_error,
+                                            route=plan_route, ran=p.running,
+                                            phase=(out.t_phase, out.t_stop))
     ep = cfg.endpoints
     for p in prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
         rank = out.ranks[p.name]
@@ -619,11 +652,17 @@ def _verdict_lines(path: Path):
                     continue
 
 
-def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail) -> RankResult:
+def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail,
+                route: str = "", ran: bool = True, phase: tuple = (None, None)) -> RankResult:
     """A prefill rank that could not report: its requests file holds what it recorded;
     a request it did not record keeps the verdict its decode gave it (every decode's
     verdicts file), and is otherwise failed with `missing` as the reason. The records
-    added are appended to the requests file, so the file and the report agree."""
+    added are appended to the requests file, so the file and the report agree.
+
+    After an interrupt (`missing` is interrupted), a request past the last one with any
+    trace never arrived (requests arrive in id order): not_started, with no line; a rank
+    that never reached its handoff phase (`ran` false) started none. `phase` (the runner's
+    clock: the handoff phase began, the run stopped) times a rate over the phase that ran."""
     n = cfg.workload.requests
     base = rank * n
     suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
@@ -644,15 +683,24 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
                 judged[v["rid"]] = (Outcome(v["outcome"]), Detail(v["detail"]))
     from .workload import room_of
 
+    end = base + n
+    if missing is Detail.interrupted:
+        traced = [r for r in (*seen, *judged) if base <= r < base + n]
+        end = (max(traced) + 1) if traced and ran else base
+        res.not_started = base + n - end
+        res.interrupted = True
     added = []
-    for rid in range(base, base + n):
+    for rid in range(base, end):
         if rid in seen:
             continue
         outcome, detail = judged.get(rid, (Outcome.failed, missing))
-        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1, "",
-                     None, None, None, None, outcome, detail, "", None)
+        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1,
+                     route if rid in judged else "", None, None, None, None, outcome, detail, "", None)
         res.add(rec)
         added.append(rec)
+    t_phase, t_stop = phase
+    if res.verified and t_phase is not None and t_stop is not None and res.t_start is None:
+        res.t_start, res.t_last = t_phase, t_stop  # no verdict times: the phase as the runner saw it
     if added:
         # complete lines only: a torn last line is cut off before appending
         if path.exists():

@@ -766,27 +766,13 @@ class _Loop:
             if req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
                 self.finish(req)
-        self.fail_unsent(Detail.not_sent_interrupted)
+        self.skip_unarrived()
 
-    def fail_unsent(self, detail: Detail) -> None:
-        """Every request not announced yet fails with `detail`: one record line each, the
-        counts in bulk (an interrupted run may leave most of its requests here)."""
-        n_inst = len(self.ep.instances)
-        lines, per_inst = [], [0] * n_inst
-        for i in range(self.next_i, self.total):
-            rid = self.phase.rid_base + i
-            rec = Record(rid, room_of(self.w, rid), rid % n_inst, -1, "", None, None, None, None,
-                         Outcome.failed, detail, "")
-            lines.append(rec.line())
-            per_inst[rec.decode] += 1
-        n = len(lines)
-        if n:
-            self.sink.write("\n".join(lines) + "\n")
-            self.res.outcomes[Outcome.failed] += n
-            self.res.details[detail] += n
-            for j, k in enumerate(per_inst):
-                if k:
-                    self.res.pairs.setdefault(j, PairStats()).outcomes[Outcome.failed] += k
+    def skip_unarrived(self) -> None:
+        """Requests that never arrived are not_started: counted, never failed, and given no
+        line in requests.jsonl (an interrupted run may leave most of its requests here)."""
+        n = self.total - self.next_i
+        self.res.not_started += n
         self.finished += n
         self.next_i = self.total
 
