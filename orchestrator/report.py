@@ -122,8 +122,52 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "error": out.error,
     }
     results["tp"] = _tp(cfg, out)
+    results["offered_per_s"] = w.rate * cfg.endpoints.prefill_ranks if w.rate is not None else None
+    results["warnings"] = batch_caps(cfg, results) + _open_loop_warnings(results)
     results["exit_code"] = exit_code(results)
     return results
+
+
+def batch_caps(cfg: OrchestratorConfig, results: dict[str, Any]) -> list[str]:
+    """What keeps a forward step below workload.batch_size, with the cap and the key to
+    raise (once per run, in results.json `warnings` and the summary)."""
+    from .layout import profile_layout
+
+    w, t, b = cfg.workload, cfg.transport, cfg.buffers
+    if w.batch_size == 1:
+        return []
+    caps = []
+    if w.rate is None and w.concurrency < w.batch_size:
+        caps.append(f"workload.batch_size={w.batch_size} is capped at {w.concurrency} requests per step "
+                    f"by workload.concurrency={w.concurrency}: raise workload.concurrency (and buffers.size) "
+                    f"to several times the batch")
+    per_request = len(profile_layout(cfg)) * cfg.endpoints.decode_tp  # blocks of one request's write
+    window = t.max_inflight_blocks // per_request
+    if not t.coalesce and window < w.batch_size:
+        caps.append(f"workload.batch_size={w.batch_size} is capped at {max(1, window)} requests per step "
+                    f"by transport.max_inflight_blocks={t.max_inflight_blocks} ({per_request} blocks per "
+                    f"request): raise transport.max_inflight_blocks")
+    sends, routed = results.get("sends") or 0, sum(results.get("routes", {}).values())
+    per_send = routed * cfg.endpoints.decode_tp / sends if sends else None
+    if t.coalesce and per_send is not None and not caps and per_send < 0.75 * w.batch_size:
+        caps.append(f"coalesced sends carried {per_send:.1f} requests each, workload.batch_size="
+                    f"{w.batch_size}: a step takes what is ready; raise workload.concurrency={w.concurrency} "
+                    f"and buffers.size={b.size} (16x the batch gives full steps)")
+    return caps
+
+
+def _open_loop_warnings(results: dict[str, Any]) -> list[str]:
+    """Open loop: the offered load was not sustained (achieved < 95% of offered)."""
+    offered, achieved = results.get("offered_per_s"), results.get("handoffs_per_s")
+    if offered is None or results.get("interrupted"):
+        return []
+    if achieved is None or achieved < 0.95 * offered:
+        got = _num(achieved) if achieved is not None else "no measured rate"
+        return [f"offered {_num(float(offered))} requests/s, achieved {got} handoffs/s "
+                f"({achieved / offered:.0%}): not sustained; latency from arrival includes the queue"
+                if achieved is not None else
+                f"offered {_num(float(offered))} requests/s, achieved {got}"]
+    return []
 
 
 def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:

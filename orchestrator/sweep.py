@@ -36,7 +36,7 @@ RESULT_COLUMNS = [
     "status", "requests", "verified", "corrupted", "failed", "routes", "mem_pool", "route",
     "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
     "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
-    "handoffs_per_s", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
+    "handoffs_per_s", "offered_per_s", "achieved_pct", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
     "silent_corruptions", "steps_disagreed", "exit_code", "error",
 ]
 RATE_KEY = "workload.rate"
@@ -114,6 +114,9 @@ def _row(job_dir: Path) -> dict[str, Any]:
         mem_pool=_get(res, "plan", "mem_pool"),
         route=_get(res, "plan", "route"),
         handoffs_per_s=res.get("handoffs_per_s"),
+        offered_per_s=res.get("offered_per_s"),
+        achieved_pct=(round(100 * res["handoffs_per_s"] / res["offered_per_s"], 1)
+                      if res.get("offered_per_s") and res.get("handoffs_per_s") is not None else None),
         mb_per_s=res.get("mb_per_s"),
         bytes_per_request=res.get("bytes_per_request"),
         effective_transport=res.get("effective_transport"),
