@@ -52,9 +52,13 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
     report.write(run_dir, results)
     if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
         plan_d = results["plan"]
-        plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
-                                       f"{plan_d['buffer_device']}, "
-                                       f"{results['effective_transport'] or plan_d['declared_transport']}")
+        lat = results["latency_us"]
+        plots.run_latency_png(run_dir, f"mem_pool={plan_d['mem_pool']}, buffers on {plan_d['buffer_device']}, "
+                                       f"{results['effective_transport'] or plan_d['declared_transport']}"
+                                       f"   run {plots.short_dir(run_dir)}",
+                              marks={"send_aux": lat["send_aux"], "handoff": lat["handoff"],
+                                     "from arrival": lat["e2e"]},
+                              arrival=obj.workload.rate is not None)
     log.info("results", **{k: results.get(k) for k in ("requests", "verified", "corrupted", "failed",
                                                       "routes", "effective_transport", "exit_code")})
     print(report.summary(results, run_dir), flush=True)

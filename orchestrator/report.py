@@ -295,10 +295,14 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     w = results["workload"]
     if results["verified"]:
         set_buf = lat["set_buf"]["p50"]  # None when rows were filled ahead (workload.fill)
-        lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
-                     f"handoff {_fmt(lat['handoff'])}"
-                     + (f"   from arrival {_fmt(lat['e2e'])}" if w["rate"] is not None else "")
-                     + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
+        if all(v is None for v in lat["handoff"].values()) and all(v is None for v in lat["send_aux"].values()):
+            lines.append("latency: not recorded (the prefill's own records ended with it; verdicts "
+                         "from the decode's file)")
+        else:
+            lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
+                         f"handoff {_fmt(lat['handoff'])}"
+                         + (f"   from arrival {_fmt(lat['e2e'])}" if w["rate"] is not None else "")
+                         + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
         lines.append(_rate_line(results))
     if results["failure_reasons"]:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))

@@ -476,7 +476,10 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
     watchdog = cfg.transport.timeout_s + 5.0  # a prefill reports four times a second
     done: dict[str, int] = Counter()
     stopped_at: Optional[float] = None
+    gone: set[int] = set()  # decode instances whose process the runner saw exit
     while not all(p.done for p in prefills):
+        if stopped_at is None:
+            _watch_decodes(decodes, prefills, gone, out, log)
         if signals.caught and stopped_at is None:
             stopped_at = out.t_stop = _clock()
             log.warning("interrupted", signal=signals.caught)
@@ -520,6 +523,22 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
                     _kill(p)
 
 
+def _watch_decodes(decodes, prefills, gone: set[int], out: RunResult, log) -> None:
+    """A decode process that exited is gone now, not after transport.timeout_s of silence:
+    every prefill fails what it owes that instance at once (decode_lost) and goes on."""
+    for d in decodes:
+        if d.index in gone or d.proc.is_alive():
+            continue
+        gone.add(d.index)
+        why = f"exited with code {d.proc.exitcode}"
+        out.lost.setdefault(d.name, why)
+        out.t_stop = out.t_stop or _clock()
+        log.error("process_lost", process=d.name, why=why)
+        for p in prefills:
+            if not p.done:
+                _send(p, ("decode_gone", d.index, f"{d.name} {why}"))
+
+
 def _send(p: _Proc, msg) -> None:
     try:
         p.conn.send(msg)
@@ -530,6 +549,7 @@ def _send(p: _Proc, msg) -> None:
 def _lose(p: _Proc, decodes, out: RunResult, log, why: str) -> None:
     p.done = True
     out.lost[p.name] = why
+    out.t_stop = out.t_stop or _clock()
     log.error("process_lost", process=p.name, why=why)
     _kill(p)
     for d in decodes:  # it writes nothing more: its slots can go back
@@ -667,7 +687,9 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     base = rank * n
     suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
     path = run_dir / f"requests{suffix}.jsonl"
-    res = RankResult(rank, n)
+    from .layout import profile_layout
+
+    res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg)))
     seen: set[int] = set()
     for rec in read_records(path):
         if base <= rec.rid < base + n and rec.rid not in seen:

@@ -72,12 +72,16 @@ def test_stale_room_in_reused_slot_never_passes_the_gate(cfg_factory, tmp_path):
 
 def test_decode_killed_mid_run(cfg_factory, tmp_path):
     res, records, wall = _run(cfg_factory, tmp_path, "faults=decode_killed", "faults.at_request=50",
-                              "workload.requests=3000")
+                              "workload.requests=3000", "transport.timeout_s=5")
     assert res["faults_applied"] and res["faults_applied"][0]["fault"] == "decode_killed"
     assert res["verified"] == 50 and res["corrupted"] == 0  # exactly at its request
-    assert set(res["failure_reasons"]) == {"peer_lost", "not_sent_peer_lost"}
-    assert res["failure_reasons"]["peer_lost"] == 8  # the next window: announced, never granted
+    # the runner saw the process exit: the wait ends at once, not after transport.timeout_s
+    assert set(res["failure_reasons"]) == {"decode_lost", "not_sent_peer_lost"}
+    assert res["failure_reasons"]["decode_lost"] == 8  # the next window: announced, never granted
+    assert res["lost"] == {"decode": "exited with code -9"}
     assert res["exit_code"] == 3 and wall < 30
+    # the rate is over the phase that ran: first arrival to the last verdict before the fault
+    assert res["wall_s"] < 5  # (a wait for the timeout would be in it)
 
 
 def test_decode_stopped_shorter_than_timeout_is_ridden_out(cfg_factory, tmp_path):

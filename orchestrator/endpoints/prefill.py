@@ -662,8 +662,13 @@ class _Loop:
                     if inst.control in events:
                         self.drain(inst)
                 if conn_fd is not None and conn_fd in events and self.conn.poll():
-                    if self.conn.recv() == "stop":
+                    msg = self.conn.recv()
+                    if msg == "stop":
                         self.stop(Detail.interrupted)
+                    elif isinstance(msg, tuple) and msg[0] == "decode_gone":  # the runner saw it exit
+                        inst = ep.instances[msg[1]]
+                        if not inst.lost:
+                            self.lose(inst, Detail.decode_lost, msg[2])
                 if Stop.requested and not self.stopping:
                     self.stop(Detail.interrupted)
                 now = _clock()
