@@ -240,7 +240,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
             if metadata is not None:
                 metadata.terminate()
                 metadata.wait(5)
-    not_the_engine = ("LayoutMismatch", "refused")  # protocol refusals: the engine's last line is noise
+    not_the_engine = ("LayoutMismatch", "refused", "MAC did not match")  # protocol refusals: the engine's last line is noise
     if out.error and out.engine_log is None and not any(m in out.error for m in not_the_engine):
         for p in decodes + prefills:
             if p.name in (out.error or "") or not p.proc.is_alive():
@@ -320,6 +320,7 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     leaders = [d for d in decodes if d.tp_rank == 0]
     wait_s = cfg.endpoints.startup_timeout_s
     deadline, answered = _clock() + wait_s, False
+    rejected, quiet_until = 0, 0.0
     try:
         while not signals.caught:
             if not answered and _clock() > deadline:
@@ -333,8 +334,17 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                     msg = wire.decode(body) if body is not None else None
                 except wire.WireError:
                     msg = None
+                if msg is None and not answered and len(frames) == 2 and _unauthentic_lookup(frames[1]):
+                    # a lookup in our format whose MAC does not match: the other side has
+                    # another secret. Both sides stop now, not at endpoints.startup_timeout_s:
+                    # it gets a sealed refusal it cannot open (and says so), this side ends.
+                    sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail="bad MAC"))])
+                    raise RunFailed(secret_mismatch(cfg))
                 if msg is None or msg["type"] != "lookup":
-                    log.warning("bootstrap_rejected", reason="not an authentic lookup")
+                    rejected += 1
+                    if _clock() >= quiet_until:  # rate-limited: one line per 5 s, with the count
+                        log.warning("bootstrap_rejected", reason="not an authentic lookup", count=rejected)
+                        quiet_until = _clock() + 5.0
                 elif msg["prefill_ranks"] != want:
                     sock.send_multipart([frames[0], auth.seal(wire.encode(
                         "error", detail=f"this decode side expects endpoints.prefill_ranks={want}, "
@@ -377,6 +387,24 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                 pass
 
 
+def secret_mismatch(cfg: OrchestratorConfig) -> str:
+    var = cfg.transport.secret_env
+    return (f"the peer's MAC did not match: the two sides have different secrets in ${var} "
+            f"(transport.secret_env={var})" if var else
+            "the peer's MAC did not match: set the same transport.secret_env on both sides")
+
+
+def _unauthentic_lookup(frame: bytes) -> bool:
+    """A frame that reads as our lookup message but whose MAC failed (read, never acted on)."""
+    from . import wire
+    from .auth import MAC_BYTES
+
+    try:
+        return wire.decode(frame[:-MAC_BYTES])["type"] == "lookup"
+    except (wire.WireError, KeyError, TypeError, ValueError):
+        return False
+
+
 def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
     """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
     again every second until endpoints.startup_timeout_s: that side may start later)."""
@@ -411,8 +439,7 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
                 continue
             body = auth.unseal(frame)
             if body is None:
-                raise RunFailed(f"the decode side at {host}:{port} answered without a valid MAC: "
-                                "both sides need the same secret (transport.secret_env)")
+                raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port})")
             msg = wire.decode(body)
             if msg["type"] == "error":
                 raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
