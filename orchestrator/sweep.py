@@ -221,8 +221,11 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     plt = pyplot()
 
     keys = _varying(swept, rows) or swept
-    labels = [f"#{r['job']} " + ", ".join(f"{k.split('.')[-1]}={r.get(k)}" for k in keys) for r in rows]
-    labels = ["\n".join(textwrap.wrap(t, 22)) or "?" for t in labels]
+    def pair(k: str, v: Any) -> str:  # key=value, the value on its own line when long
+        name, value = k.split(":")[-1].split(".")[-1], textwrap.shorten(str(v), 20, placeholder="...")
+        return f"{name}={value}" if len(name) + len(value) < 17 else f"{name}=\n{value}"
+
+    labels = ["\n".join([f"job {r['job']}"] + [pair(k, r.get(k)) for k in keys]) for r in rows]
     x = list(range(len(rows)))
     fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * len(rows) + 6), 5.6))
     ran = [r["status"] in ("ok", "failed") for r in rows]
@@ -250,10 +253,13 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     axes[1].set_title("verified handoffs/s", fontsize=10)
     axes[1].set_ylabel("handoffs/s (handoff phase)")
     for ax in axes:
-        ax.set_xticks(x, labels, fontsize="x-small", rotation=30, ha="right")
+        wide = len(rows) > 6
+        ax.set_xticks(x, labels, fontsize="x-small", rotation=30 if wide else 0, ha="right" if wide else "center")
         ax.set_xlabel("job (swept values)")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend(fontsize="small", loc="lower left", framealpha=0.9)
+    axes[0].set_ylim(0, top * 1.18)  # headroom for the legend, above every bar
+    axes[1].set_ylim(0, rate_top * 1.18)
+    axes[0].legend(fontsize="small", loc="upper center", ncol=3, framealpha=0.9)
     ok = sum(r["status"] == "ok" for r in rows)
     fig.suptitle(f"sweep {short_dir(sweep_dir)}: {ok}/{len(rows)} jobs ok", fontsize=10)
     fig.tight_layout()

@@ -2,13 +2,13 @@
 
 Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with json only
 (no code-executing decoder) and checked against SCHEMA:
-    prefill -> decode: hello {rank, layout, fingerprint}, arrive {reqs: [[rid, room], ...],
+    prefill -> decode: hello {rank, layout, fingerprint, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
                        contiguous}, bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
     lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
     transport, session_id}, ...], ...], prefill_ranks}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
-                       tp_rank, boot_id, scratch_ptr}, update {grants: [[rid, slot], ...],
+                       tp_rank, boot_id, scratch_ptr, pid_ns}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns], ...]} (new
                        grants and verdicts, one message per loop; times are the decode's
                        CLOCK_MONOTONIC), error {detail}
@@ -97,18 +97,23 @@ def _infos(v: Any) -> bool:
 
 
 SCHEMA: dict[str, dict[str, Any]] = {
-    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str},
+    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "pid_ns": _str, "boot_id": _str},
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
     "bye": {},
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
-                  "scratch_ptr": _u64},
+                  "scratch_ptr": _u64, "pid_ns": _str},
     "update": {"grants": _rows(2), "v": _rows(5)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)
     "lookup": {"rank": _u64, "prefill_ranks": _u64},
     "decodes": {"infos": _infos, "prefill_ranks": _u64},
 }
+
+
+# Keys a sender may leave out (a peer that predates them): the PID namespace and boot id a
+# side sends at bootstrap (plan.same_process_space_rule).
+OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"})}
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:
@@ -128,7 +133,10 @@ def decode(raw: bytes) -> dict[str, Any]:
     extra = set(msg) - set(fields) - {"type"}
     if extra:
         raise WireError(f"{msg['type']}: unexpected keys {sorted(extra)}")
+    optional = OPTIONAL.get(msg["type"], frozenset())
     for key, fits in fields.items():
+        if key not in msg and key in optional:
+            continue
         if key not in msg or not fits(msg[key]):
             raise WireError(f"{msg['type']}: bad or missing {key!r}")
     return msg

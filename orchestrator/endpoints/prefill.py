@@ -41,12 +41,12 @@ from ..digest import SIGNATURE, Keys, RowDigest
 from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
 from ..logs import decision_log
 from ..outcomes import Detail, KVPoll, Outcome
-from ..plan import Plan
+from ..plan import Plan, same_process_space_rule
 from ..results import PairStats, RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..transport.engine import EngineError
 from ..workload import RequestPool, arrival_offsets, room_of
-from .common import (report_failure, Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
+from .common import (report_failure, Stop, boot_id, build_side, new_socket, pid_namespace, proc_name, process_gpu, rss_kb,
                      shapes, start_process)
 from ..layout import describe, fingerprint, first_difference
 
@@ -317,7 +317,8 @@ class PrefillEndpoint:
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
         ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                             fingerprint=fingerprint(self.layout))))
+                                             fingerprint=fingerprint(self.layout), pid_ns=pid_namespace(),
+                                             boot_id=self.boot_id)))
         msg = self._recv_one(ctl, link.name)
         if msg.get("type") == "error":
             raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
@@ -326,6 +327,10 @@ class PrefillEndpoint:
         diff = first_difference(self.layout, msg["layout"])
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
+        why = same_process_space_rule(self.plan.engine_transport, (pid_namespace(), self.boot_id),
+                                      (msg.get("pid_ns", ""), msg["boot_id"]))
+        if why is not None:  # before any byte moves
+            raise LayoutMismatch(f"{link.name} refused: {why}")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
                     msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"])
         link.router.connect(peer)
