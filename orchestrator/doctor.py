@@ -569,7 +569,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .platform import detect
 
     intent = report.plan or intended_plan(cfg, detect())
-    report.checks.append(check_process_space(intent.engine_transport if intent else None, args.peer_pid_ns))
+    transport = intent.engine_transport if intent else None
+    if peer is not None or args.peer_pid_ns is not None or transport is EngineTransport.nvlink_intra:
+        report.checks.append(check_process_space(transport, args.peer_pid_ns))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
