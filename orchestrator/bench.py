@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,6 +127,7 @@ class BenchDriver:
             ("inline", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline)),
         ]
         for name, phase in plan:
+            conn.send(("phase", f"{name} ({phase.requests} requests)"))  # the bench's progress line
             phase.rid_base = base
             base += phase.requests
             res = ep.run(phase, conn)
@@ -239,12 +242,18 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     b = cfg.bench
     results: dict[str, Any] = {"profile": check_profile(cfg, platform).as_dict(),
                                "batch_size": b.batch_size, "paths": []}
-    for ph in paths(cfg, platform):
+    todo = paths(cfg, platform)
+    for k, ph in enumerate(todo, 1):
         phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
         engine = ph.plan.route is Route.engine
         bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
         driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk)
-        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk)
+        progress = _BenchProgress(f"[{k}/{len(todo)}] {ph.name}")
+        progress.say("starting its processes")
+        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
+        sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
+        progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
+                     f"ended: {out.error or out.lost or 'no result'}")
         res = next(iter(out.ranks.values()), None)
         if not isinstance(res, PathResult):
             err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
@@ -256,7 +265,29 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     table = markdown(results)
     (run_dir / "bench.md").write_text(table + "\n")
     print(table, flush=True)
+    print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
+          flush=True)
     return results
+
+
+class _BenchProgress:
+    """One line per path and per phase on stderr (the table goes to stdout): a CPU bench runs
+    over a minute, and this says where it is."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.t0 = prefix, time.monotonic()
+
+    def say(self, what: str) -> None:
+        print(f"bench {self.prefix}: {what} (+{time.monotonic() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        self.say("handoffs under way")
+
+    def phase(self, name: str) -> None:
+        self.say(f"phase {name}")
+
+    def __call__(self, done: int) -> None:
+        pass
 
 
 def _path_dict(res: PathResult, plan: Plan) -> dict[str, Any]:

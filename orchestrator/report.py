@@ -93,6 +93,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "sends": sends,
         "blocks_per_send": round(blocks / sends, 2) if sends else None,
         "startup_s": out.startup_s,
+        "startup_by_process": out.startup_by_process,  # s from spawn to each side's engine up
         "wall_s": round(wall, 4) if wall else None,
         "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
                      "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
@@ -267,12 +268,14 @@ def _fmt(d: dict) -> str:
 def _rate_line(results: dict[str, Any]) -> str:
     """handoffs/s and MB/s over the handoff phase that ran (first arrival to the last verdict
     a decode gave); never `None`."""
-    start = f"start-up {results['startup_s']} s excluded" if results.get("startup_s") is not None else \
+    sides = results.get("startup_by_process") or {}
+    detail = f" ({', '.join(f'{k} {_num(v)}' for k, v in sides.items())})" if len(sides) in (2, 3) else ""
+    start = f"start-up {results['startup_s']} s{detail} excluded" if results.get("startup_s") is not None else \
         "start-up not reached"
     if results.get("handoffs_per_s") is None:
         return (f"rate not measured ({results['verified']} verified, no handoff phase to time); "
                 f"{results['bytes_per_request']} B per request; {start}")
-    phase = f" over {results['wall_s']:g} s" if results.get("wall_s") else ""
+    phase = f" over {_num(results['wall_s'])} s" if results.get("wall_s") else ""
     return (f"{_num(results['handoffs_per_s'])} handoffs/s, {results['mb_per_s']} MB/s{phase} "
             f"({results['bytes_per_request']} B per request); {start}")
 

@@ -66,6 +66,7 @@ class RunResult:
     bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
     prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
     run_dir: str = ""
+    startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
     t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
     t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
     slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
@@ -206,7 +207,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                     for p in decodes:
                         if p.index == i:
                             p.conn.send(("rendezvous", {"init_method": init, "backend": backend}))
-            infos = _startup(cfg, decodes, prefills, out, log, signals)
+            infos = _startup(cfg, decodes, prefills, out, log, signals, t_spawn)
             if role is Role.decode:
                 out.startup_s = round(_clock() - t_spawn, 3)
                 _serve_bootstrap(cfg, secret, infos, decodes, out, log, signals)
@@ -250,7 +251,8 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     return out
 
 
-def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[dict]]:
+def _startup(cfg, decodes, prefills, out: RunResult, log, signals, t_spawn: Optional[float] = None
+             ) -> list[list[dict]]:
     """Every decode ready and every prefill's engine up (they come up together)."""
     deadline = _clock() + cfg.endpoints.startup_timeout_s
     infos: dict[tuple[int, int], dict] = {}
@@ -261,6 +263,8 @@ def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[
         for name, p in list(pending.items()):
             if p.conn.poll(0.02):
                 kind, value = p.conn.recv()
+                if kind in ("ready", "up") and t_spawn is not None:
+                    out.startup_by_process[p.name] = round(_clock() - t_spawn, 3)
                 if kind == "ready":
                     infos[(p.index, p.tp_rank)] = value
                     out.transports[p.name] = value["transport"]
@@ -528,6 +532,9 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
                         progress(sum(done.values()))
                 elif kind == "fault":
                     _process_fault(cfg, value, p, decodes, out, log)
+                elif kind == "phase":  # a driver with several phases (the bench) began one
+                    if progress is not None and hasattr(progress, "phase"):
+                        progress.phase(value)
                 elif kind == "result":
                     out.ranks[p.name] = value
                     p.done = True

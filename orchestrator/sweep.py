@@ -36,7 +36,8 @@ RESULT_COLUMNS = [
     "status", "requests", "verified", "corrupted", "failed", "routes", "mem_pool", "route",
     "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
     "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
-    "handoffs_per_s", "offered_per_s", "achieved_pct", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
+    "handoffs_per_s", "offered_per_s", "achieved_pct", "mb_per_s", "bytes_per_request", "startup_s",
+    "startup_by_process", "effective_transport",
     "silent_corruptions", "steps_disagreed", "exit_code", "error",
 ]
 RATE_KEY = "workload.rate"
@@ -121,6 +122,7 @@ def _row(job_dir: Path) -> dict[str, Any]:
         bytes_per_request=res.get("bytes_per_request"),
         effective_transport=res.get("effective_transport"),
         startup_s=res.get("startup_s"),
+        startup_by_process=";".join(f"{k}={v}" for k, v in (res.get("startup_by_process") or {}).items()) or None,
         silent_corruptions=_get(res, "tp", "silent_corruptions"),
         steps_disagreed=_get(res, "tp", "steps_disagreed"),
         exit_code=res.get("exit_code"),
@@ -336,7 +338,7 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
             ax.set_xscale("log")
         ticks = sorted(set(xs))
         if 0 < len(ticks) <= 8:  # label the swept values themselves
-            ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+            ax.set_xticks(ticks, [f"{x:.0f}" if x.is_integer() else repr(x) for x in ticks])
             ax.minorticks_off()
         if series:
             if load and key == "e2e_p50_us":
