@@ -86,6 +86,17 @@ def _entry() -> None:
     from .sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
+    if codes and max(codes) in (130, 143):
+        # Interrupted: results.json, the logs and the summary are written and every child is
+        # ended; the interpreter's own teardown (torch and the rest loaded) can take most of a
+        # second on a loaded box, past the 2 s a stop is given. Flush and leave now.
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(max(codes))
     if codes:
         sys.exit(max(codes))
 
