@@ -1,13 +1,15 @@
-"""Redraw a rate-sweep picture (docs/*-rate-sweep.png) from the table BENCHMARKS.md quotes
-for it, with the plot code of this checkout (orchestrator.sweep): the measured numbers stay
+"""Redraw a sweep picture (docs/*-rate-sweep.png, docs/sweep-example.png) from the table a
+doc quotes for it, with the plot code of this checkout (orchestrator.sweep): the measured numbers stay
 the table's, only the drawing changes. A sweep run itself draws the same picture from its
 job dirs (summary.png).
 
-    python tools/redraw_rate_sweep.py "### Latency against offered load (CPU)" docs/cpu-rate-sweep.png \
+    python tools/redraw_sweep.py "### Latency against offered load (CPU)" docs/cpu-rate-sweep.png \
         --title "CPU box, commit b7ca42f"
 
 The section's first table needs the columns `offered /s`, `mem_pool / route`, `verified`
-(`n/n`), `handoffs/s` and `e2e p50 us` (with any suffix); `e2e p99 us` when present.
+(`n/n`), `handoffs/s` and `e2e p50 us` (with any suffix); `e2e p99 us` when present. With
+`--summary-md` the table is a sweep's own summary.md (docs/sweeps.md quotes one): its columns
+are the rows as the sweep wrote them, and any sweep's picture is drawn again from it.
 """
 
 from __future__ import annotations
@@ -41,8 +43,17 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--title", required=True, help="what the picture's title names instead of a run dir")
     ap.add_argument("--doc", type=Path, default=ROOT / "BENCHMARKS.md")
+    ap.add_argument("--summary-md", action="store_true", help="the table is a sweep's summary.md")
     args = ap.parse_args(argv)
     rows = table(args.doc.read_text(), args.heading)
+    if args.summary_md:
+        cols = list(rows[0])
+        swept = cols[1:cols.index("status")]
+        parsed = [{k: (None if v == "" else int(v) if k in ("job", "requests", "verified") else v)
+                   for k, v in r.items()} for r in rows]
+        sweep._write_png(args.out, Path(args.title), swept, parsed)
+        print(json.dumps({"rows": len(parsed), "out": str(args.out)}))
+        return 0
     out_rows = []
     for i, r in enumerate(rows):
         r = {("e2e p50 us" if k.startswith("e2e p50") else k): v for k, v in r.items()}
