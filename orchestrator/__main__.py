@@ -60,12 +60,43 @@ def main(cfg: DictConfig) -> float:
             raise
         results = failed_job(run_dir, f"{type(exc).__name__}: {exc}")
     _EXIT.append(results["exit_code"])
+    if results.get("signal") and not single:  # an interrupted job ends the sweep, not only itself
+        raise _SweepStopped(results["exit_code"], str(hc.sweep.dir))
     return float(results["verified"])
+
+
+class _SweepStopped(BaseException):
+    """A sweep's job was interrupted: no further job starts (args: exit code, sweep dir)."""
+
+
+def _leave(code: int) -> None:
+    """Interrupted: results.json, the logs and the summary are written and every child is
+    ended; the interpreter's own teardown (torch and the rest loaded) can take most of a
+    second on a loaded box, past the 2 s a stop is given. Flush and leave now."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def entry() -> None:
     try:
         _entry()
+    except _SweepStopped as exc:
+        code, sweep_dir = exc.args
+        from .sweep import SweepError, summarize
+
+        try:
+            for path in summarize(Path(sweep_dir), png=False):
+                print(f"sweep summary: {path}", flush=True)
+        except SweepError:
+            pass
+        print(f"sweep interrupted: the jobs not yet started were not run (summary.png: python -m "
+              f"orchestrator.report {sweep_dir})", file=sys.stderr, flush=True)
+        _leave(code)
     except (_EarlyStop, KeyboardInterrupt) as exc:  # before a job started, or between jobs
         _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
 
@@ -87,16 +118,7 @@ def _entry() -> None:
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
     if codes and max(codes) in (130, 143):
-        # Interrupted: results.json, the logs and the summary are written and every child is
-        # ended; the interpreter's own teardown (torch and the rest loaded) can take most of a
-        # second on a loaded box, past the 2 s a stop is given. Flush and leave now.
-        import logging
-        import os
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(max(codes))
+        _leave(max(codes))
     if codes:
         sys.exit(max(codes))
 

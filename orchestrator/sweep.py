@@ -355,7 +355,7 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
     plt.close(fig)
 
 
-def summarize(sweep_dir: Path) -> list[Path]:
+def summarize(sweep_dir: Path, png: bool = True) -> list[Path]:
     """Write summary.csv, summary.md and summary.png into sweep_dir; return their paths.
 
     Raises SweepError when sweep_dir is not a directory or holds no job subdir. Never
@@ -372,6 +372,8 @@ def summarize(sweep_dir: Path) -> list[Path]:
                                    sweep_dir / PNG_NAME)
     _write_csv(csv_path, columns, rows)
     _write_md(md_path, sweep_dir, columns, rows)
+    if not png:  # an interrupted sweep: the plot (about a second) can be drawn later by report
+        return [csv_path, md_path]
     _write_png(png_path, sweep_dir, swept, rows)
     return [csv_path, md_path, png_path]
 

@@ -226,6 +226,26 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert res["handoffs_per_s"] is not None
 
 
+def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
+    import os
+
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "-m", "workload.requests=100000",
+                             "workload.seed=1,2,3", f"hydra.sweep.dir={sweep_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(sweep_dir.glob("0/requests*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert not (sweep_dir / "1").exists()  # no further job started
+    assert (sweep_dir / "summary.csv").exists() and "sweep interrupted" in err
+    assert json.loads((sweep_dir / "0" / "results.json").read_text())["signal"] == "SIGINT"
+
+
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_interrupt_during_start_up_prints_no_traceback(tmp_path, delay):
     """Ctrl-C (SIGINT to the whole group) while the main process or the children import torch."""
