@@ -339,6 +339,7 @@ class PrefillEndpoint:
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
         warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
+                      peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
                       slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
 
     def _recv_one(self, ctl: zmq.Socket, name: str) -> dict:
