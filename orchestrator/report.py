@@ -335,7 +335,8 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
                      f"{tp['silent_corruptions']} taken unready or with a wrong room (silent in "
                      f"SGLang), {tp['torn']} with the right room but a torn row (digest only; "
                      f"{tp['settled']} more held until whole by gate.settle_ms), "
-                     f"{tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
+                     f"{tp['hung']} hung; all-reduce "
+                     + (f"{tp['allreduce_us_mean']} us" if tp['allreduce_us_mean'] is not None else "not timed"))
     pairs = results["pairs"]
     if len(pairs) > 1:
         rates = [p["handoffs_per_s"] for p in pairs.values() if p["handoffs_per_s"]]
@@ -348,7 +349,7 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
 
 
 def decode_summary(results: dict[str, Any], run_dir: Path) -> str:
-    lines = [f"decode side at {results['bootstrap']}: buffers on {results['plan']['buffer_device']}, "
+    lines = [f"decode side at {results['bootstrap'] or '(no bootstrap address yet)'}: buffers on {results['plan']['buffer_device']}, "
              f"transport {results['effective_transport'] or results['declared_transport']}",
              f"judged {results['requests']} from prefill ranks {results['prefills_seen']}: verified "
              f"{results['verified']}, corrupted {results['corrupted']}, failed {results['failed']}"]
