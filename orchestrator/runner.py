@@ -509,7 +509,7 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
     stopped_at: Optional[float] = None
     gone: set[int] = set()  # decode instances whose process the runner saw exit
     while not all(p.done for p in prefills):
-        if stopped_at is None:
+        if stopped_at is None and not signals.caught:  # (a group signal also ends the decodes)
             _watch_decodes(decodes, prefills, gone, out, log)
         if signals.caught and stopped_at is None:
             stopped_at = out.t_stop = _clock()
