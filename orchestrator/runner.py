@@ -561,8 +561,8 @@ def _watch_decodes(decodes, prefills, gone: set[int], out: RunResult, log) -> No
     """A decode process that exited is gone now, not after transport.timeout_s of silence:
     every prefill fails what it owes that instance at once (decode_lost) and goes on."""
     for d in decodes:
-        if d.index in gone or d.proc.is_alive():
-            continue
+        if d.index in gone or d.proc.is_alive() or d.proc.exitcode == 0:
+            continue  # (exit 0: it was told to stop, by a signal the runner sees too)
         gone.add(d.index)
         why = f"exited with code {d.proc.exitcode}"
         out.lost.setdefault(d.name, why)
