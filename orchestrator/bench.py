@@ -254,6 +254,10 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
         sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
         progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
                      f"ended: {out.error or out.lost or 'no result'}")
+        if out.interrupted:  # Ctrl-C / SIGTERM ends the bench, not only this path
+            progress.say(f"interrupted ({out.interrupted}): the paths not yet run are left out")
+            results["interrupted"] = out.interrupted
+            break
         res = next(iter(out.ranks.values()), None)
         if not isinstance(res, PathResult):
             err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
@@ -267,6 +271,8 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     print(table, flush=True)
     print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
           flush=True)
+    if results.get("interrupted"):
+        raise SystemExit({"SIGINT": 130, "SIGTERM": 143}.get(results["interrupted"], 130))
     return results
 
 
@@ -380,8 +386,9 @@ def markdown(results: dict) -> str:
                           + f" | {ph['handoff_us'].get('p50')} |")
     raw += stages
     first = next((p for p in results["paths"] if "row_bytes" in p), {})
-    lines = rows + raw + ["", f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
-                              "handoff = row ready on the prefill -> verified on the decode", "",
+    lines = rows + raw + ["", (f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
+                               if first else "no path finished; ")
+                          + "handoff = row ready on the prefill -> verified on the decode", "",
                           "Ratios:"]
     lines += [f"- {k}: {v}" for k, v in results["ratios"].items()]
     return "\n".join(lines)
