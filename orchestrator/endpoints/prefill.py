@@ -51,6 +51,7 @@ from .common import (report_failure, Stop, boot_id, build_side, new_socket, pid_
 from ..layout import describe, fingerprint, first_difference
 
 _clock = time.monotonic
+ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see _Loop.issue)
 
 
 @dataclass
@@ -463,6 +464,7 @@ class _Loop:
         self.next_i = 0
         self.finished = 0
         self.stopping = False
+        self.more_now = False  # issue() stopped at its budget with arrivals due now
         self.sink = open(ep.records_path, "a", buffering=1 << 16)
         self.route = ep.plan.route.value
         self.warm = min(1000, self.total // 10)
@@ -702,11 +704,15 @@ class _Loop:
         if self.stopping:
             return
         cp = self.checkpoint
+        # at most ISSUE_BUDGET arrivals per pass: with a decode lost, each fails at once and the
+        # rest of the phase would pass here without the loop reporting progress to the runner
+        end = min(self.total, self.next_i + ISSUE_BUDGET)
         if self.offsets is None:
-            while (self.next_i < self.total and len(self.outstanding) < self.phase.concurrency
+            while (self.next_i < end and len(self.outstanding) < self.phase.concurrency
                    and not (cp and cp.holds(self.next_i))):
                 self.arrive(self.next_i, now)
                 self.next_i += 1
+            self.more_now = self.next_i == end < self.total
         else:
             while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
                    and not (cp and cp.holds(self.next_i))):
@@ -727,7 +733,7 @@ class _Loop:
         return out == 0 or out + step <= ep.cfg.transport.max_inflight_blocks
 
     def wait_ms(self, now: float, t0: float) -> int:
-        if self.can_form():
+        if self.can_form() or self.more_now:
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
             return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
