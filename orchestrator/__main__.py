@@ -4,21 +4,44 @@ results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations
 
+import signal
 import sys
-from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
 
-from .app import failed_job, no_space, refused, run_job
-from .config import ConfigError, register_configs
-from .results import NoSpace, RunDirBusy
+class _EarlyStop(BaseException):
+    """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
+
+
+def _early(signum, _frame):
+    raise _EarlyStop(signum)
+
+
+def _interrupted(signum: int) -> None:
+    print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # before torch, Hydra and the rest are imported
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _early)
+
+try:
+    from pathlib import Path
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import DictConfig
+
+    from .app import failed_job, no_space, refused, run_job
+    from .config import ConfigError, register_configs
+    from .results import NoSpace, RunDirBusy
+
+    register_configs()
+except _EarlyStop as _exc:
+    _interrupted(_exc.args[0])
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-register_configs()
 _EXIT: list[int] = []  # every job's exit code, in the order they ran
 
 
@@ -43,10 +66,48 @@ def main(cfg: DictConfig) -> float:
             raise
         results = failed_job(run_dir, f"{type(exc).__name__}: {exc}")
     _EXIT.append(results["exit_code"])
+    if results.get("signal") and not single:  # an interrupted job ends the sweep, not only itself
+        raise _SweepStopped(results["exit_code"], str(hc.sweep.dir))
     return float(results["verified"])
 
 
+class _SweepStopped(BaseException):
+    """A sweep's job was interrupted: no further job starts (args: exit code, sweep dir)."""
+
+
+def _leave(code: int) -> None:
+    """Interrupted: results.json, the logs and the summary are written and every child is
+    ended; the interpreter's own teardown (torch and the rest loaded) can take most of a
+    second on a loaded box, past the 2 s a stop is given. Flush and leave now."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def entry() -> None:
+    try:
+        _entry()
+    except _SweepStopped as exc:
+        code, sweep_dir = exc.args
+        from .sweep import SweepError, summarize
+
+        try:
+            for path in summarize(Path(sweep_dir), png=False):
+                print(f"sweep summary: {path}", flush=True)
+        except SweepError:
+            pass
+        print(f"sweep interrupted: the jobs not yet started were not run (summary.png: python -m "
+              f"orchestrator.report {sweep_dir})", file=sys.stderr, flush=True)
+        _leave(code)
+    except (_EarlyStop, KeyboardInterrupt) as exc:  # before a job started, or between jobs
+        _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
+
+
+def _entry() -> None:
     from .profile import precheck
 
     problem = precheck(sys.argv[1:])
@@ -55,9 +116,6 @@ def entry() -> None:
         sys.exit(2)
     try:
         main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
     except SystemExit as exc:
         if exc.code == 1 and not _EXIT:  # Hydra refused before any job ran
             sys.exit(2)
@@ -65,6 +123,8 @@ def entry() -> None:
     from .sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
+    if codes and max(codes) in (130, 143):
+        _leave(max(codes))
     if codes:
         sys.exit(max(codes))
 

@@ -79,10 +79,14 @@ def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: dict[str, An
     if obj.role is not Role.decode and not results["interrupted"]:  # an interrupt ends in 2 s
         plan_d = results["plan"]
         png = run_dir / plots.LATENCY_PNG
+        lat = results["latency_us"]
         try:
-            plots.run_latency_png(run_dir, f"{run_dir}: mem_pool={plan_d['mem_pool']}, buffers on "
-                                           f"{plan_d['buffer_device']}, "
-                                           f"{results['effective_transport'] or plan_d['declared_transport']}")
+            plots.run_latency_png(run_dir, f"mem_pool={plan_d['mem_pool']}, buffers on {plan_d['buffer_device']}, "
+                                           f"{results['effective_transport'] or plan_d['declared_transport']}"
+                                           f"   run {plots.short_dir(run_dir)}",
+                                  marks={"send_aux": lat["send_aux"], "taken": lat["taken"],
+                                         "handoff": lat["handoff"], "from arrival": lat["e2e"]},
+                                  arrival=obj.workload.rate is not None)
         except OSError as exc:
             png.unlink(missing_ok=True)  # no torn or empty image left behind
             if exc.errno in (28, 122):

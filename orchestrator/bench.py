@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,6 +133,7 @@ class BenchDriver:
             plan.append(("inline staged", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline,
                                                 set_buf=SetBufMode.staged)))
         for name, phase in plan:
+            conn.send(("phase", f"{name} ({phase.requests} requests)"))  # the bench's progress line
             phase.rid_base = base
             base += phase.requests
             res = ep.run(phase, conn)
@@ -245,12 +248,22 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     b = cfg.bench
     results: dict[str, Any] = {"profile": check_profile(cfg, platform).as_dict(),
                                "batch_size": b.batch_size, "paths": []}
-    for ph in paths(cfg, platform):
+    todo = paths(cfg, platform)
+    for k, ph in enumerate(todo, 1):
         phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
         engine = ph.plan.route is Route.engine
         bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
         driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk)
-        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk)
+        progress = _BenchProgress(f"[{k}/{len(todo)}] {ph.name}")
+        progress.say("starting its processes")
+        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
+        sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
+        progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
+                     f"ended: {out.error or out.lost or 'no result'}")
+        if out.interrupted:  # Ctrl-C / SIGTERM ends the bench, not only this path
+            progress.say(f"interrupted ({out.interrupted}): the paths not yet run are left out")
+            results["interrupted"] = out.interrupted
+            break
         res = next(iter(out.ranks.values()), None)
         if not isinstance(res, PathResult):
             err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
@@ -262,7 +275,31 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
     table = markdown(results)
     (run_dir / "bench.md").write_text(table + "\n")
     print(table, flush=True)
+    print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
+          flush=True)
+    if results.get("interrupted"):
+        raise SystemExit({"SIGINT": 130, "SIGTERM": 143}.get(results["interrupted"], 130))
     return results
+
+
+class _BenchProgress:
+    """One line per path and per phase on stderr (the table goes to stdout): a CPU bench runs
+    over a minute, and this says where it is."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.t0 = prefix, time.monotonic()
+
+    def say(self, what: str) -> None:
+        print(f"bench {self.prefix}: {what} (+{time.monotonic() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        self.say("handoffs under way")
+
+    def phase(self, name: str) -> None:
+        self.say(f"phase {name}")
+
+    def __call__(self, done: int) -> None:
+        pass
 
 
 def _path_dict(res: PathResult, plan: Plan) -> dict[str, Any]:
@@ -376,8 +413,9 @@ def markdown(results: dict) -> str:
                       f"{cell(st) if 'inline staged' in phases else 'same as sglang (host rows)'} |")
     raw += sb
     first = next((p for p in results["paths"] if "row_bytes" in p), {})
-    lines = rows + raw + ["", f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
-                              "handoff = row ready on the prefill -> verified on the decode", "",
+    lines = rows + raw + ["", (f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
+                               if first else "no path finished; ")
+                          + "handoff = row ready on the prefill -> verified on the decode", "",
                           "Ratios:"]
     lines += [f"- {k}: {v}" for k, v in results["ratios"].items()]
     return "\n".join(lines)

@@ -687,6 +687,32 @@ def env_main(args) -> int:
     return run_implied(readings, extra)
 
 
+def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optional[str],
+                        mine: Optional[tuple[str, str]] = None) -> Check:
+    """nvlink_intra needs both sides in one PID namespace (plan.same_process_space_rule, the
+    rule the bootstrap applies): this side's namespace, and the peer's when given."""
+    from .plan import same_process_space_rule
+
+    if mine is None:
+        from .platform import boot_id, pid_namespace
+
+        mine = (pid_namespace(), boot_id())
+    ns = mine[0] or "unknown"
+    if transport is not EngineTransport.nvlink_intra:
+        return Check("pid-ns", Status.OK, f"This side's PID namespace is {ns}; the engine transport is not "
+                     "nvlink_intra, so the peer's may differ.")
+    if peer_pid_ns is None:
+        return Check("pid-ns", Status.WARN,
+                     f"This side's PID namespace is {ns}: nvlink_intra (CUDA IPC) needs the peer in the same "
+                     "one (--pid=host, Kubernetes hostPID: true); pass the peer's as --peer-pid-ns (its "
+                     "doctor prints it) to compare now. A run compares them at bootstrap.")
+    why = same_process_space_rule(transport, mine, (peer_pid_ns, ""))
+    if why is not None:
+        return Check("pid-ns", Status.FAIL, why + "; a run between them is refused at bootstrap")
+    return Check("pid-ns", Status.OK, f"Both sides are in PID namespace {ns}: nvlink_intra's CUDA IPC can map "
+                 "the peer's memory.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m orchestrator.doctor",
@@ -706,6 +732,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "Deployment, StatefulSet, LeaderWorkerSet, ...)")
     parser.add_argument("--run", action="store_true",
                         help="with --env-file/--manifest: then run the implied profile here")
+    parser.add_argument("--peer-pid-ns", metavar="ID", default=None,
+                        help="the other side's PID namespace as its doctor prints it (pid:[N]): under "
+                             "nvlink_intra both must be the same")
     args = parser.parse_args(argv)
     if args.env_file or args.manifest:
         if args.peer is not None:
@@ -722,6 +751,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = run_checks(cfg, args.overrides)
     if peer is not None:
         report.checks.append(check_layouts(cfg, peer, args.peer))
+    from .platform import detect
+
+    intent = report.plan or intended_plan(cfg, detect())
+    transport = intent.engine_transport if intent else None
+    if peer is not None or args.peer_pid_ns is not None or transport is EngineTransport.nvlink_intra:
+        report.checks.append(check_process_space(transport, args.peer_pid_ns))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -31,6 +31,14 @@ _SHARED = [
 ]
 
 _FIRST = ("event", "timestamp", "level", "logger", "role")
+# Events the summary repeats in its own words: on the quiet console they would be said twice
+# (the run dir's logs keep them).
+SUMMARIZED = frozenset({"run_failed", "interrupted", "process_lost", "peer_lost", "slow_to_stop"})
+
+
+class _NotSummarized(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, dict) and record.msg.get("event") in SUMMARIZED)
 
 
 def _event_first(_, __, event_dict: dict) -> dict:
@@ -74,6 +82,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
             elif isinstance(handler, logging.StreamHandler):
                 handler.setFormatter(_console_formatter(handler.stream))
                 handler.setLevel(console_level)
+                _quiet(handler, console_level)
     else:
         for handler in list(root.handlers):
             root.removeHandler(handler)
@@ -81,6 +90,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
         console = logging.StreamHandler(sys.stdout)
         console.setLevel(console_level)
         console.setFormatter(_console_formatter(sys.stdout))
+        _quiet(console, console_level)
         root.addHandler(console)
         if run_dir is not None:
             fh = logging.FileHandler(run_dir / f"{role}.log")
@@ -117,3 +127,10 @@ class DecisionLog:
 
     def close(self) -> None:
         self.fh.close()
+
+
+def _quiet(handler: logging.Handler, console_level: int) -> None:
+    for f in [f for f in handler.filters if isinstance(f, _NotSummarized)]:
+        handler.removeFilter(f)
+    if console_level > logging.INFO:
+        handler.addFilter(_NotSummarized())

@@ -146,6 +146,27 @@ def completion_rule(setting: CompletionSetting, cpu_count: int) -> CompletionSet
     return setting
 
 
+def same_process_space_rule(transport: Optional[EngineTransport], mine: tuple[str, str],
+                            theirs: tuple[str, str]) -> Optional[str]:
+    """Mooncake's nvlink_intra maps the peer's GPU memory by CUDA IPC, which needs both sides
+    on one kernel (boot id) and in one PID namespace: two containers or pods on one node each
+    have their own unless started with --pid=host (Kubernetes: hostPID: true). `mine` and
+    `theirs` are (PID-namespace id, boot id) as each side sent them at bootstrap ("" when
+    unknown). Returns why a run must be refused before any byte moves, or None."""
+    if transport is not EngineTransport.nvlink_intra:
+        return None
+    (ns, boot), (peer_ns, peer_boot) = mine, theirs
+    if boot and peer_boot and boot != peer_boot:
+        return (f"transport nvlink_intra needs both sides on one host, and the peer runs on another "
+                f"kernel (boot id {peer_boot[:8]}, this side {boot[:8]}): use "
+                "transport.mooncake.transport=rdma or tcp across hosts")
+    if ns and peer_ns and ns != peer_ns:
+        return (f"transport nvlink_intra (CUDA IPC) needs both sides in one PID namespace: this side "
+                f"is in {ns}, the peer in {peer_ns}; start both containers with --pid=host "
+                "(Kubernetes: hostPID: true), or use transport.mooncake.transport=tcp")
+    return None
+
+
 def mooncake_protocol(transport: EngineTransport) -> str:
     """The protocol string passed to initialize (recorded; the env above is what decides)."""
     return transport.value

@@ -19,6 +19,25 @@ MOONCAKE_DISTRIBUTIONS = (
 )
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace, as the kernel names it (e.g. "pid:[4026531836]"); ""
+    when it cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def boot_id() -> str:
+    """This kernel's boot id: two processes that share it share CLOCK_MONOTONIC, so a
+    timestamp taken by one is comparable with the other's (network namespaces included)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 def mooncake_distribution() -> tuple[str, str] | None:
     """(pip name, version) of the installed Mooncake wheel, or None."""
     for name in MOONCAKE_DISTRIBUTIONS:

@@ -19,7 +19,58 @@ class ProfileError(Exception):
     """The profile cannot be composed or validated; str() is one line for `error: ...`."""
 
 
+def config_keys() -> list[str]:
+    """Every key of the schema, dotted (buffers.size, transport.mooncake.transport, ...)."""
+    import dataclasses
+
+    out: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            t = f.type if not isinstance(f.type, str) else None
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if t is None and sub is not None and dataclasses.is_dataclass(sub):
+                t = sub
+            if t is not None and dataclasses.is_dataclass(t):
+                walk(t, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+
+    walk(OrchestratorConfig, "")
+    return out
+
+
+def closest_key(key: str) -> Optional[str]:
+    import difflib
+
+    keys = config_keys()
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not match:  # a typo in the last part only: compare within the group
+        group, _, leaf = key.rpartition(".")
+        names = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == group}
+        near = difflib.get_close_matches(leaf, list(names), n=1, cutoff=0.5)
+        match = [names[near[0]]] if near else []
+    return match[0] if match else None
+
+
+def _no_append_hint(text: str) -> str:
+    """Hydra answers a misspelt key with "To append to your config use +KEY=V", which only
+    leads to the next error (the schema has no such key): name the closest real key instead."""
+    import re
+
+    m = re.search(r"To append to your config use \+([\w.]+)=\S*", text)
+    if m is None:
+        return text
+    near = closest_key(m.group(1))
+    hint = f"There is no key {m.group(1)}" + (f"; did you mean {near}?" if near else "")
+    return text[:m.start()] + hint + text[m.end():]
+
+
 def one_line(exc: BaseException) -> str:
+    return _no_append_hint(_one_line(exc))
+
+
+def _one_line(exc: BaseException) -> str:
     """A Hydra / OmegaConf / ConfigError message as one line: option lists joined with commas,
     Hydra's search-path and documentation-link lines dropped, the cause's first line added."""
     parts: list[str] = []

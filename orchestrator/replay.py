@@ -91,6 +91,7 @@ def compare(original: Path, replay: Path) -> dict[str, Any]:
         "decision_differences": _diff(a["decisions"], b["decisions"]),
         "latency": latency,
         "fingerprint_differences": env_diff,
+        "exit_codes": {"original": ra.get("exit_code"), "replay": rb.get("exit_code")},
     }
 
 
@@ -104,6 +105,13 @@ def render(rep: dict[str, Any]) -> str:
     ]
     for d in rep["request_differences"] + rep["decision_differences"]:
         lines.append(f"  differs: {d}")
+    codes = rep.get("exit_codes") or {}
+    if codes:
+        same_code = codes.get("original") == codes.get("replay")
+        lines.append(f"exit code: original {codes.get('original')}, replay {codes.get('replay')}"
+                     + ("" if same_code else "  (DIFFERENT)")
+                     + ("; this command exits 0: the outputs are identical, the run's own outcome "
+                        "is the exit code above" if same_code and codes.get("original") else ""))
     lines.append("latency (replay / original):")
     for name, v in rep["latency"].items():
         lines.append(f"  {name:<15} {v['original_us']} -> {v['replay_us']} us  x{v['ratio']}")

@@ -40,8 +40,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
     lat = {k: LatencyHistogram() for k in LATENCIES}
     stages = {k: LatencyHistogram() for k in STAGES}
     pairs: dict[str, dict] = {}
-    sends = blocks = rejected = replayed = 0
+    sends = blocks = rejected = replayed = not_started = 0
     for r in ranks:
+        not_started += r.not_started
         outcomes.update(r.outcomes)
         details.update(r.details)
         routes.update(r.routes)
@@ -60,8 +61,8 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         rejected += r.rejected
         replayed += r.replayed
     verified, corrupted = outcomes[Outcome.verified], outcomes[Outcome.corrupted]
-    accounted = sum(outcomes.values())
-    failed = requests - verified - corrupted
+    accounted = sum(outcomes.values()) + not_started
+    failed = requests - verified - corrupted - not_started
     if accounted < requests:  # a rank that left no trace at all (cannot start)
         details["run_error" if out.error else "prefill_lost"] += requests - accounted
     starts = [r.t_start for r in ranks if r.t_start is not None]
@@ -80,6 +81,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "verified": verified,
         "corrupted": corrupted,
         "failed": failed,
+        "not_started": not_started,  # never arrived: an interrupt came first (no requests.jsonl line)
         "routes": counter_dict(routes),
         "failure_reasons": counter_dict(details),
         "latency_us": {"set_buf": lat["set_buf_us"].summary(), "send_aux": lat["send_us"].summary(),
@@ -93,6 +95,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "sends": sends,
         "blocks_per_send": round(blocks / sends, 2) if sends else None,
         "startup_s": out.startup_s,
+        "startup_by_process": out.startup_by_process,  # s from spawn to each side's engine up
         "wall_s": round(wall, 4) if wall else None,
         "workload": {"concurrency": w.concurrency, "rate": w.rate, "batch_size": w.batch_size,
                      "fill": w.fill.value, "coalesce": t.coalesce, "status": t.status.value,
@@ -118,12 +121,15 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "lost": out.lost,
         "interrupted": out.interrupted is not None,
         "signal": out.interrupted,
+        "slow_to_stop": out.slow_to_stop,
         "engine_log": out.engine_log,
         "plan": plan.as_dict(),
         "error": out.error,
     }
     results["tp"] = _tp(cfg, out)
     results["decode_gate"] = _gate(cfg, out)
+    results["offered_per_s"] = w.rate * cfg.endpoints.prefill_ranks if w.rate is not None else None
+    results["warnings"] = batch_caps(cfg, results) + _open_loop_warnings(results)
     results["exit_code"] = exit_code(results)
     return results
 
@@ -139,6 +145,48 @@ def _gate(cfg: OrchestratorConfig, out: RunResult) -> dict[str, Any]:
     return {"read": cfg.gate.read.value, "gate_read_us_per_poll": reads.summary(),
             "stall_us_per_poll": stalls.summary(), "polls": reads.n,
             "load": loads[0] if len(loads) == 1 else (loads or None)}
+
+
+def batch_caps(cfg: OrchestratorConfig, results: dict[str, Any]) -> list[str]:
+    """What keeps a forward step below workload.batch_size, with the cap and the key to
+    raise (once per run, in results.json `warnings` and the summary)."""
+    from .layout import profile_layout
+
+    w, t, b = cfg.workload, cfg.transport, cfg.buffers
+    if w.batch_size == 1:
+        return []
+    caps = []
+    if w.rate is None and w.concurrency < w.batch_size:
+        caps.append(f"workload.batch_size={w.batch_size} is capped at {w.concurrency} requests per step "
+                    f"by workload.concurrency={w.concurrency}: raise workload.concurrency (and buffers.size) "
+                    f"to several times the batch")
+    per_request = len(profile_layout(cfg)) * cfg.endpoints.decode_tp  # blocks of one request's write
+    window = t.max_inflight_blocks // per_request
+    if not t.coalesce and window < w.batch_size:
+        caps.append(f"workload.batch_size={w.batch_size} is capped at {max(1, window)} requests per step "
+                    f"by transport.max_inflight_blocks={t.max_inflight_blocks} ({per_request} blocks per "
+                    f"request): raise transport.max_inflight_blocks")
+    sends, routed = results.get("sends") or 0, sum(results.get("routes", {}).values())
+    per_send = routed * cfg.endpoints.decode_tp / sends if sends else None
+    if t.coalesce and per_send is not None and not caps and per_send < 0.5 * w.batch_size:
+        caps.append(f"coalesced sends carried {per_send:.1f} requests each, workload.batch_size="
+                    f"{w.batch_size}: a step takes what is ready; raise workload.concurrency={w.concurrency} "
+                    f"and buffers.size={b.size} (16x the batch fills most steps)")
+    return caps
+
+
+def _open_loop_warnings(results: dict[str, Any]) -> list[str]:
+    """Open loop: the offered load was not sustained (achieved < 95% of offered)."""
+    offered, achieved = results.get("offered_per_s"), results.get("handoffs_per_s")
+    if offered is None or results.get("interrupted"):
+        return []
+    if achieved is None or achieved < 0.95 * offered:
+        got = _num(achieved) if achieved is not None else "no measured rate"
+        return [f"offered {_num(float(offered))} requests/s, achieved {got} handoffs/s "
+                f"({achieved / offered:.0%}): not sustained; latency from arrival includes the queue"
+                if achieved is not None else
+                f"offered {_num(float(offered))} requests/s, achieved {got}"]
+    return []
 
 
 def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
@@ -207,7 +255,7 @@ def exit_code(results: dict[str, Any]) -> int:
         return EXIT_SIGNAL.get(results["signal"], 130)
     if results.get("error") or results.get("lost"):
         return EXIT_LOST
-    if results["verified"] != results["requests"]:
+    if results["verified"] != results["requests"] - results.get("not_started", 0):
         return EXIT_NOT_VERIFIED
     return EXIT_OK
 
@@ -225,8 +273,29 @@ def rel(path: Path) -> str:
         return str(path)
 
 
+def _num(v: float) -> str:
+    """A measured number with the digits it was rounded to (`%g` keeps 6 significant digits:
+    328546.37 would print as 328546, 1234567.8 as 1.23457e+06)."""
+    return f"{v:.2f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v)
+
+
 def _fmt(d: dict) -> str:
-    return " / ".join("-" if d.get(q) is None else f"{d[q]:g}" for q in ("p50", "p99", "p999"))
+    return " / ".join("-" if d.get(q) is None else _num(d[q]) for q in ("p50", "p99", "p999"))
+
+
+def _rate_line(results: dict[str, Any]) -> str:
+    """handoffs/s and MB/s over the handoff phase that ran (first arrival to the last verdict
+    a decode gave); never `None`."""
+    sides = results.get("startup_by_process") or {}
+    detail = f" ({', '.join(f'{k} {_num(v)}' for k, v in sides.items())})" if len(sides) in (2, 3) else ""
+    start = f"start-up {results['startup_s']} s{detail} excluded" if results.get("startup_s") is not None else \
+        "start-up not reached"
+    if results.get("handoffs_per_s") is None:
+        return (f"rate not measured ({results['verified']} verified, no handoff phase to time); "
+                f"{results['bytes_per_request']} B per request; {start}")
+    phase = f" over {_num(results['wall_s'])} s" if results.get("wall_s") else ""
+    return (f"{_num(results['handoffs_per_s'])} handoffs/s, {results['mb_per_s']} MB/s{phase} "
+            f"({results['bytes_per_request']} B per request); {start}")
 
 
 def summary(results: dict[str, Any], run_dir: Path) -> str:
@@ -240,18 +309,23 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
         f"mem_pool={plan['mem_pool']} buffers on {plan['buffer_device']}, route {plan['route']} "
         f"({plan['route_reason']}), transport {results['effective_transport'] or plan['declared_transport']}",
         f"requests {results['requests']}: verified {results['verified']}, corrupted {results['corrupted']}, "
-        f"failed {results['failed']}   routes: {routes}",
+        f"failed {results['failed']}"
+        + (f", not started {results['not_started']}" if results.get("not_started") else "")
+        + f"   routes: {routes}",
     ]
+    w = results["workload"]
     if results["verified"]:
         set_buf = lat["set_buf"]["p50"]  # None when rows were filled ahead (workload.fill)
-        taken = lat.get("taken") or {}
-        lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
-                     + (f"taken {_fmt(taken)}   " if taken.get("p50") is not None else "")
-                     + f"handoff {_fmt(lat['handoff'])}"
-                     + (f"   set_buf p50 {set_buf:g}" if set_buf is not None else ""))
-        lines.append(f"{results['handoffs_per_s']} handoffs/s, {results['mb_per_s']} MB/s "
-                     f"({results['bytes_per_request']} B per request); start-up "
-                     f"{results['startup_s']} s excluded")
+        if all(v is None for v in lat["handoff"].values()) and all(v is None for v in lat["send_aux"].values()):
+            lines.append("latency: not recorded (the prefill's own records ended with it; verdicts "
+                         "from the decode's file)")
+        else:
+            lines.append(f"latency us p50/p99/p999: send_aux {_fmt(lat['send_aux'])}   "
+                         + (f"taken {_fmt(lat['taken'])}   " if (lat.get("taken") or {}).get("p50") is not None else "")
+                         + f"handoff {_fmt(lat['handoff'])}"
+                         + (f"   from arrival {_fmt(lat['e2e'])}" if w["rate"] is not None else "")
+                         + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
+        lines.append(_rate_line(results))
     if results["failure_reasons"]:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results["failure_reasons"].items()))
     problems = []
@@ -262,9 +336,12 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
     if results.get("engine_log"):
         problems.append(f"engine said: {results['engine_log'][-200:]}")
     if results["interrupted"]:
-        problems.append(f"interrupted ({results['signal']}): counts so far")
+        slow = results.get("slow_to_stop")
+        problems.append(f"interrupted ({results['signal']}): counts so far"
+                        + (f" ({', '.join(slow)} ended by the runner; counted from its records and the "
+                           "decodes' verdicts)" if slow else ""))
     lines = problems[:2] + lines
-    w = results["workload"]
+    lines += [f"warning: {c}" for c in results.get("warnings", [])]
     if w["rate"] is None and w["in_flight_max"] > w["decode_rows"]:
         lines.append(f"{w['in_flight_max']} requests in flight (workload.concurrency x prefill ranks) "
                      f"> {w['decode_rows']} decode rows (buffers.size x decode ranks): the rest wait "
@@ -285,7 +362,8 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
                      f"{tp['silent_corruptions']} taken unready or with a wrong room (silent in "
                      f"SGLang), {tp['torn']} with the right room but a torn row (digest only; "
                      f"{tp['settled']} more held until whole by gate.settle_ms), "
-                     f"{tp['hung']} hung; all-reduce {tp['allreduce_us_mean']} us")
+                     f"{tp['hung']} hung; all-reduce "
+                     + (f"{tp['allreduce_us_mean']} us" if tp['allreduce_us_mean'] is not None else "not timed"))
     pairs = results["pairs"]
     if len(pairs) > 1:
         rates = [p["handoffs_per_s"] for p in pairs.values() if p["handoffs_per_s"]]
@@ -298,7 +376,7 @@ def summary(results: dict[str, Any], run_dir: Path) -> str:
 
 
 def decode_summary(results: dict[str, Any], run_dir: Path) -> str:
-    lines = [f"decode side at {results['bootstrap']}: buffers on {results['plan']['buffer_device']}, "
+    lines = [f"decode side at {results['bootstrap'] or '(no bootstrap address yet)'}: buffers on {results['plan']['buffer_device']}, "
              f"transport {results['effective_transport'] or results['declared_transport']}",
              f"judged {results['requests']} from prefill ranks {results['prefills_seen']}: verified "
              f"{results['verified']}, corrupted {results['corrupted']}, failed {results['failed']}"]

@@ -22,6 +22,13 @@ RECORD_FIELDS = ("rid", "room", "decode", "dst_slot", "route", "set_buf_us", "se
                  "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault", "taken_us")
 
 
+# Failures a prefill gives itself (no decode judged them): the phase's end is the last
+# verdict a decode gave, so a rate is not stretched by a wait for a peer already gone.
+LOCAL_FAILURES = frozenset({Detail.peer_lost, Detail.not_sent_peer_lost, Detail.prefill_lost,
+                            Detail.decode_lost, Detail.interrupted, Detail.not_sent_interrupted,
+                            Detail.run_error})
+
+
 def _j(v: Optional[float]) -> str:
     return "null" if v is None else repr(v)
 
@@ -120,6 +127,7 @@ class RankResult:
     replayed: int = 0  # authentic, but a replay or for a request not in the state it needs
     memory: dict[str, int] = field(default_factory=dict)
     interrupted: bool = False
+    not_started: int = 0  # never arrived (an interrupt came first): no record, not failed
     error: Optional[str] = None
     lost: dict[int, str] = field(default_factory=dict)  # decode instance -> why it was declared lost
 
@@ -134,7 +142,7 @@ class RankResult:
             if value is not None and (key in ("set_buf_us", "send_us") or rec.outcome is Outcome.verified):
                 self.latency[key].add(value)
         self.pairs.setdefault(rec.decode, PairStats()).add(rec)
-        if rec.t_verdict is not None:
+        if rec.t_verdict is not None and rec.detail not in LOCAL_FAILURES:
             self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
 
     def add_stages(self, *times: float) -> None:

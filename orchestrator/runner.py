@@ -66,6 +66,10 @@ class RunResult:
     bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
     prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
     run_dir: str = ""
+    startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
+    t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
+    t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
+    slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
 
 
 @dataclass
@@ -78,6 +82,7 @@ class _Proc:
     tp_rank: int = 0
     last_seen: float = 0.0
     done: bool = False
+    running: bool = False  # a prefill that reached its handoff phase (it may hold records)
 
 
 class Signals:
@@ -103,13 +108,24 @@ class Signals:
 
 
 def spawn(proc: mp.Process) -> None:
-    """Start a child with SIGINT and SIGTERM blocked: a Ctrl-C on the terminal reaches every
-    process of the group, and a child still importing would die with a traceback. The child
-    installs its own handlers, then unblocks them (endpoints.common.start_process)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """Start a child that ignores SIGINT and SIGTERM until it installs its own handlers
+    (endpoints.common.start_process): a Ctrl-C on the terminal, or a SIGTERM to the whole
+    group, reaches every process, and a child still importing torch would die with a
+    traceback. A spawned child starts with an empty signal mask, but keeps an ignored
+    disposition (and Python then installs no KeyboardInterrupt handler). Here the signals are
+    blocked meanwhile, so one that arrives during the start reaches the runner's handler."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
+    pending = signal.sigpending() & set(sigs)  # SIG_IGN would discard these: raised again below
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
     try:
         proc.start()
     finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for s in pending:
+            signal.raise_signal(s)  # still blocked: delivered to the handler at the unblock
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
@@ -192,7 +208,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                     for p in decodes:
                         if p.index == i:
                             p.conn.send(("rendezvous", {"init_method": init, "backend": backend}))
-            infos = _startup(cfg, decodes, prefills, out, log, signals)
+            infos = _startup(cfg, decodes, prefills, out, log, signals, t_spawn)
             if role is Role.decode:
                 out.startup_s = round(_clock() - t_spawn, 3)
                 _serve_bootstrap(cfg, secret, infos, decodes, out, log, signals)
@@ -208,6 +224,7 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
                 p.conn.send(("decodes", infos))
             _wait_all(prefills, "running", cfg.endpoints.startup_timeout_s, out, signals)
             out.startup_s = round(_clock() - t_spawn, 3)
+            out.t_phase = _clock()
             if progress is not None:
                 progress.start()
             _watch(cfg, prefills, decodes, out, log, progress, signals)
@@ -219,13 +236,13 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
         finally:
             if signals.caught:
                 out.interrupted = signals.caught
-            _finish(cfg, run_dir, prefills, decodes, out, log)
+            _finish(cfg, run_dir, prefills, decodes, out, log, plan.route.value)
             if silent is not None:
                 silent.close()
             if metadata is not None:
                 metadata.terminate()
                 metadata.wait(5)
-    not_the_engine = ("LayoutMismatch", "refused")  # protocol refusals: the engine's last line is noise
+    not_the_engine = ("LayoutMismatch", "refused", "MAC did not match")  # protocol refusals: the engine's last line is noise
     if out.error and out.engine_log is None and not any(m in out.error for m in not_the_engine):
         for p in decodes + prefills:
             if p.name in (out.error or "") or not p.proc.is_alive():
@@ -235,7 +252,8 @@ def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: O
     return out
 
 
-def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[dict]]:
+def _startup(cfg, decodes, prefills, out: RunResult, log, signals, t_spawn: Optional[float] = None
+             ) -> list[list[dict]]:
     """Every decode ready and every prefill's engine up (they come up together)."""
     deadline = _clock() + cfg.endpoints.startup_timeout_s
     infos: dict[tuple[int, int], dict] = {}
@@ -250,6 +268,8 @@ def _startup(cfg, decodes, prefills, out: RunResult, log, signals) -> list[list[
                 except (EOFError, OSError):  # it died while starting: its pipe closed
                     p.proc.join(1.0)
                     raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} while starting") from None
+                if kind in ("ready", "up") and t_spawn is not None:
+                    out.startup_by_process[p.name] = round(_clock() - t_spawn, 3)
                 if kind == "ready":
                     infos[(p.index, p.tp_rank)] = value
                     out.transports[p.name] = value["transport"]
@@ -310,6 +330,7 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
     leaders = [d for d in decodes if d.tp_rank == 0]
     wait_s = cfg.endpoints.startup_timeout_s
     deadline, answered = _clock() + wait_s, False
+    rejected, quiet_until = 0, 0.0
     try:
         while not signals.caught:
             if not answered and _clock() > deadline:
@@ -323,8 +344,17 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                     msg = wire.decode(body) if body is not None else None
                 except wire.WireError:
                     msg = None
+                if msg is None and not answered and len(frames) == 2 and _unauthentic_lookup(frames[1]):
+                    # a lookup in our format whose MAC does not match: the other side has
+                    # another secret. Both sides stop now, not at endpoints.startup_timeout_s:
+                    # it gets a sealed refusal it cannot open (and says so), this side ends.
+                    sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail="bad MAC"))])
+                    raise RunFailed(secret_mismatch(cfg))
                 if msg is None or msg["type"] != "lookup":
-                    log.warning("bootstrap_rejected", reason="not an authentic lookup")
+                    rejected += 1
+                    if _clock() >= quiet_until:  # rate-limited: one line per 5 s, with the count
+                        log.warning("bootstrap_rejected", reason="not an authentic lookup", count=rejected)
+                        quiet_until = _clock() + 5.0
                 elif msg["prefill_ranks"] != want:
                     sock.send_multipart([frames[0], auth.seal(wire.encode(
                         "error", detail=f"this decode side expects endpoints.prefill_ranks={want}, "
@@ -367,6 +397,24 @@ def _serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out
                 pass
 
 
+def secret_mismatch(cfg: OrchestratorConfig) -> str:
+    var = cfg.transport.secret_env
+    return (f"the peer's MAC did not match: the two sides have different secrets in ${var} "
+            f"(transport.secret_env={var})" if var else
+            "the peer's MAC did not match: set the same transport.secret_env on both sides")
+
+
+def _unauthentic_lookup(frame: bytes) -> bool:
+    """A frame that reads as our lookup message but whose MAC failed (read, never acted on)."""
+    from . import wire
+    from .auth import MAC_BYTES
+
+    try:
+        return wire.decode(frame[:-MAC_BYTES])["type"] == "lookup"
+    except (wire.WireError, KeyError, TypeError, ValueError):
+        return False
+
+
 def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
     """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
     again every second until endpoints.startup_timeout_s: that side may start later)."""
@@ -402,8 +450,7 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
                 continue
             body = auth.unseal(frame)
             if body is None:
-                raise RunFailed(f"the decode side at {host}:{port} answered without a valid MAC: "
-                                "both sides need the same secret (transport.secret_env)")
+                raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port})")
             msg = wire.decode(body)
             if msg["type"] == "error":
                 raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
@@ -456,6 +503,7 @@ def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -
                 if kind == expected:
                     pending.remove(p)
                     p.last_seen = _clock()
+                    p.running = expected == "running"
                 else:
                     raise RunFailed(f"{p.name} endpoint failed: {value}")
             elif not p.proc.is_alive() and not p.conn.poll(0):
@@ -464,13 +512,19 @@ def _wait_all(procs, expected: str, timeout_s: float, out: RunResult, signals) -
             raise RunFailed(f"{', '.join(p.name for p in pending)} did not bootstrap in time")
 
 
+STOP_GRACE_S = 1.0  # after an interrupt, a prefill's own result is awaited this long
+
+
 def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> None:
     watchdog = cfg.transport.timeout_s + 5.0  # a prefill reports four times a second
     done: dict[str, int] = Counter()
     stopped_at: Optional[float] = None
+    gone: set[int] = set()  # decode instances whose process the runner saw exit
     while not all(p.done for p in prefills):
+        if stopped_at is None and not signals.caught:  # (a group signal also ends the decodes)
+            _watch_decodes(decodes, prefills, gone, out, log)
         if signals.caught and stopped_at is None:
-            stopped_at = _clock()
+            stopped_at = out.t_stop = _clock()
             log.warning("interrupted", signal=signals.caught)
             for p in prefills:
                 if not p.done:
@@ -490,19 +544,45 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
                         progress(sum(done.values()))
                 elif kind == "fault":
                     _process_fault(cfg, value, p, decodes, out, log)
+                elif kind == "phase":  # a driver with several phases (the bench) began one
+                    if progress is not None and hasattr(progress, "phase"):
+                        progress.phase(value)
                 elif kind == "result":
                     out.ranks[p.name] = value
                     p.done = True
                 else:
                     _lose(p, decodes, out, log, f"endpoint failed: {value}")
             elif not p.proc.is_alive() and not p.conn.poll(0):
-                _lose(p, decodes, out, log, f"exited with code {p.proc.exitcode}")
-            elif _clock() - p.last_seen > watchdog:
+                if stopped_at is not None:  # it ended after the interrupt: its records count
+                    p.done = True
+                    out.slow_to_stop.append(p.name)
+                else:
+                    _lose(p, decodes, out, log, f"exited with code {p.proc.exitcode}")
+            elif stopped_at is None and _clock() - p.last_seen > watchdog:
                 _lose(p, decodes, out, log, f"sent nothing for {watchdog:g} s")
-        if stopped_at is not None and _clock() - stopped_at > 1.2:
-            for p in prefills:
+        if stopped_at is not None and _clock() - stopped_at > STOP_GRACE_S:
+            for p in prefills:  # slow to stop is not lost: its records and the decodes' count
                 if not p.done:
-                    _lose(p, decodes, out, log, "did not stop within 1.2 s of the interrupt")
+                    p.done = True
+                    out.slow_to_stop.append(p.name)
+                    log.warning("slow_to_stop", process=p.name, grace_s=STOP_GRACE_S)
+                    _kill(p)
+
+
+def _watch_decodes(decodes, prefills, gone: set[int], out: RunResult, log) -> None:
+    """A decode process that exited is gone now, not after transport.timeout_s of silence:
+    every prefill fails what it owes that instance at once (decode_lost) and goes on."""
+    for d in decodes:
+        if d.index in gone or d.proc.is_alive() or d.proc.exitcode == 0:
+            continue  # (exit 0: it was told to stop, by a signal the runner sees too)
+        gone.add(d.index)
+        why = f"exited with code {d.proc.exitcode}"
+        out.lost.setdefault(d.name, why)
+        out.t_stop = out.t_stop or _clock()
+        log.error("process_lost", process=d.name, why=why)
+        for p in prefills:
+            if not p.done:
+                _send(p, ("decode_gone", d.index, f"{d.name} {why}"))
 
 
 def _send(p: _Proc, msg) -> None:
@@ -515,6 +595,7 @@ def _send(p: _Proc, msg) -> None:
 def _lose(p: _Proc, decodes, out: RunResult, log, why: str) -> None:
     p.done = True
     out.lost[p.name] = why
+    out.t_stop = out.t_stop or _clock()
     log.error("process_lost", process=p.name, why=why)
     _kill(p)
     for d in decodes:  # it writes nothing more: its slots can go back
@@ -549,15 +630,17 @@ def _process_fault(cfg, kind: str, p: _Proc, decodes, out: RunResult, log) -> No
     _send(p, "fault_done")
 
 
-def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
+def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log, plan_route: str = "") -> None:
     """Stop the decodes, collect their results, account for every lost prefill's requests
     from what is on disk, and end every process."""
     for p in prefills:
         if not p.done and p.proc.is_alive():
             _send(p, "stop")
+    if out.interrupted and out.t_stop is None:
+        out.t_stop = _clock()
     deadline = _clock() + 1.0
-    for p in prefills:
-        while not p.done and _clock() < deadline and p.proc.is_alive():
+    for p in prefills:  # one that never reached its handoff phase has no result to wait for
+        while not p.done and (p.running or not out.interrupted) and _clock() < deadline and p.proc.is_alive():
             if p.conn.poll(0.05):
                 try:
                     kind, value = p.conn.recv()
@@ -573,7 +656,8 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
             except ProcessLookupError:
                 pass
             _send(d, "stop")
-    deadline = _clock() + (1.0 if out.interrupted else 10.0)
+    ran = any(p.running for p in prefills) or not prefills
+    deadline = _clock() + ((1.0 if ran else 0.3) if out.interrupted else 10.0)
     own: dict[str, str] = {}  # a decode's own last word: its error
     for d in decodes:
         # a decode that already died may have said why before it did: read its pipe too
@@ -592,8 +676,9 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
                         out.error = f"{d.name} endpoint failed: {value}"
                         out.engine_log = _engine_log_tail(run_dir, d.name)
                     break
+    deadline = _clock() + (0.5 if not out.interrupted else 0.2)
     for p in prefills + decodes:
-        p.proc.join(0.5 if not out.interrupted else 0.2)
+        p.proc.join(max(0.0, deadline - _clock()))
         _kill(p)
     for d in decodes:
         if d.name not in out.decodes:
@@ -607,7 +692,9 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log) -> None:
             reason = out.lost.get(p.name)
             out.ranks[p.name] = reconstruct(cfg, run_dir, p.index, p.name,
                                             Detail.interrupted if out.interrupted and not reason else
-                                            Detail.prefill_lost if reason else Detail.run_error)
+                                            Detail.prefill_lost if reason else Detail.run_error,
+                                            route=plan_route, ran=p.running,
+                                            phase=(out.t_phase, out.t_stop))
     ep = cfg.endpoints
     for p in prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
         rank = out.ranks[p.name]
@@ -644,16 +731,24 @@ def _verdict_lines(path: Path):
                     continue
 
 
-def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail) -> RankResult:
+def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail,
+                route: str = "", ran: bool = True, phase: tuple = (None, None)) -> RankResult:
     """A prefill rank that could not report: its requests file holds what it recorded;
     a request it did not record keeps the verdict its decode gave it (every decode's
     verdicts file), and is otherwise failed with `missing` as the reason. The records
-    added are appended to the requests file, so the file and the report agree."""
+    added are appended to the requests file, so the file and the report agree.
+
+    After an interrupt (`missing` is interrupted), a request past the last one with any
+    trace never arrived (requests arrive in id order): not_started, with no line; a rank
+    that never reached its handoff phase (`ran` false) started none. `phase` (the runner's
+    clock: the handoff phase began, the run stopped) times a rate over the phase that ran."""
     n = cfg.workload.requests
     base = rank * n
     suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
     path = run_dir / f"requests{suffix}.jsonl"
-    res = RankResult(rank, n)
+    from .layout import profile_layout
+
+    res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg)))
     seen: set[int] = set()
     for rec in read_records(path):
         if base <= rec.rid < base + n and rec.rid not in seen:
@@ -669,15 +764,24 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
                 judged[v["rid"]] = (Outcome(v["outcome"]), Detail(v["detail"]))
     from .workload import room_of
 
+    end = base + n
+    if missing is Detail.interrupted:
+        traced = [r for r in (*seen, *judged) if base <= r < base + n]
+        end = (max(traced) + 1) if traced and ran else base
+        res.not_started = base + n - end
+        res.interrupted = True
     added = []
-    for rid in range(base, base + n):
+    for rid in range(base, end):
         if rid in seen:
             continue
         outcome, detail = judged.get(rid, (Outcome.failed, missing))
-        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1, "",
-                     None, None, None, None, outcome, detail, "", None)
+        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1,
+                     route if rid in judged else "", None, None, None, None, outcome, detail, "", None)
         res.add(rec)
         added.append(rec)
+    t_phase, t_stop = phase
+    if res.verified and t_phase is not None and t_stop is not None and res.t_start is None:
+        res.t_start, res.t_last = t_phase, t_stop  # no verdict times: the phase as the runner saw it
     if added:
         # complete lines only: a torn last line is cut off before appending
         if path.exists():

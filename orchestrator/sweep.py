@@ -25,7 +25,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .plots import pyplot
+from .plots import pyplot, short_dir
 
 CSV_NAME = "summary.csv"
 MD_NAME = "summary.md"
@@ -36,7 +36,8 @@ RESULT_COLUMNS = [
     "status", "requests", "verified", "corrupted", "failed", "routes", "mem_pool", "route",
     "send_aux_p50_us", "send_aux_p99_us", "send_aux_p999_us",
     "handoff_p50_us", "handoff_p99_us", "handoff_p999_us", "e2e_p50_us", "e2e_p99_us",
-    "handoffs_per_s", "mb_per_s", "bytes_per_request", "startup_s", "effective_transport",
+    "handoffs_per_s", "offered_per_s", "achieved_pct", "mb_per_s", "bytes_per_request", "startup_s",
+    "startup_by_process", "effective_transport",
     "silent_corruptions", "steps_disagreed", "exit_code", "error",
     "taken_p50_us", "taken_p99_us", "taken_p999_us", "gate_read", "gate_read_p50_us", "gate_read_p99_us",
     "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving",
@@ -116,10 +117,14 @@ def _row(job_dir: Path) -> dict[str, Any]:
         mem_pool=_get(res, "plan", "mem_pool"),
         route=_get(res, "plan", "route"),
         handoffs_per_s=res.get("handoffs_per_s"),
+        offered_per_s=res.get("offered_per_s"),
+        achieved_pct=(round(100 * res["handoffs_per_s"] / res["offered_per_s"], 1)
+                      if res.get("offered_per_s") and res.get("handoffs_per_s") is not None else None),
         mb_per_s=res.get("mb_per_s"),
         bytes_per_request=res.get("bytes_per_request"),
         effective_transport=res.get("effective_transport"),
         startup_s=res.get("startup_s"),
+        startup_by_process=";".join(f"{k}={v}" for k, v in (res.get("startup_by_process") or {}).items()) or None,
         silent_corruptions=_get(res, "tp", "silent_corruptions"),
         steps_disagreed=_get(res, "tp", "steps_disagreed"),
         exit_code=res.get("exit_code"),
@@ -219,30 +224,54 @@ def _varying(swept: list[str], rows: list[dict[str, Any]]) -> list[str]:
 
 def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
     """A sweep over categorical keys (gate.readiness=true,false faults=...): per job, its
-    outcomes (verified / corrupted / failed) and its rate, side by side."""
+    outcomes (verified / corrupted / failed) and its rate, side by side. A job that did not
+    run (refused, an error, no results) is a hatched bar saying so, not an empty slot."""
+    import textwrap
+
     plt = pyplot()
 
     keys = _varying(swept, rows) or swept
-    labels = ["\n".join(f"{k.split('.')[-1]}={r.get(k)}" for k in keys) for r in rows]
+    def pair(k: str, v: Any) -> str:  # key=value, the value on its own line when long
+        name, value = k.split(":")[-1].split(".")[-1], textwrap.shorten(str(v), 20, placeholder="...")
+        return f"{name}={value}" if len(name) + len(value) < 17 else f"{name}=\n{value}"
+
+    labels = ["\n".join([f"job {r['job']}"] + [pair(k, r.get(k)) for k in keys]) for r in rows]
     x = list(range(len(rows)))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(rows) + 4), 5))
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * len(rows) + 6), 5.6))
+    ran = [r["status"] in ("ok", "failed") for r in rows]
+    top = max([_number(r.get("requests")) or 0.0 for r in rows] + [1.0])
     bottom = [0.0] * len(rows)
     for key, color in (("verified", "tab:green"), ("corrupted", "tab:red"), ("failed", "tab:gray")):
-        vals = [_number(r.get(key)) or 0.0 for r in rows]
+        vals = [(_number(r.get(key)) or 0.0) if ok else 0.0 for r, ok in zip(rows, ran)]
         axes[0].bar(x, vals, bottom=bottom, color=color, label=key)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    rate_top = max([_number(r.get("handoffs_per_s")) or 0.0 for r in rows] + [1.0])
     for i, r in enumerate(rows):
         silent = _number(r.get("silent_corruptions"))
         if silent:
             axes[0].annotate(f"{silent:g} silent", (i, bottom[i]), ha="center", va="bottom", fontsize="small")
-    axes[0].set_title("outcomes per job (silent: taken before the row landed)")
-    axes[1].bar(x, [_number(r.get("handoffs_per_s")) or 0.0 for r in rows], color="tab:blue")
-    axes[1].set_title("verified handoffs/s")
+        if not ran[i]:
+            what = "refused" if r.get("exit_code") == 2 else r["status"]
+            for ax, h in ((axes[0], top), (axes[1], rate_top)):
+                ax.bar([i], [h], color="none", edgecolor="tab:orange", hatch="//", linewidth=1)
+                ax.text(i, h / 2, what, ha="center", va="center", rotation=90, color="tab:orange",
+                        fontsize="small", fontweight="bold")
+    axes[0].set_title("outcomes per job (silent: taken before the row landed)", fontsize=10)
+    axes[0].set_ylabel("requests")
+    axes[1].bar(x, [(_number(r.get("handoffs_per_s")) or 0.0) if ok else 0.0 for r, ok in zip(rows, ran)],
+                color="tab:blue")
+    axes[1].set_title("verified handoffs/s", fontsize=10)
+    axes[1].set_ylabel("handoffs/s (handoff phase)")
     for ax in axes:
-        ax.set_xticks(x, labels, fontsize="small")
+        wide = len(rows) > 6
+        ax.set_xticks(x, labels, fontsize="x-small", rotation=30 if wide else 0, ha="right" if wide else "center")
+        ax.set_xlabel("job (swept values)")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend(fontsize="small")
-    fig.suptitle(f"{sweep_dir}  ({sum(r['status'] == 'ok' for r in rows)}/{len(rows)} jobs ok)", fontsize=10)
+    axes[0].set_ylim(0, top * 1.18)  # headroom for the legend, above every bar
+    axes[1].set_ylim(0, rate_top * 1.18)
+    axes[0].legend(fontsize="small", loc="upper center", ncol=3, framealpha=0.9)
+    ok = sum(r["status"] == "ok" for r in rows)
+    fig.suptitle(f"sweep {short_dir(sweep_dir)}: {ok}/{len(rows)} jobs ok", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -279,45 +308,62 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
         series.setdefault(label, []).append((x, row))
     xs = [x for pts in series.values() for x, _ in pts]
     log_x = bool(xs) and min(xs) > 0 and max(xs) / min(xs) > 10
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
+    measured_top = max([_number(r.get("handoffs_per_s")) or 0.0 for r in ok] + [0.0])
     for ax, (key, title) in zip(axes, panels):
-        for label, pts in sorted(series.items()):
+        clipped = False
+        for n_series, (label, pts) in enumerate(sorted(series.items())):
+            marker, style = styles[n_series % len(styles)]
+            if load and key == "e2e_p50_us":
+                style = "-"  # p50 solid, p99 dashed, the marker tells the lines apart
             pts.sort(key=lambda p: p[0])
             px = [x for x, r in pts if _number(r.get(key)) is not None]
             py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
             name = f"{label[0]} / {label[1]}" + "".join(f", {e}" for e in label[2:])
-            line, = ax.plot(px, py, marker="o", label=name)
+            # a distinct marker and dash per line, drawn thinner and on top as they come: a
+            # line that lies exactly on another stays visible
+            line, = ax.plot(px, py, marker=marker, linestyle=style, markersize=7 - n_series % 3,
+                            linewidth=2.2 - 0.4 * (n_series % 3), zorder=3 + n_series, label=name)
             if load and key == "e2e_p50_us":
                 qx = [x for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
                 qy = [_number(r.get("e2e_p99_us")) for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
-                ax.plot(qx, qy, marker="x", linestyle="--", color=line.get_color())
+                ax.plot(qx, qy, marker=marker, markerfacecolor="none", linestyle="--", color=line.get_color(),
+                        zorder=3 + n_series)
         if load and key == "handoffs_per_s" and xs:
-            ax.plot(sorted(set(xs)), sorted(set(xs)), color="gray", linestyle=":", label="offered")
-        ax.set_title(title)
+            offered = sorted(set(xs))
+            ax.plot(offered, offered, color="gray", linestyle=":", zorder=2, label="offered")
+            if measured_top and max(offered) > 2.5 * measured_top:  # it would squash the measured lines
+                ax.set_ylim(0, 1.3 * measured_top)
+                clipped = True
+                ax.text(0.02, 0.97, f"offered line leaves the chart above {1.3 * measured_top:,.0f}/s",
+                        transform=ax.transAxes, ha="left", va="top", fontsize="x-small", color="gray")
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(x_label)
-        ax.set_ylabel(title)
+        ax.set_ylabel({"e2e_p50_us": "latency from arrival (us, log scale)", "send_aux_p50_us": "send_aux p50 (us)",
+                       "handoffs_per_s": "verified handoffs/s"}.get(key, title))
         ax.grid(True, which="both", alpha=0.3)
         if log_x:
             ax.set_xscale("log")
         ticks = sorted(set(xs))
         if 0 < len(ticks) <= 8:  # label the swept values themselves
-            ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+            ax.set_xticks(ticks, [f"{x:.0f}" if x.is_integer() else repr(x) for x in ticks])
             ax.minorticks_off()
         if series:
             if load and key == "e2e_p50_us":
                 ax.set_yscale("log")
-            else:
+            elif not clipped:
                 ax.set_ylim(bottom=0)
             ax.legend(title="mem_pool / route", fontsize="small")
         else:
             ax.text(0.5, 0.5, "no successful jobs", ha="center", va="center",
                     transform=ax.transAxes, fontsize=14, color="gray")
-    fig.suptitle(f"{sweep_dir}  ({len(ok)}/{len(rows)} jobs ok)", fontsize=10)
+    fig.suptitle(f"sweep {short_dir(sweep_dir)}: {len(ok)}/{len(rows)} jobs ok", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def summarize(sweep_dir: Path) -> list[Path]:
+def summarize(sweep_dir: Path, png: bool = True) -> list[Path]:
     """Write summary.csv, summary.md and summary.png into sweep_dir; return their paths.
 
     Raises SweepError when sweep_dir is not a directory or holds no job subdir. Never
@@ -334,6 +380,8 @@ def summarize(sweep_dir: Path) -> list[Path]:
                                    sweep_dir / PNG_NAME)
     _write_csv(csv_path, columns, rows)
     _write_md(md_path, sweep_dir, columns, rows)
+    if not png:  # an interrupted sweep: the plot (about a second) can be drawn later by report
+        return [csv_path, md_path]
     _write_png(png_path, sweep_dir, swept, rows)
     return [csv_path, md_path, png_path]
 

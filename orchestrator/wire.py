@@ -2,13 +2,13 @@
 
 Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with json only
 (no code-executing decoder) and checked against SCHEMA:
-    prefill -> decode: hello {rank, layout, fingerprint, nonce}, arrive {reqs: [[rid, room], ...],
+    prefill -> decode: hello {rank, layout, fingerprint, nonce, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
                        contiguous}, bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
     lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
     transport, session_id}, ...], ...], prefill_ranks}
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
-                       tp_rank, boot_id, scratch_ptr, nonce, hello_nonce}, update {grants: [[rid, slot], ...],
+                       tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns], ...]} (new
                        grants and verdicts, one message per loop; times are the decode's
                        CLOCK_MONOTONIC; an empty one is the decode's heartbeat), error {detail}
@@ -104,12 +104,12 @@ def _infos(v: Any) -> bool:
 
 
 SCHEMA: dict[str, dict[str, Any]] = {
-    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce},
+    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce, "pid_ns": _str, "boot_id": _str},
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
     "bye": {},
     "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
                   "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
-                  "scratch_ptr": _u64, "nonce": _nonce, "hello_nonce": _nonce},
+                  "scratch_ptr": _u64, "nonce": _nonce, "hello_nonce": _nonce, "pid_ns": _str},
     "update": {"grants": _rows(2), "v": _rows(6)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)
@@ -125,6 +125,10 @@ def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
     """The longest frame a legal message of this layout has: a coalesced AUX_DATA payload
     of every slot of the widest field, a step status of every slot, or a control message."""
     return max(max(item_lens, default=0) * slots, STEP_DTYPE.itemsize * slots, CONTROL_FRAME_BYTES)
+
+# Keys a sender may leave out (a peer that predates them): the PID namespace and boot id a
+# side sends at bootstrap (plan.same_process_space_rule).
+OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"})}
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:
@@ -144,7 +148,10 @@ def decode(raw: bytes) -> dict[str, Any]:
     extra = set(msg) - set(fields) - {"type"}
     if extra:
         raise WireError(f"{msg['type']}: unexpected keys {sorted(extra)}")
+    optional = OPTIONAL.get(msg["type"], frozenset())
     for key, fits in fields.items():
+        if key not in msg and key in optional:
+            continue
         if key not in msg or not fits(msg[key]):
             raise WireError(f"{msg['type']}: bad or missing {key!r}")
     return msg

@@ -34,3 +34,7 @@ def test_bench_runs_every_path_and_phase(tmp_path):
     assert engine["ours_over_raw_p50"] > 0 and engine["bulk"]["gb_per_s"] > 0
     md = (run_dir / "bench.md").read_text()
     assert "| verified |" in md and "None" not in md and "Ratios:" in md
+    # where it is while it runs, each side's start-up, and where it wrote
+    assert "phase per-request" in proc.stderr and "phase coalesced" in proc.stderr, proc.stderr
+    assert "start-up" in proc.stderr and "decode" in proc.stderr and "prefill" in proc.stderr
+    assert "bench.json" in proc.stdout.splitlines()[-1] and "bench.md" in proc.stdout.splitlines()[-1]

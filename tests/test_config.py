@@ -75,9 +75,12 @@ def _cli(*overrides: str) -> subprocess.CompletedProcess:
     ("mem_pool=FOO", "Could not find 'mem_pool/FOO'"),
     ("transport.route=bogus", "expected one of [auto, tcp, engine]"),
     ("buffers.sise=3", "Key 'sise' not in 'BuffersConfig'"),
+    ("buffers.sise=3", "did you mean buffers.size?"),
+    ("workload.concurency=3", "did you mean workload.concurrency?"),
 ])
 def test_cli_user_error_exits_nonzero_without_traceback(override, needle):
     proc = _cli(override)
     assert proc.returncode != 0
     assert needle in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert "+buffers" not in proc.stderr and "To append" not in proc.stderr  # Hydra's hint leads nowhere

@@ -72,12 +72,16 @@ def test_stale_room_in_reused_slot_never_passes_the_gate(cfg_factory, tmp_path):
 
 def test_decode_killed_mid_run(cfg_factory, tmp_path):
     res, records, wall = _run(cfg_factory, tmp_path, "faults=decode_killed", "faults.at_request=50",
-                              "workload.requests=3000")
+                              "workload.requests=3000", "transport.timeout_s=5")
     assert res["faults_applied"] and res["faults_applied"][0]["fault"] == "decode_killed"
     assert res["verified"] == 50 and res["corrupted"] == 0  # exactly at its request
-    assert set(res["failure_reasons"]) == {"peer_lost", "not_sent_peer_lost"}
-    assert res["failure_reasons"]["peer_lost"] == 8  # the next window: announced, never granted
+    # the runner saw the process exit: the wait ends at once, not after transport.timeout_s
+    assert set(res["failure_reasons"]) == {"decode_lost", "not_sent_peer_lost"}
+    assert res["failure_reasons"]["decode_lost"] == 8  # the next window: announced, never granted
+    assert res["lost"] == {"decode": "exited with code -9"}
     assert res["exit_code"] == 3 and wall < 30
+    # the rate is over the phase that ran: first arrival to the last verdict before the fault
+    assert res["wall_s"] < 5  # (a wait for the timeout would be in it)
 
 
 def test_decode_stopped_shorter_than_timeout_is_ridden_out(cfg_factory, tmp_path):
@@ -114,3 +118,37 @@ def test_engine_only_fault_refused_on_tcp_route(cfg_factory):
     cfg = cfg_factory("faults=bad_destination", "mem_pool=NVLINK")
     with pytest.raises(ConfigError, match="faults.kind"):
         check_profile(cfg, CPU)
+
+
+def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp_path):
+    """reconstruct() after an interrupt: what the prefill recorded counts, what a decode judged
+    keeps its verdict (and its route), the requests in flight fail as interrupted, and those
+    past the last trace never arrived: not_started, with no line."""
+    from orchestrator.outcomes import Detail, Outcome
+    from orchestrator.results import Record, read_records
+    from orchestrator.runner import reconstruct
+    from orchestrator.workload import room_of
+
+    cfg = cfg_factory("workload.requests=1000")
+    w = cfg.workload
+    with open(tmp_path / "requests.jsonl", "w") as fh:
+        for rid in range(40):  # recorded by the prefill itself
+            fh.write(Record(rid, room_of(w, rid), 0, rid % 8, "engine", 1.0, 2.0, 3.0, 4.0,
+                            Outcome.verified, Detail.none, "c").line() + "\n")
+        fh.write('{"rid": 40, "roo')  # torn by the kill
+    with open(tmp_path / "verdicts-decode.jsonl", "w") as fh:
+        for rid in range(40, 50):  # judged by the decode, never recorded by the prefill
+            fh.write(json.dumps({"prefill": 0, "rid": rid, "outcome": "verified", "detail": ""}) + "\n")
+    res = reconstruct(cfg, tmp_path, 0, "prefill", Detail.interrupted, route="engine", ran=True,
+                      phase=(100.0, 102.0))
+    assert res.verified == 50 and res.not_started == 950 and res.finished == 50
+    assert res.routes["engine"] == 50  # never more verified than routed
+    assert res.wall_s is not None
+    records = list(read_records(tmp_path / "requests.jsonl"))
+    assert len(records) == 50 and {r.rid for r in records} == set(range(50))
+    # one that never reached its handoff phase started nothing
+    never = tmp_path / "never"
+    never.mkdir()
+    res = reconstruct(cfg, never, 0, "prefill", Detail.interrupted, ran=False)
+    assert res.not_started == 1000 and res.finished == 0
+    assert not (never / "requests.jsonl").exists() or (never / "requests.jsonl").read_text() == ""

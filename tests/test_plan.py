@@ -161,3 +161,77 @@ def test_engine_tcp_on_gpu_buffers_allowed(cfg_factory):
     plan = _plan(cfg_factory, TWO_GPU, "mem_pool=INTRA_NODE_NVLINK", "transport.mooncake.transport=tcp")
     assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.tcp
     assert plan.mc_env["MC_FORCE_TCP"] == "1"
+
+
+# ---- one PID namespace for nvlink_intra (CUDA IPC) --------------------------------------------
+def _other_pid_namespace() -> str:
+    """The PID namespace of a process started with `unshare --pid --fork` (root only)."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a second PID namespace")
+    proc = subprocess.run(["unshare", "--pid", "--fork", "readlink", "/proc/self/ns/pid"],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"unshare --pid failed here: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory):
+    """Two containers on one node without --pid=host: the rule fires on the plan (no GPU)."""
+    from orchestrator.doctor import Status, check_process_space
+    from orchestrator.plan import same_process_space_rule
+    from orchestrator.platform import boot_id, pid_namespace
+
+    other = _other_pid_namespace()
+    mine = (pid_namespace(), boot_id())
+    assert other.startswith("pid:[") and other != mine[0]
+    plan = make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), TWO_GPU)
+    assert plan.engine_transport is EngineTransport.nvlink_intra
+    why = same_process_space_rule(plan.engine_transport, mine, (other, mine[1]))
+    assert why is not None and "--pid=host" in why and "hostPID: true" in why and other in why
+    assert same_process_space_rule(plan.engine_transport, mine, mine) is None
+    assert same_process_space_rule(plan.engine_transport, mine, ("", "")) is None  # an older peer
+    tcp = make_plan(cfg_factory("mem_pool=NONE"), CPU)
+    assert same_process_space_rule(tcp.engine_transport, mine, (other, mine[1])) is None
+    # another kernel (boot id) is another host: nvlink_intra cannot reach it either
+    assert "another kernel" in same_process_space_rule(plan.engine_transport, mine, (mine[0], "x" * 36))
+    # the doctor applies the same rule
+    check = check_process_space(plan.engine_transport, other, mine)
+    assert check.status is Status.FAIL and "--pid=host" in check.detail
+    assert check_process_space(plan.engine_transport, mine[0], mine).status is Status.OK
+
+
+def test_bootstrap_messages_carry_the_process_space():
+    from orchestrator import wire
+
+    hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="",
+                                    pid_ns="pid:[4026531836]", boot_id="b"))
+    assert hello["pid_ns"] == "pid:[4026531836]" and hello["boot_id"] == "b"
+    old = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint=""))
+    assert "pid_ns" not in old  # a peer that predates them is still understood
+    with pytest.raises(wire.WireError):
+        wire.decode(wire.encode("hello", rank=0, layout=[], fingerprint="", pid_ns=7))
+
+
+def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
+    from orchestrator.report import _open_loop_warnings, batch_caps
+
+    cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
+    (line,) = batch_caps(cfg, {"sends": 297, "routes": {"engine": 1000}})
+    assert "capped at 8" in line and "workload.concurrency=8" in line
+    cfg = cfg_factory("workload.batch_size=128", "workload.concurrency=2048", "buffers.size=1024")
+    (line,) = batch_caps(cfg, {"sends": 1000, "routes": {"engine": 1000}})  # not coalesced: 10 blocks each
+    assert "transport.max_inflight_blocks=1024" in line and "capped at 102" in line
+    cfg = cfg_factory("workload.batch_size=64", "workload.concurrency=1024", "buffers.size=1024",
+                      "transport.coalesce=true")
+    assert batch_caps(cfg, {"sends": 180, "routes": {"engine": 10000}}) == []  # ~56 per send
+    (line,) = batch_caps(cfg, {"sends": 1000, "routes": {"engine": 10000}})  # 10 per send
+    assert "10.0 requests each" in line and "workload.concurrency=1024" in line
+    assert batch_caps(cfg_factory(), {"sends": 1000, "routes": {"engine": 1000}}) == []
+    # open loop: achieved < 95% of offered says so with both numbers; a sustained one is quiet
+    (warn,) = _open_loop_warnings({"offered_per_s": 1000, "handoffs_per_s": 583.6})
+    assert "offered 1000" in warn and "583.6" in warn
+    assert _open_loop_warnings({"offered_per_s": 1000, "handoffs_per_s": 990.0}) == []

@@ -27,3 +27,17 @@ def test_run_latencies_split_by_route_and_keep_only_verified_handoffs(tmp_path):
 def test_nothing_measured_draws_nothing(tmp_path):
     assert latency_cdf(tmp_path / "latency.png", {"send_aux": {}, "handoff": {}}, "t") is None
     assert not (tmp_path / "latency.png").exists()
+
+
+def test_plots_mark_the_summarys_percentiles_and_numbers_keep_their_digits():
+    from orchestrator.plots import percentiles
+    from orchestrator.report import _num
+    from orchestrator.results import RankResult, Record
+    from orchestrator.outcomes import Detail, Outcome
+
+    values = [100.0 + 7.3 * i for i in range(997)] + [8273.0, 9000.0, 12000.0]
+    rank = RankResult(0, len(values))
+    for i, v in enumerate(values):
+        rank.add(Record(i, i, 0, i, "engine", None, v, v, v, Outcome.verified, Detail.none, ""))
+    assert percentiles(values) == rank.latency["send_us"].summary()  # one computation for both
+    assert _num(4439.4) == "4439.4" and _num(328546.37) == "328546.37" and _num(1234567.8) == "1234567.8"

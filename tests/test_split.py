@@ -48,6 +48,31 @@ def test_layout_mismatch_ends_both_sides_with_one_line(tmp_path):
     assert json.loads((tmp_path / "p" / "results.json").read_text())["verified"] == 0
 
 
+def test_wrong_secret_ends_both_sides_with_one_line_each(tmp_path):
+    """The decode side answers a lookup whose MAC fails with a refusal the prefill cannot open:
+    both end at once (exit 3), each with one line naming the variable, not at
+    endpoints.startup_timeout_s."""
+    port = _port()
+    decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}",
+                   "endpoints.startup_timeout_s=120")
+    env = {**ENV, "PD_SPLIT_TEST_SECRET": "another-secret"}
+    prefill = subprocess.Popen([sys.executable, "-m", "orchestrator", "role=prefill", f"peer=127.0.0.1:{port}",
+                                "transport.secret_env=PD_SPLIT_TEST_SECRET", "endpoints.startup_timeout_s=120",
+                                f"hydra.run.dir={tmp_path / 'p'}"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p_out, p_err = prefill.communicate(timeout=100)  # far inside the 120 s window
+    d_out, d_err = decode.communicate(timeout=100)
+    assert prefill.returncode == 3 and decode.returncode == 3, (p_out, p_err, d_out, d_err)
+    for out, err in ((p_out, p_err), (d_out, d_err)):
+        errors = [line for line in out.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1, out
+        assert "the peer's MAC did not match: the two sides have different secrets in $PD_SPLIT_TEST_SECRET" \
+            in errors[0]
+        assert "engine said" not in out and "Traceback" not in out + err
+    rejected = (tmp_path / "d" / "orchestrator.log").read_text().count("bootstrap_rejected")
+    assert rejected <= 1
+
+
 def test_decode_side_ends_when_its_prefill_dies(tmp_path):
     port = _port()
     decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}")
@@ -71,3 +96,26 @@ def _tree(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = [int(x) for x in out.split()]
     return [p for k in kids for p in _tree(k)] + [pid]
+
+
+def test_each_side_sends_its_pid_namespace_at_bootstrap(tmp_path):
+    """The decode side in a PID namespace of its own (`unshare --pid --fork`, as a container
+    without --pid=host): the prefill learns the peer's namespace at bootstrap. Over Mooncake's
+    TCP the run goes on (only nvlink_intra needs one namespace: tests/test_plan.py)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1)")
+    port = _port()
+    decode = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-m", "orchestrator", "role=decode",
+                               "transport.secret_env=PD_SPLIT_TEST_SECRET", "transport.timeout_s=2",
+                               f"transport.bootstrap_port={port}", f"hydra.run.dir={tmp_path / 'd'}"],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=50")
+    p_out, p_err = prefill.communicate(timeout=120)
+    d_out, d_err = decode.communicate(timeout=60)
+    assert prefill.returncode == 0 and decode.returncode == 0, (p_out, p_err, d_out, d_err)
+    line = next(json.loads(x) for x in (tmp_path / "p" / "prefill.log").read_text().splitlines()
+                if '"bootstrapped"' in x)
+    mine = os.readlink("/proc/self/ns/pid")
+    assert line["pid_ns"] == mine and line["peer_pid_ns"].startswith("pid:[") and line["peer_pid_ns"] != mine

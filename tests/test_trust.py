@@ -170,28 +170,98 @@ def test_faulted_run_replays_identical(tmp_path):
 
 
 # ---- interrupts ------------------------------------------------------------------------------
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_interrupt_stops_within_two_seconds_with_results_and_no_traceback(tmp_path, sig, code):
+def _live_in_group(pgid: int, wait_s: float = 5.0) -> list[str]:
+    """Processes of a process group still running (zombies, e.g. the multiprocessing
+    resource tracker that exits once the main process is gone, are not running)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            fields = text.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(text[:80])
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig,code,group", [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False),
+                                            (signal.SIGTERM, 143, True)])
+def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig, code, group):
+    """To the main process or to its whole group (a terminal's Ctrl-C; what timeout,
+    systemd, Slurm and Kubernetes send). The bound holds on a loaded 2-core box; the speed
+    goal (2 s) is measured by tools/stop_time.py."""
+    import os
+
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=100000",
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not list(run_dir.glob("requests*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # handoffs under way
-    proc.send_signal(sig)
+    (os.killpg if group else os.kill)(proc.pid, sig)
     t0 = time.monotonic()
-    out, err = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 2.5
-    assert proc.returncode == code
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == code, out + err
     assert "Traceback" not in out + err and "terminate called" not in out + err
+    assert "None" not in out, out
+    assert _live_in_group(proc.pid) == []  # no process of the run is left behind
     res = json.loads((run_dir / "results.json").read_text())
     assert res["interrupted"] is True and res["exit_code"] == code
     records = list(read_records(run_dir / "requests.jsonl"))
-    assert len(records) == 100000
+    # a request that never arrived is not_started, with no line; failed <= what was in flight
+    assert res["not_started"] > 0 and len(records) + res["not_started"] == 100000
     assert res["verified"] == sum(r.outcome is Outcome.verified for r in records) > 0
-    assert set(res["failure_reasons"]) <= {"interrupted", "not_sent_interrupted"}
+    assert res["failed"] <= res["workload"]["in_flight_max"]
+    assert res["verified"] + res["corrupted"] + res["failed"] + res["not_started"] == 100000
+    assert set(res["failure_reasons"]) <= {"interrupted"}
+    assert sum(res["routes"].values()) >= res["verified"] and res["lost"] == {}
+    assert res["handoffs_per_s"] is not None
+
+
+def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
+    import os
+
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "-m", "workload.requests=100000",
+                             "workload.seed=1,2,3", f"hydra.sweep.dir={sweep_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(sweep_dir.glob("0/requests*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert not (sweep_dir / "1").exists()  # no further job started
+    assert (sweep_dir / "summary.csv").exists() and "sweep interrupted" in err
+    assert json.loads((sweep_dir / "0" / "results.json").read_text())["signal"] == "SIGINT"
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_interrupt_during_start_up_prints_no_traceback(tmp_path, delay):
+    """Ctrl-C (SIGINT to the whole group) while the main process or the children import torch."""
+    import os
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert len((out + err).strip().splitlines()) <= 8, out + err
+    for log in run_dir.glob("*.stderr.log"):
+        assert "Traceback" not in log.read_text(errors="replace"), log
 
 
 # ---- config and files ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """One run split across two network namespaces on this machine (root): the decode side in one,
 the prefill side in the other, joined only by a veth pair (192.0.2.1 <-> 192.0.2.2). Prints
-both sides' summaries and the merged report, then removes the namespaces.
+both sides' summaries and the merged report, then removes the namespaces; the two run dirs
+stay (outputs/netns-pair/<date>/<time>/{prefill,decode}, or --out DIR).
 
     python tools/netns_pair.py [--requests 2000] [OVERRIDES ...]      (from the checkout root)
 
@@ -16,7 +17,6 @@ import os
 import secrets
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +32,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--port", type=int, default=47000)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the two run dirs go (default: outputs/netns-pair/<date>/<time>, kept)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     env = {**os.environ, SECRET_ENV: secrets.token_hex(32), "PYTHONUNBUFFERED": "1"}
     common = ["transport.allow_remote=true", f"transport.secret_env={SECRET_ENV}", *args.overrides]
-    base = Path(tempfile.mkdtemp(prefix="netns-pair-"))
+    # run dirs the summaries can point at afterwards (not a temp dir)
+    base = (args.out or ROOT / "outputs" / "netns-pair" / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
+    base.mkdir(parents=True, exist_ok=True)
     pair = NetnsPair.create()
     try:
         decode = subprocess.Popen(
@@ -62,6 +66,7 @@ def main() -> int:
         merged = subprocess.run([sys.executable, "-m", "orchestrator.report", str(base / "prefill"),
                                  str(base / "decode")], cwd=ROOT, capture_output=True, text=True)
         print((merged.stdout + merged.stderr).strip())
+        print(f"run dirs: {base / 'prefill'} and {base / 'decode'}")
         return prefill.returncode or decode.returncode or merged.returncode
     finally:
         pair.destroy()

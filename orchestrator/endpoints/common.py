@@ -19,6 +19,7 @@ from ..buffers import MetadataBuffers
 from ..config import FallbackPolicy, OrchestratorConfig
 from ..logs import configure
 from ..plan import Device, Plan, Route
+from ..platform import boot_id, pid_namespace  # noqa: F401 - the endpoints take them from here
 from ..transport.engine import MooncakeEngine, exposed, listening_sockets
 from ..workload import Shapes
 
@@ -83,15 +84,6 @@ def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) 
 def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
     gpus = plan.prefill_gpus if kind == "prefill" else plan.decode_gpus
     return gpus[index] if gpus else None
-
-
-def boot_id() -> str:
-    """This kernel's boot id: two processes that share it share CLOCK_MONOTONIC, so a
-    timestamp taken by one is comparable with the other's (network namespaces included)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def make_buffers(cfg: OrchestratorConfig, device: torch.device) -> MetadataBuffers:

@@ -46,10 +46,10 @@ from ..digest import Keys, RowDigest
 from ..faults import decode_setup, silent_listener
 from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
-from ..plan import Device, Plan
+from ..plan import Device, Plan, same_process_space_rule
 from ..results import DecodeResult
 from ..transport.engine import exposed, listening_sockets
-from .common import (report_failure, Stop, bind_random, boot_id, build_side, new_socket, proc_name, process_gpu,
+from .common import (report_failure, Stop, bind_random, boot_id, pid_namespace, build_side, new_socket, proc_name, process_gpu,
                      rss_kb, start_process)
 from .tp import Group, single
 
@@ -167,6 +167,7 @@ class DecodeEndpoint:
                          matmuls_per_step=self.load.matmuls, gate_read=self.gate_read.value,
                          forward_steps_per_s_idle=self.load.idle_per_s)
         self.boot_id = boot_id()
+        self.pid_ns = pid_namespace()
         self.warm = 1000
         self._silent = silent_listener(cfg.transport.host) if cfg.faults.kind is FaultKind.silent_peer else None
         self.ctx = zmq.Context()
@@ -247,6 +248,14 @@ class DecodeEndpoint:
             if self.leader:
                 self.refused.append((rank, f"layout mismatch: {diff}"))
             return
+        why = same_process_space_rule(self.plan.engine_transport, (self.pid_ns, self.boot_id),
+                                      (msg.get("pid_ns", ""), msg.get("boot_id", "")))
+        if why is not None:  # refused before any byte moves, on both sides
+            self.log.error("process_space_mismatch", prefill=rank, detail=why)
+            self._reply(identity, wire.encode("error", detail=why))
+            if self.leader:
+                self.refused.append((rank, why))
+            return
         keys = Keys(self.secret, msg["nonce"])
         new = PrefillSession(rank, identity, self.auth.session(rank, msg["nonce"], self.nonce, "decode"),
                              keys, _clock())
@@ -256,7 +265,7 @@ class DecodeEndpoint:
             "bootstrap", session_id=self.session_id, aux_ptrs=self.ptrs, item_lens=self.item_lens,
             slots=self.cfg.buffers.size, layout=self.layout, fingerprint=msg["fingerprint"],
             tp_rank=self.tp_rank, boot_id=self.boot_id, scratch_ptr=self.buffers.scratch_ptr,
-            nonce=self.nonce, hello_nonce=msg["nonce"]))
+            nonce=self.nonce, hello_nonce=msg["nonce"], pid_ns=self.pid_ns))
         self.sessions[identity] = new
         self.prefills[rank] = new
         self.heard[rank] = _clock()

@@ -42,16 +42,17 @@ from ..digest import Keys, RowDigest
 from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
 from ..logs import DecisionLog
 from ..outcomes import Detail, KVPoll, Outcome
-from ..plan import Plan
+from ..plan import Plan, same_process_space_rule
 from ..results import PairStats, RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..transport.engine import EngineError
 from ..workload import RequestPool, arrival_offsets, room_of
-from .common import (report_failure, Stop, boot_id, build_side, new_socket, proc_name, process_gpu, rss_kb,
+from .common import (report_failure, Stop, boot_id, build_side, new_socket, pid_namespace, proc_name, process_gpu, rss_kb,
                      shapes, start_process)
 from ..layout import describe, fingerprint, first_difference
 
 _clock = time.monotonic
+ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see _Loop.issue)
 
 
 @dataclass
@@ -363,7 +364,8 @@ class PrefillEndpoint:
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
         ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                             fingerprint=fingerprint(self.layout), nonce=self.nonce)))
+                                             fingerprint=fingerprint(self.layout), nonce=self.nonce,
+                                             pid_ns=pid_namespace(), boot_id=self.boot_id)))
         msg = self._recv_one(ctl, link.name)
         if msg.get("type") == "error":
             raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
@@ -372,6 +374,10 @@ class PrefillEndpoint:
         diff = first_difference(self.layout, msg["layout"])
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
+        why = same_process_space_rule(self.plan.engine_transport, (pid_namespace(), self.boot_id),
+                                      (msg.get("pid_ns", ""), msg["boot_id"]))
+        if why is not None:  # before any byte moves
+            raise LayoutMismatch(f"{link.name} refused: {why}")
         session = self.auth.session(self.rank, self.nonce, msg["nonce"], "prefill")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
                     msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"], auth=session)
@@ -382,6 +388,7 @@ class PrefillEndpoint:
         inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
         warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
+                      peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
                       slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
 
     def _recv_one(self, ctl: zmq.Socket, name: str) -> dict:
@@ -518,6 +525,7 @@ class _Loop:
         self.next_i = 0
         self.finished = 0
         self.stopping = False
+        self.more_now = False  # issue() stopped at its budget with arrivals due now
         self.sink = open(ep.records_path, "a", buffering=1 << 16)
         self.route = ep.plan.route.value
         self.warm = min(1000, self.total // 10)
@@ -749,8 +757,13 @@ class _Loop:
                     if inst.control in events:
                         self.drain(inst)
                 if conn_fd is not None and conn_fd in events and self.conn.poll():
-                    if self.conn.recv() == "stop":
+                    msg = self.conn.recv()
+                    if msg == "stop":
                         self.stop(Detail.interrupted)
+                    elif isinstance(msg, tuple) and msg[0] == "decode_gone":  # the runner saw it exit
+                        inst = ep.instances[msg[1]]
+                        if not inst.lost:
+                            self.lose(inst, Detail.decode_lost, msg[2])
                 if Stop.requested and not self.stopping:
                     self.stop(Detail.interrupted)
                 now = _clock()
@@ -779,11 +792,15 @@ class _Loop:
         if self.stopping:
             return
         cp = self.checkpoint
+        # at most ISSUE_BUDGET arrivals per pass: with a decode lost, each fails at once and the
+        # rest of the phase would pass here without the loop reporting progress to the runner
+        end = min(self.total, self.next_i + ISSUE_BUDGET)
         if self.offsets is None:
-            while (self.next_i < self.total and len(self.outstanding) < self.phase.concurrency
+            while (self.next_i < end and len(self.outstanding) < self.phase.concurrency
                    and not (cp and cp.holds(self.next_i))):
                 self.arrive(self.next_i, now)
                 self.next_i += 1
+            self.more_now = self.next_i == end < self.total
         else:
             while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
                    and not (cp and cp.holds(self.next_i))):
@@ -804,7 +821,7 @@ class _Loop:
         return out == 0 or out + step <= ep.cfg.transport.max_inflight_blocks
 
     def wait_ms(self, now: float, t0: float) -> int:
-        if self.can_form():
+        if self.can_form() or self.more_now:
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
             return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
@@ -857,27 +874,13 @@ class _Loop:
             if req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
                 self.finish(req)
-        self.fail_unsent(Detail.not_sent_interrupted)
+        self.skip_unarrived()
 
-    def fail_unsent(self, detail: Detail) -> None:
-        """Every request not announced yet fails with `detail`: one record line each, the
-        counts in bulk (an interrupted run may leave most of its requests here)."""
-        n_inst = len(self.ep.instances)
-        lines, per_inst = [], [0] * n_inst
-        for i in range(self.next_i, self.total):
-            rid = self.phase.rid_base + i
-            rec = Record(rid, room_of(self.w, rid), rid % n_inst, -1, "", None, None, None, None,
-                         Outcome.failed, detail, "")
-            lines.append(rec.line())
-            per_inst[rec.decode] += 1
-        n = len(lines)
-        if n:
-            self.sink.write("\n".join(lines) + "\n")
-            self.res.outcomes[Outcome.failed] += n
-            self.res.details[detail] += n
-            for j, k in enumerate(per_inst):
-                if k:
-                    self.res.pairs.setdefault(j, PairStats()).outcomes[Outcome.failed] += k
+    def skip_unarrived(self) -> None:
+        """Requests that never arrived are not_started: counted, never failed, and given no
+        line in requests.jsonl (an interrupted run may leave most of its requests here)."""
+        n = self.total - self.next_i
+        self.res.not_started += n
         self.finished += n
         self.next_i = self.total
 
