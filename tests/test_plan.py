@@ -207,13 +207,14 @@ def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory)
 def test_bootstrap_messages_carry_the_process_space():
     from orchestrator import wire
 
-    hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="",
+    nonce = "ab" * 16  # a session nonce (Trust II): every hello carries one
+    hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce,
                                     pid_ns="pid:[4026531836]", boot_id="b"))
     assert hello["pid_ns"] == "pid:[4026531836]" and hello["boot_id"] == "b"
-    old = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint=""))
+    old = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce))
     assert "pid_ns" not in old  # a peer that predates them is still understood
     with pytest.raises(wire.WireError):
-        wire.decode(wire.encode("hello", rank=0, layout=[], fingerprint="", pid_ns=7))
+        wire.decode(wire.encode("hello", rank=0, layout=[], fingerprint="", nonce=nonce, pid_ns=7))
 
 
 def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):

@@ -227,7 +227,7 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
                     free.append(granted.pop(msg.rid)[0])
                     now = time.monotonic_ns()
                     router.send_multipart([ident, sess.seal(wire.encode(
-                        "update", grants=[], v=[[msg.rid, Outcome.verified.code, Detail.none.code, now, now]]))])
+                        "update", grants=[], v=[[msg.rid, Outcome.verified.code, Detail.none.code, now, now, now]]))])
             while conn.poll(0):
                 kind, value = conn.recv()
                 if kind == "result":
@@ -254,9 +254,9 @@ def test_prefill_takes_a_verdict_only_for_a_request_it_sent(tmp_path):
     now = time.monotonic_ns()
 
     def premature(rid, slot):
-        return [([], [[rid, Outcome.corrupted.code, Detail.checksum_mismatch.code, now, now]]),
+        return [([], [[rid, Outcome.corrupted.code, Detail.checksum_mismatch.code, now, now, now]]),
                 ([[rid, slot]], []),  # a second grant
-                ([], [[rid + 10_000, Outcome.verified.code, Detail.none.code, now, now]])]  # not ours
+                ([], [[rid + 10_000, Outcome.verified.code, Detail.none.code, now, now, now]])]  # not ours
 
     res = _scripted_decode(cfg, SECRET, tmp_path, premature)
     assert res.outcomes[Outcome.verified] == 40 and res.outcomes[Outcome.corrupted] == 0
