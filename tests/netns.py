@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from .helpers.procs import kill_namespace
 
 PREFILL_IP = "192.0.2.1"
 DECODE_IP = "192.0.2.2"
@@ -142,18 +143,7 @@ class NetnsPair:
     def kill_all(self, ns: str, wait_s: float = 5.0) -> list[int]:
         """SIGKILL every process in `ns` (SIGCONT first, in case one is stopped); returns the
         pids still there after `wait_s`."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            pids = [p for p in self.pids(ns) if p != os.getpid()]
-            if not pids or time.monotonic() > deadline:
-                return pids
-            for pid in pids:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            time.sleep(0.1)
+        return kill_namespace(self.ip, ns, wait_s)
 
     def set_link(self, ns: str, dev: str, up: bool) -> None:
         _run([self.ip, "-n", ns, "link", "set", dev, "up" if up else "down"])

@@ -41,9 +41,9 @@ from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode
 from ..digest import Keys, RowDigest
 from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
 from ..logs import DecisionLog
-from ..outcomes import Detail, KVPoll, Outcome
+from ..outcomes import Detail, Outcome
 from ..plan import Plan, same_process_space_rule
-from ..results import PairStats, RankResult, Record
+from ..results import RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..transport.engine import EngineError
 from ..workload import RequestPool, arrival_offsets, room_of

@@ -27,7 +27,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .procs import Daemon, ip_binary, run, wait_for
+from .procs import Daemon, ip_binary, kill_namespace, run, wait_for
 
 LOGIN = "login"        # the namespace of slurmctld and of every client command (sbatch, submitit)
 CTL_HOST = "pdctl"
@@ -287,7 +286,7 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self.daemons.clear()
         ip = ip_binary()
         for ns in list(self.namespaces):
-            left = _kill_namespace(ip, ns)
+            left = kill_namespace(ip, ns)
             if left:
                 problems.append(f"{ns}: processes {left} survived SIGKILL")
             proc = run([ip, "netns", "del", ns], check=False)
@@ -306,23 +305,6 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _kill_namespace(ip: str, ns: str, wait_s: float = 10.0) -> list[int]:
-    """SIGKILL every process still in `ns`; the pids left after `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        proc = run([ip, "netns", "pids", ns], check=False)
-        pids = [int(x) for x in proc.stdout.split() if x.isdigit() and int(x) != os.getpid()]
-        if not pids or time.monotonic() > deadline:
-            return pids
-        for pid in pids:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,21 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, *daemon
             logs = "\n".join(f"--- {d.name} ({d.log}):\n{d.tail()}" for d in daemons)
             raise RuntimeError(f"waiting for {what}: {why}\n{logs}")
         time.sleep(0.2)
+
+
+def kill_namespace(ip: str, ns: str, wait_s: float = 10.0) -> list[int]:
+    """SIGKILL every process still in network namespace `ns` (SIGCONT first, in case one is
+    stopped); returns the pids still there after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        proc = run([ip, "netns", "pids", ns], check=False)
+        pids = [int(x) for x in proc.stdout.split() if x.isdigit() and int(x) != os.getpid()]
+        if not pids or time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.1)
