@@ -66,9 +66,17 @@ def main(cfg: DictConfig) -> float:
             raise
         results = failed_job(run_dir, f"{type(exc).__name__}: {exc}")
     _EXIT.append(results["exit_code"])
-    if results.get("signal") and not single:  # an interrupted job ends the sweep, not only itself
+    if results.get("signal") and not single and _in_process(hc):
+        # an interrupted job ends the sweep, not only itself (where the sweep runs here: a
+        # launcher's worker, e.g. a Slurm job, returns its results to its launcher instead)
         raise _SweepStopped(results["exit_code"], str(hc.sweep.dir))
     return float(results["verified"])
+
+
+def _in_process(hc) -> bool:
+    """Whether the jobs run in this process (Hydra's basic launcher)."""
+    target = str((hc.launcher or {}).get("_target_", ""))
+    return target.endswith("BasicLauncher")
 
 
 class _SweepStopped(BaseException):

@@ -239,26 +239,25 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
     n = prefill["verified"]
     assert 200 <= n < requests
     assert prefill["requests"] == requests
-    assert prefill["verified"] + prefill["corrupted"] + prefill["failed"] == requests
-    # What was not verified was in flight or never sent when SIGTERM came. Slurm signals
-    # every process of the step at once; the runner gives its prefill endpoint 1.2 s to wind
-    # down after the interrupt (runner._watch). On a loaded box it can take longer: then the
-    # runner ends it, counts it `prefill_lost` and rebuilds its counts from requests.jsonl,
-    # which may lag what the decode side judged. Either way no side claims more than it saw.
+    not_started = prefill.get("not_started", 0)  # never arrived before SIGTERM: no line, not failed
+    assert prefill["verified"] + prefill["corrupted"] + prefill["failed"] + not_started == requests
+    # What was not verified was in flight, or arrived and was not sent, when SIGTERM came.
+    # Slurm signals every process of the step at once; the runner gives its prefill endpoint
+    # a grace period to wind down (runner._watch). On a loaded box it can take longer: then
+    # the runner ends it (slow_to_stop) and rebuilds its counts from requests.jsonl and the
+    # decode's verdicts. Either way no side claims more than it saw.
     reasons = prefill["failure_reasons"]
-    assert set(reasons) <= {"interrupted", "not_sent_interrupted", "prefill_lost"}, reasons
-    assert sum(reasons.values()) == requests - n, reasons
+    assert set(reasons) <= {"interrupted", "not_sent_interrupted"}, reasons
+    assert sum(reasons.values()) == requests - n - not_started, reasons
     assert _verified_lines(sweep / "1") == n  # each verified request has its line
     assert decode["corrupted"] == 0 and decode["failed"] == 0, decode
     assert decode["verified"] >= n, (decode, reasons)  # the prefill side never over-claims
-    stopped_in_time = "prefill_lost" not in reasons
+    assert prefill["lost"] == {}, prefill["lost"]  # slow to stop is not lost
+    stopped_in_time = not prefill.get("slow_to_stop")
     if stopped_in_time:
-        assert prefill["lost"] == {}, prefill["lost"]
         # a request in flight may have been judged on the decode side after the prefill
         # side stopped counting
         assert decode["verified"] <= n + reasons.get("interrupted", 0), (decode, reasons)
-    else:
-        assert prefill["lost"] == {"prefill": "did not stop within 1.2 s of the interrupt"}, prefill["lost"]
     ran = {j: s[0] for j, s in jobs(cluster).items() if j not in before}
     assert ran and set(ran.values()) == {"CA"}, ran  # Slurm's view: cancelled
 
@@ -268,7 +267,7 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
     if stopped_in_time:
         assert "both sides agree" in rep.stdout, rep.stdout
     print(f"\n[cluster] scancel after {n} verified of {requests} ({reasons}), decode judged "
-          f"{decode['verified']}: exit {proc.returncode}; prefill endpoint stopped within 1.2 s: "
+          f"{decode['verified']}: exit {proc.returncode}; prefill endpoint stopped within its grace: "
           f"{stopped_in_time}\n{rep.stdout}")
 
 
