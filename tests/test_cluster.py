@@ -258,7 +258,12 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
         # a request in flight may have been judged on the decode side after the prefill
         # side stopped counting
         assert decode["verified"] <= n + reasons.get("interrupted", 0), (decode, reasons)
-    ran = {j: s[0] for j, s in jobs(cluster).items() if j not in before}
+    settle = time.monotonic() + 30  # CG (completing) turns into CA once slurmd has reaped the steps
+    while True:
+        ran = {j: s[0] for j, s in jobs(cluster).items() if j not in before}
+        if "CG" not in ran.values() or time.monotonic() > settle:
+            break
+        time.sleep(0.5)
     assert ran and set(ran.values()) == {"CA"}, ran  # Slurm's view: cancelled
 
     rep = merged_report(sweep / "1", sweep / "0")
