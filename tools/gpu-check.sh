@@ -98,7 +98,7 @@ fi
 if want gate; then
   echo "== decode under load: gate.read x decode_load, host rows and CUDA rows, one in flight, fill ahead"
   timeout 400 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE,INTRA_NODE_NVLINK workload.fill=ahead \
-    workload.concurrency=1 workload.requests=400 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
+    workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
     hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed"
   python3 - "$out/gate/summary.csv" <<'PY' | tee "$out/gate.txt"
 import csv, sys
