@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .buffers import MetadataBuffers
+from .buffers import MetadataBuffers, _as_i64
 from .config import DigestKind
 
 P = 16_777_213
@@ -94,11 +94,6 @@ def _capture(body) -> "torch.cuda.CUDAGraph":
         body()
     torch.cuda.current_stream().synchronize()
     return graph
-
-
-def _i64(value: int) -> int:
-    value &= _U64
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class Sealed:
@@ -364,7 +359,7 @@ class RowDigest:
         inp_h[1] = inp_h[5] = b.scratch_word  # capture-time writes land in the scratch
         inp_d = torch.zeros((6, k), dtype=torch.int64, device=dev)
         out_h = torch.zeros((k, 2), dtype=torch.int64, pin_memory=True)
-        sig = torch.full((k,), _i64(SIGNATURE), dtype=torch.int64, device=dev)
+        sig = torch.full((k,), _as_i64(SIGNATURE), dtype=torch.int64, device=dev)
         fields = [t.view(torch.uint8) for t in b.fields]  # (size, item_len)
         rows_h = rows_d = None
         if rows is not None:
@@ -426,12 +421,12 @@ class RowDigest:
             m = 3 if b.checksum_field is not None else 1
             pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
             pos[0, :k] = b.words_at(b.room_field, slots)
-            val[0, :k] = [_i64(r) for r in rooms]
+            val[0, :k] = [_as_i64(r) for r in rooms]
             if m == 3:
                 pos[1, :k] = b.words_at(b.checksum_field, slots)
                 pos[2, :k] = pos[1, :k] + 1
-                val[1, :k] = [_i64(t) for t in tags]
-                val[2, :k] = _i64(SIGNATURE)
+                val[1, :k] = [_as_i64(t) for t in tags]
+                val[2, :k] = _as_i64(SIGNATURE)
             if kb > k:
                 pos[:, k:] = pos[:, :1]
                 val[:, k:] = val[:, :1]
@@ -453,7 +448,7 @@ class RowDigest:
         slot.reuse()
         inp[0, :k] = slots
         inp[1, :k] = b.words_at(b.room_field, slots)
-        inp[2, :k] = [_i64(r) for r in rooms]
+        inp[2, :k] = [_as_i64(r) for r in rooms]
         inp[3, :k] = [p[0] for p in pads]
         inp[4, :k] = [p[1] for p in pads]
         if b.checksum_field is not None:
