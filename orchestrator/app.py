@@ -18,7 +18,8 @@ from .platform import detect
 from .progress import Progress
 from .results import NoSpace, lock_run_dir, write_atomic
 from .rules import check_profile
-from .runner import Signals, run_handoffs
+from .lifecycle import Signals
+from .runner import run_handoffs
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> dict[str, Any]:

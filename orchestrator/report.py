@@ -20,7 +20,7 @@ from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .plan import Plan
 from .results import LATENCIES, STAGES, RankResult, counter_dict, decode_dict, write_atomic
-from .runner import RunResult
+from .results import RunResult
 from .stats import LatencyHistogram
 
 EXIT_OK, EXIT_NOT_VERIFIED, EXIT_REFUSED, EXIT_LOST = 0, 1, 2, 3

@@ -200,6 +200,29 @@ class DecodeResult:
         return sum(self.outcomes.values())
 
 
+@dataclass
+class RunResult:
+    """One run: every prefill rank's result and every decode process's, keyed by name."""
+
+    ranks: dict[str, Any] = field(default_factory=dict)  # RankResult (or a driver's result)
+    decodes: dict[str, DecodeResult] = field(default_factory=dict)
+    transports: dict[str, str] = field(default_factory=dict)
+    startup_s: Optional[float] = None
+    faults_applied: list[dict] = field(default_factory=list)
+    engine_exposed: list[str] = field(default_factory=list)
+    lost: dict[str, str] = field(default_factory=dict)  # process -> why it was lost
+    error: Optional[str] = None  # the run could not start, or an endpoint failed
+    engine_log: Optional[str] = None  # the last line an engine printed before a failure
+    interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
+    bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
+    prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
+    run_dir: str = ""
+    startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
+    t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
+    t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
+    slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
+
+
 def counter_dict(c: Counter) -> dict[str, int]:
     return {(k.value if hasattr(k, "value") else str(k)): v for k, v in sorted(
         c.items(), key=lambda kv: str(getattr(kv[0], "value", kv[0])))}

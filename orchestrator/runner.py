@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -32,44 +32,14 @@ from .endpoints.prefill import prefill_main
 from .faults import silent_listener
 from .outcomes import Detail, Outcome
 from .plan import Device, Plan
-from .results import DecodeResult, RankResult, Record, read_records
+from .lifecycle import Interrupted, RunFailed, Signals, spawn
+from .results import DecodeResult, RankResult, Record, RunResult, read_records
 
 _clock = time.monotonic
 
 
-class RunFailed(RuntimeError):
-    """An endpoint could not start; the message says which and why."""
-
-
-class Interrupted(Exception):
-    pass
-
-
 class _Done(Exception):
     """The decode side's prefills all said bye."""
-
-
-@dataclass
-class RunResult:
-    """One run: every prefill rank's result and every decode process's, keyed by name."""
-
-    ranks: dict[str, Any] = field(default_factory=dict)  # RankResult (or a driver's result)
-    decodes: dict[str, DecodeResult] = field(default_factory=dict)
-    transports: dict[str, str] = field(default_factory=dict)
-    startup_s: Optional[float] = None
-    faults_applied: list[dict] = field(default_factory=list)
-    engine_exposed: list[str] = field(default_factory=list)
-    lost: dict[str, str] = field(default_factory=dict)  # process -> why it was lost
-    error: Optional[str] = None  # the run could not start, or an endpoint failed
-    engine_log: Optional[str] = None  # the last line an engine printed before a failure
-    interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
-    bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
-    prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
-    run_dir: str = ""
-    startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
-    t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
-    t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
-    slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
 
 
 @dataclass
@@ -83,50 +53,6 @@ class _Proc:
     last_seen: float = 0.0
     done: bool = False
     running: bool = False  # a prefill that reached its handoff phase (it may hold records)
-
-
-class Signals:
-    """SIGINT/SIGTERM handlers for a job's duration (main thread only): a signal is noted,
-    and the run winds down with what it measured."""
-
-    def __init__(self):
-        self.caught: Optional[str] = None
-        self._saved: dict[int, Any] = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._saved[sig] = signal.signal(sig, self._on)
-        return self
-
-    def _on(self, signum, _frame):
-        self.caught = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-
-
-def spawn(proc: mp.Process) -> None:
-    """Start a child that ignores SIGINT and SIGTERM until it installs its own handlers
-    (endpoints.common.start_process): a Ctrl-C on the terminal, or a SIGTERM to the whole
-    group, reaches every process, and a child still importing torch would die with a
-    traceback. A spawned child starts with an empty signal mask, but keeps an ignored
-    disposition (and Python then installs no KeyboardInterrupt handler). Here the signals are
-    blocked meanwhile, so one that arrives during the start reaches the runner's handler."""
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
-    pending = signal.sigpending() & set(sigs)  # SIG_IGN would discard these: raised again below
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
-    try:
-        proc.start()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        for s in pending:
-            signal.raise_signal(s)  # still blocked: delivered to the handler at the unblock
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _free_port(host: str) -> int:

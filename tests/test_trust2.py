@@ -434,7 +434,8 @@ def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     dropped while the runner read the pipe only of a living decode)."""
     import structlog
 
-    from orchestrator.runner import RunResult, _finish, _Proc
+    from orchestrator.results import RunResult
+    from orchestrator.runner import _finish, _Proc
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -51,7 +51,7 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     <role>.stderr.log; structured logs to <role>.log."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see runner.spawn
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see lifecycle.spawn
     err = open(run_dir / f"{role}.stderr.log", "ab", buffering=0)
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
