@@ -81,16 +81,32 @@ def bucket_of(k: int, sizes: Sequence[int]) -> int:
     return next(b for b in sizes if b >= k)
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def _capture_stream() -> "torch.cuda.Stream":
+    """The stream the digest's graphs are captured on: one of its own per device, never
+    `torch.cuda.graph`'s shared default. cuBLAS bakes the workspace of the capturing stream
+    into a graph, so two graphs captured on one stream share it: replayed at the same time on
+    two streams (gate.read=side_stream beside a forward's graph) their GEMMs race on it and the
+    GPU hangs (seen on an H200: a stream sync that never returned, the GPU at 100%). A
+    high-priority pool stream is never the default capture stream (a low-priority one)."""
+    dev = torch.cuda.current_device()
+    if dev not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[dev] = torch.cuda.Stream(priority=-1)
+    return _CAPTURE_STREAMS[dev]
+
+
 def _capture(body) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of body() (run twice on a side stream first, as capture requires)."""
-    side = torch.cuda.Stream()
+    side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         body()
     torch.cuda.current_stream().synchronize()
     return graph

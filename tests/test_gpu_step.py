@@ -174,11 +174,7 @@ def test_steps_sealed_back_to_back_without_a_wait_each_keep_their_own_tags():
     assert [s.result() for s in got] == want
 
 
-@pytest.mark.parametrize("mode", [
-    "sglang", "batched",
-    pytest.param("side_stream", marks=pytest.mark.xfail(
-        reason="on one GPU with the decode loaded, side_stream lost the decode (c7cf6a3: 65 of 300 "
-               "verified, then peer_lost); not yet understood", strict=False))])
+@pytest.mark.parametrize("mode", ["sglang", "batched", "side_stream"])
 def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(cfg_factory, tmp_path, mode):
     """CUDA rows, decode loaded with a 2 ms forward: each gate.read verifies every handoff with
     the verdicts of an unloaded batched run; the forward loop's steps/s with and without
@@ -201,4 +197,6 @@ def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(cfg_facto
         outs[name] = deterministic(tmp_path / name)
     load = res["decode_gate"]["load"]
     assert load["forward_steps_per_s_idle"] > 0 and load["forward_steps_per_s_serving"] > 0
-    assert outs["reference"] == outs[mode]
+    for part in ("requests", "decisions"):
+        a, b = outs["reference"][part], outs[mode][part]
+        assert a == b, [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)][:5]

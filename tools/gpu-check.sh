@@ -22,7 +22,7 @@ out=$(mktemp -d)/gpu-check
 mkdir -p "$out" "$dest"
 pack() {
   (cd "$(dirname "$out")" && find gpu-check -type f \( -name '*.md' -o -name '*.json' -o -name '*.csv' \
-     -o -name '*.png' -o -name '*.txt' -o -name '*.raw' -o -name 'machine.txt' \) ! -name 'requests*' \
+     -o -name '*.png' -o -name '*.txt' -o -name '*.raw' -o -name 'machine.txt' -o \( -name '*.log' -size -2M \) \) ! -name 'requests*' \
      ! -name 'decisions*' ! -name 'verdicts*' | tar czf "$dest/gpu-check.tar.gz" -T -)
   cp "$out/machine.txt" "$dest/" 2>/dev/null
 }
