@@ -39,6 +39,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from . import protocol
 from .config import (ConfigError, EngineTransportSetting, FillMode, MemPoolType,
                      OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
 from .endpoints.prefill import Phase, PrefillEndpoint
@@ -133,7 +134,8 @@ class BenchDriver:
             plan.append(("inline staged", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline,
                                                 set_buf=SetBufMode.staged)))
         for name, phase in plan:
-            conn.send(("phase", f"{name} ({phase.requests} requests)"))  # the bench's progress line
+            # the bench's progress line
+            conn.send(protocol.Phase(label=f"{name} ({phase.requests} requests)"))
             phase.rid_base = base
             base += phase.requests
             res = ep.run(phase, conn)

@@ -23,12 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .results import read_jsonl
+
 DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
                  "outcome")
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _fill(run_dir: Path) -> str:
@@ -42,9 +40,9 @@ def _fill(run_dir: Path) -> str:
 def deterministic(run_dir: Path) -> dict[str, Any]:
     content = _fill(run_dir) != "ahead"
     requests = {r["rid"]: (r["room"], r["checksum"] if content else None, r["outcome"])
-                for path in sorted(run_dir.glob("requests*.jsonl")) for r in _jsonl(path)}
+                for path in sorted(run_dir.glob("requests*.jsonl")) for r in read_jsonl(path, strict=True)}
     decisions = {(d["rid"], d["decode"]): tuple(d.get(k) for k in DECISION_KEYS)
-                 for path in sorted(run_dir.glob("decisions*.jsonl")) for d in _jsonl(path)}
+                 for path in sorted(run_dir.glob("decisions*.jsonl")) for d in read_jsonl(path, strict=True)}
     return {"requests": requests, "decisions": decisions}
 
 

@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .outcomes import Detail, Outcome
 from .stats import LatencyHistogram
@@ -240,17 +240,28 @@ def decode_dict(d: DecodeResult) -> dict[str, Any]:
             "tp": d.tp, "memory": d.memory, "error": d.error}
 
 
-def read_records(path: Path) -> Iterable[Record]:
-    """The complete lines of a requests file (a torn last line is skipped)."""
+def read_jsonl(path: Path, parse: Callable[[str], Any] = json.loads, strict: bool = False) -> Iterator[Any]:
+    """`parse` of each line of a .jsonl file (requests, verdicts, decisions); a missing file
+    has none. By default only complete lines count and one that does not parse is skipped:
+    a writer that died may have left a torn last line. `strict` (a finished run's files)
+    reads every non-blank line and raises on one that does not parse."""
     if not path.exists():
         return
     with open(path) as fh:
         for line in fh:
-            if line.endswith("\n"):
+            if strict:
+                if line.strip():
+                    yield parse(line)
+            elif line.endswith("\n"):
                 try:
-                    yield Record.from_line(line)
+                    yield parse(line)
                 except (ValueError, KeyError, TypeError):
                     continue
+
+
+def read_records(path: Path) -> Iterable[Record]:
+    """The complete lines of a requests file (a torn last line is skipped)."""
+    return read_jsonl(path, Record.from_line)
 
 
 LOCK_NAME = ".run.lock"

@@ -81,28 +81,33 @@ class DecodeProcess:
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):
         import multiprocessing as mp
 
+        from orchestrator import protocol
         from orchestrator.endpoints.decode import decode_main
         from orchestrator.plan import Platform, make_plan
 
         self.plan = make_plan(cfg, platform or Platform())
         self.secret = secret
         ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
+        conn, child = ctx.Pipe()
+        self.conn = protocol.Channel(conn)
         self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(run_dir), secret, child),
                                 daemon=True)
         self.proc.start()
         assert self.conn.poll(60), "decode did not start"
-        kind, self.info = self.conn.recv()
-        assert kind == "ready", self.info
+        msg = self.conn.recv()
+        assert isinstance(msg, protocol.Ready), msg
+        self.info = msg.info
 
     def stop(self):
         """Stop the decode side; skips its notices to the runner, returns its final stats."""
-        self.conn.send("stop")
+        from orchestrator import protocol
+
+        self.conn.send(protocol.Stop())
         while True:
             assert self.conn.poll(20), "decode did not stop"
-            kind, stats = self.conn.recv()
-            if kind not in ("bye", "refused", "prefill_lost"):  # notices for the runner
-                break
+            msg = self.conn.recv()
+            if not isinstance(msg, (protocol.Bye, protocol.Refused, protocol.PrefillLost)):
+                break  # (those are notices for the runner)
         self.proc.join(10)
-        assert kind == "stats", stats
-        return stats
+        assert isinstance(msg, protocol.Stats), msg
+        return msg.result

@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from orchestrator import MetadataBuffers, wire
+from orchestrator import MetadataBuffers, protocol, wire
 from orchestrator.auth import Authenticator, Replayed, new_nonce
 from orchestrator.digest import SIGNATURE
 from orchestrator.layout import describe
@@ -187,15 +187,16 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     data = "tcp://127.0.0.1:%d" % pull.bind_to_random_port("tcp://127.0.0.1")
     plan = make_plan(cfg, Platform())
     conn, child = mp.get_context("spawn").Pipe()
+    conn = protocol.Channel(conn)
     proc = mp.get_context("spawn").Process(target=prefill_main, args=(cfg, plan, str(tmp_path), secret, child),
                                            daemon=True)
     proc.start()
     result, sess, ident, free = None, None, None, list(range(b.size))
     granted: dict[int, tuple[int, int]] = {}
     try:
-        assert conn.poll(60) and conn.recv()[0] == "up"
-        conn.send(("decodes", [[{"control_endpoint": ctl, "data_endpoint": data, "transport": "zmq-tcp",
-                                 "session_id": None}]]))
+        assert conn.poll(60) and isinstance(conn.recv(), protocol.Up)
+        conn.send(protocol.Decodes(infos=[[{"control_endpoint": ctl, "data_endpoint": data,
+                                            "transport": "zmq-tcp", "session_id": None}]]))
         deadline = time.monotonic() + 120
         while result is None and time.monotonic() < deadline:
             if router.poll(10):
@@ -229,11 +230,11 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
                     router.send_multipart([ident, sess.seal(wire.encode(
                         "update", grants=[], v=[[msg.rid, Outcome.verified.code, Detail.none.code, now, now, now]]))])
             while conn.poll(0):
-                kind, value = conn.recv()
-                if kind == "result":
-                    result = value
-                elif kind == "error":
-                    raise AssertionError(value)
+                match conn.recv():
+                    case protocol.Result(result=value):
+                        result = value
+                    case protocol.Error(line=line):
+                        raise AssertionError(line)
     finally:
         proc.join(10)
         if proc.is_alive():
@@ -426,16 +427,13 @@ def test_a_side_killed_during_start_up_is_exit_3_with_one_line(tmp_path):
 
 
 def _decode_that_fails(conn) -> None:
-    conn.send(("error", "MemoryError: the decode's own last word"))
+    protocol.Channel(conn).send(protocol.Error(line="MemoryError: the decode's own last word"))
 
 
 def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
-    """runner._finish reads a decode's pipe after it died, so its error is reported (it was
+    """Job._finish reads a decode's pipe after it died, so its error is reported (it was
     dropped while the runner read the pipe only of a living decode)."""
-    import structlog
-
-    from orchestrator.results import RunResult
-    from orchestrator.runner import _finish, _Proc
+    from orchestrator.runner import Job, _Proc
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -443,8 +441,11 @@ def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     p.start()
     p.join(30)
     assert p.exitcode == 0
-    out = RunResult()
-    _finish(typed_cfg(), tmp_path, [], [_Proc("decode", p, conn, "decode", 0)], out, structlog.get_logger())
+    cfg = typed_cfg()
+    job = Job(cfg, make_plan(cfg, Platform()), tmp_path, secret=SECRET)
+    job.decodes = [_Proc("decode", p, protocol.Channel(conn), "decode", 0)]
+    job._finish()
+    out = job.out
     assert "MemoryError: the decode's own last word" in out.error
     assert "MemoryError: the decode's own last word" in out.decodes["decode"].error
 
@@ -521,14 +522,15 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     idle = [socket.create_connection((host, int(port))) for _ in range(5)]
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
+    conn = protocol.Channel(conn)
     proc = ctx.Process(target=prefill_main, args=(cfg, decode.plan, str(tmp_path), SECRET, child), daemon=True)
     proc.start()
     try:
-        assert conn.poll(60) and conn.recv()[0] == "up"
+        assert conn.poll(60) and isinstance(conn.recv(), protocol.Up)
         t0 = time.monotonic()
-        conn.send(("decodes", [[decode.info]]))
+        conn.send(protocol.Decodes(infos=[[decode.info]]))
         assert conn.poll(30)
-        kind, line = conn.recv()
+        msg = conn.recv()
         waited = time.monotonic() - t0
     finally:
         for s in idle:
@@ -537,7 +539,9 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
         if proc.is_alive():
             proc.kill()
         decode.stop()
-    assert kind == "error" and "TimeoutError" in line and decode.info["session_id"] in line, line
+    assert isinstance(msg, protocol.Error), msg
+    line = msg.line
+    assert "TimeoutError" in line and decode.info["session_id"] in line, line
     assert "\n" not in line and "listener" in line
     assert waited < 20  # the 3 s timeout and slack for a loaded box; held, the handshake took 25 s
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import zmq
 
-from .. import wire
+from .. import protocol, wire
 from ..auth import Authenticator, Replayed, new_nonce
 from ..buffers import SlotAllocator, StagedRows
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
@@ -757,26 +757,15 @@ class _Loop:
                     if inst.control in events:
                         self.drain(inst)
                 if conn_fd is not None and conn_fd in events and self.conn.poll():
-                    msg = self.conn.recv()
-                    if msg == "stop":
-                        self.stop(Detail.interrupted)
-                    elif isinstance(msg, tuple) and msg[0] == "decode_gone":  # the runner saw it exit
-                        inst = ep.instances[msg[1]]
-                        if not inst.lost:
-                            self.lose(inst, Detail.decode_lost, msg[2])
+                    self.from_runner()
                 if Stop.requested and not self.stopping:
                     self.stop(Detail.interrupted)
                 now = _clock()
-                for inst in ep.instances:
-                    if not inst.lost and inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
-                        self.drain(inst)  # whatever already arrived counts first
-                        if inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
-                            self.lose(inst, Detail.peer_lost,
-                                      f"decode silent for transport.timeout_s={ep.timeout_s:g}")
+                self.silent_decodes(now)
                 if self.checkpoint is not None and self.checkpoint.due(self.finished, len(self.outstanding)):
                     self.checkpoint.fire()
                 if self.conn is not None and now - last_progress >= 0.25:
-                    self.conn.send(("progress", self.finished))
+                    self.conn.send(protocol.Progress(finished=self.finished))
                     last_progress = now
         finally:
             if conn_fd is not None:
@@ -787,6 +776,26 @@ class _Loop:
         self.res.replayed += ep.replayed
         self.sink.close()
         return self.res
+
+    def from_runner(self) -> None:
+        """A message from the runner: stop, or a decode instance is gone (it saw it exit)."""
+        match self.conn.recv():
+            case protocol.Stop():
+                self.stop(Detail.interrupted)
+            case protocol.DecodeGone(index=index, why=why):
+                inst = self.ep.instances[index]
+                if not inst.lost:
+                    self.lose(inst, Detail.decode_lost, why)
+
+    def silent_decodes(self, now: float) -> None:
+        """A decode instance that owes answers and sent nothing for transport.timeout_s is lost."""
+        ep = self.ep
+        for inst in ep.instances:
+            if not inst.lost and inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
+                self.drain(inst)  # whatever already arrived counts first
+                if inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
+                    self.lose(inst, Detail.peer_lost,
+                              f"decode silent for transport.timeout_s={ep.timeout_s:g}")
 
     def issue(self, now: float, t0: float) -> None:
         if self.stopping:
@@ -889,42 +898,42 @@ def _r(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v, 2)
 
 
-def workload_driver(endpoint: PrefillEndpoint, conn) -> RankResult:
+def workload_driver(endpoint: PrefillEndpoint, conn: protocol.Channel) -> RankResult:
     """The default driver: the configured workload, once."""
     cfg = endpoint.cfg
     checkpoint = Checkpoint(cfg.faults, endpoint.rank, lambda kind: _ask_runner(conn, kind))
     return endpoint.run(Phase.of(cfg, endpoint.rank), conn, checkpoint)
 
 
-def _ask_runner(conn, kind: str) -> None:
+def _ask_runner(conn: protocol.Channel, kind: str) -> None:
     """A process fault: the runner acts (kill, stop) and answers; wait for it."""
-    conn.send(("fault", kind))
-    while True:
-        msg = conn.recv()
-        if msg == "fault_done":
-            return
+    conn.send(protocol.FaultReached(kind=kind))
+    while not isinstance(conn.recv(), protocol.FaultDone):
+        pass
 
 
 def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn,
                  rank: int = 0, driver=workload_driver) -> None:
     """Process entry (multiprocessing spawn) of prefill rank `rank`: build buffers and
     engine (in parallel with the decode side), wait for the decode endpoints, bootstrap,
-    run `driver(endpoint, conn)` and send back what it returns."""
+    run `driver(endpoint, conn)` and send back what it returns. `conn` is this process's
+    end of the runner's pipe; it carries protocol messages only."""
+    conn = protocol.Channel(conn)
     run_path = Path(run_dir)
     name = proc_name("prefill", rank, cfg.endpoints.prefill_ranks)
     log = start_process(name, run_path, cfg.logging.console)
     endpoint = None
     try:
         endpoint = PrefillEndpoint(cfg, plan, run_path, log, rank, secret)
-        conn.send(("up", {"transport": endpoint.side.transport}))
+        conn.send(protocol.Up(transport=endpoint.side.transport))
         msg = conn.recv()
-        if not (isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "decodes"):
+        if not isinstance(msg, protocol.Decodes):
             return  # the run ended before it started (a stop, or a refused bootstrap)
-        endpoint.connect(msg[1])
-        conn.send(("running", None))
-        conn.send(("result", driver(endpoint, conn)))
+        endpoint.connect(msg.infos)
+        conn.send(protocol.Running())
+        conn.send(protocol.Result(result=driver(endpoint, conn)))
     except Exception as exc:
-        conn.send(("error", report_failure(log, "prefill_failed", exc)))
+        conn.send(protocol.Error(line=report_failure(log, "prefill_failed", exc)))
     finally:
         if endpoint is not None and not endpoint.stuck:
             endpoint.close()  # sets `stuck` if the transfer thread never comes back
