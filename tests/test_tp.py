@@ -76,7 +76,7 @@ def test_gate_holds_a_torn_row_until_it_settles():
     it; settle_ms=0 is SGLang's room-only gate; readiness off holds nothing."""
     from types import SimpleNamespace
 
-    from orchestrator.endpoints.decode import DecodeEndpoint, Grant
+    from orchestrator.endpoints.decode import Grant, Judge
     from orchestrator.results import DecodeResult
 
     def endpoint(settle_s, readiness=True, digest_ok=False):
@@ -86,11 +86,11 @@ def test_gate_holds_a_torn_row_until_it_settles():
     g = Grant(0, 7, room=42, slot=3, pad=(0, 0), t_granted=0.0, t_status=100.0)
     torn, empty, whole = SimpleNamespace(room=42), SimpleNamespace(room=0), SimpleNamespace(room=42)
     ep = endpoint(0.05)
-    assert DecodeEndpoint.unready(ep, g, torn, now=100.01) is True  # within the window
-    assert DecodeEndpoint.unready(ep, g, torn, now=100.02) is True
+    assert Judge.unready(ep, g, torn, now=100.01) is True  # within the window
+    assert Judge.unready(ep, g, torn, now=100.02) is True
     assert ep.res.settled == 1 and g.settling  # counted once
-    assert DecodeEndpoint.unready(ep, g, torn, now=100.06) is False  # judged: corrupted
-    assert DecodeEndpoint.unready(ep, g, empty, now=150.0) is True  # room 0: until timeout_s
-    assert DecodeEndpoint.unready(endpoint(0.05, digest_ok=True), g, whole, now=100.01) is False
-    assert DecodeEndpoint.unready(endpoint(0.0), g, torn, now=100.01) is False  # SGLang's gate
-    assert DecodeEndpoint.unready(endpoint(0.05, readiness=False), g, empty, now=100.01) is False
+    assert Judge.unready(ep, g, torn, now=100.06) is False  # judged: corrupted
+    assert Judge.unready(ep, g, empty, now=150.0) is True  # room 0: until timeout_s
+    assert Judge.unready(endpoint(0.05, digest_ok=True), g, whole, now=100.01) is False
+    assert Judge.unready(endpoint(0.0), g, torn, now=100.01) is False  # SGLang's gate
+    assert Judge.unready(endpoint(0.05, readiness=False), g, empty, now=100.01) is False
