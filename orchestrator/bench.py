@@ -39,7 +39,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from .config import (ConfigError, EngineTransportSetting, FillMode, MemPoolType,
+from .config import (CONF_DIR, ConfigError, EngineTransportSetting, FillMode, MemPoolType,
                      OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
 from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
@@ -51,7 +51,6 @@ from .rules import check_profile
 from .runner import run_handoffs
 from .stats import percentile
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CHUNK = 100
 
 
@@ -424,7 +423,7 @@ def markdown(results: dict) -> str:
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         obj = validate(cfg)

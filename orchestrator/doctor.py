@@ -38,7 +38,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .config import ConfigError, MemPoolType, OrchestratorConfig
+from .config import ConfigError, MemPoolType, OrchestratorConfig, is_loopback
 from .plan import (ALLOC_CONF_VARS, Device, EngineTransport, Plan, Platform, Route, expandable_segments,
                    make_plan)
 from .profile import ProfileError, error_exit, load_profile, overrides_dict, profile_label
@@ -421,7 +421,7 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
         addr = ipaddress.IPv4Address(host)
     except ValueError:
         return Check(name, Status.FAIL, f"transport.host={host!r} is not an IPv4 address.")
-    if addr.is_loopback:
+    if is_loopback(host):
         findings.append((Status.OK, f"transport.host={host}: the ZMQ data and control planes bind "
                                     "loopback only (both endpoints on this machine)."))
     elif (err := try_bind(host)) is not None:

@@ -23,6 +23,8 @@ from typing import Optional
 
 import structlog
 
+from .rundir import RunFiles
+
 _SHARED = [
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
@@ -93,7 +95,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
         _quiet(console, console_level)
         root.addHandler(console)
         if run_dir is not None:
-            fh = logging.FileHandler(run_dir / f"{role}.log")
+            fh = logging.FileHandler(RunFiles(run_dir).log(role))
             fh.setFormatter(_json_formatter())
             root.addHandler(fh)
     root.setLevel(logging.INFO)

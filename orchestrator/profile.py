@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import ConfigError, OrchestratorConfig, register_configs, validate
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from .config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
 
 
 class ProfileError(Exception):

@@ -26,7 +26,6 @@ import structlog
 
 from .auth import run_secret
 from .config import ConfigError, FaultKind, OrchestratorConfig, Role, resolve_seed
-from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import silent_listener
@@ -34,6 +33,7 @@ from .outcomes import Detail, Outcome
 from .plan import Device, Plan
 from .lifecycle import Interrupted, RunFailed, Signals, spawn
 from .results import DecodeResult, RankResult, Record, RunResult, read_records
+from .rundir import RunFiles, proc_name
 
 _clock = time.monotonic
 
@@ -62,7 +62,7 @@ def _free_port(host: str) -> int:
 
 
 def _engine_log_tail(run_dir: Path, name: str) -> Optional[str]:
-    path = run_dir / f"{name}.mooncake.log"
+    path = RunFiles(run_dir).mooncake_log(name)
     try:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -638,7 +638,7 @@ def _readable(conn) -> bool:
 
 def _decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
     res = DecodeResult(name, error="no stats: the process ended early; counts from its verdicts file")
-    for v in _verdict_lines(run_dir / f"verdicts-{name}.jsonl"):
+    for v in _verdict_lines(RunFiles(run_dir).verdicts(name)):
         res.outcomes[Outcome(v["outcome"])] += 1
         if v["outcome"] != Outcome.verified.value:
             res.details[Detail(v["detail"])] += 1
@@ -670,8 +670,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     clock: the handoff phase began, the run stopped) times a rate over the phase that ran."""
     n = cfg.workload.requests
     base = rank * n
-    suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
-    path = run_dir / f"requests{suffix}.jsonl"
+    path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
     from .layout import profile_layout
 
     res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg)))
@@ -681,14 +680,13 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
             seen.add(rec.rid)
             res.add(rec)
     judged: dict[int, tuple[Outcome, Detail]] = {}
-    for f in sorted(run_dir.glob("verdicts-decode*.jsonl")):
-        tp_follower = "." in f.stem and not f.stem.endswith(".0")
-        if tp_follower:
+    for decode, f in RunFiles(run_dir).all_verdicts():
+        if not decode.tp_leader:
             continue  # a TP instance's verdict is its leader's
         for v in _verdict_lines(f):
             if v.get("prefill") == rank:
                 judged[v["rid"]] = (Outcome(v["outcome"]), Detail(v["detail"]))
-    from .workload import room_of
+    from .workload import decode_of, room_of
 
     end = base + n
     if missing is Detail.interrupted:
@@ -701,7 +699,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
         if rid in seen:
             continue
         outcome, detail = judged.get(rid, (Outcome.failed, missing))
-        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1,
+        rec = Record(rid, room_of(cfg.workload, rid), decode_of(rid, cfg.endpoints.decode_ranks), -1,
                      route if rid in judged else "", None, None, None, None, outcome, detail, "", None)
         res.add(rec)
         added.append(rec)

@@ -35,6 +35,12 @@ def seed_of(w: WorkloadConfig) -> int:
     return 0 if w.seed is None else w.seed
 
 
+def decode_of(rid: int, n: int) -> int:
+    """The decode instance (of `n`) that request `rid` hands off to: every prefill rank deals
+    its requests round-robin over the decode instances."""
+    return rid % n
+
+
 def room_of(w: WorkloadConfig, rid: int) -> int:
     """Request `rid`'s room: `duplicate_rooms` consecutive requests share one (retries, n>1)."""
     return room_for(seed_of(w), rid // w.duplicate_rooms)

@@ -48,6 +48,7 @@ from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan, same_process_space_rule
 from ..results import DecodeResult
+from ..rundir import RunFiles
 from ..transport.engine import exposed, listening_sockets
 from .common import (report_failure, Stop, bind_random, boot_id, pid_namespace, build_side, new_socket, proc_name, process_gpu,
                      rss_kb, start_process)
@@ -134,7 +135,7 @@ class DecodeEndpoint:
         # host rows zero and free at once).
         self.quarantine: list[int] = []
         self.res = DecodeResult(self.name)
-        self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
+        self.records = open(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)
         self.host_rows = self.buffers.device.type == Device.cpu.value
         self.defer_clears = not self.host_rows and self.group.size == 1
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
