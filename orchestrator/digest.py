@@ -406,42 +406,60 @@ class RowDigest:
         the step's rows are first uploaded from it. `ahead`: the rows are as fill_ahead left
         them but for their rooms (host rows then use the frozen sums). Device rows: queued,
         nothing waits."""
-        b = self.b
         if ahead and self.frozen is not None and self.device.type != "cpu":
-            # the rows are as frozen but for their rooms: sign on the host, then one upload
-            # and one indexed write of the rooms and tags (no digest on the device)
-            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
-            if not self._write:
-                b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
-                return Sealed(tags, contents)
-            k = len(slots)
-            kb = bucket_of(k, self._seal_sizes)
-            graph, inp, slot = self._write[kb].next()
-            slot.reuse()
-            m = 3 if b.checksum_field is not None else 1
-            pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
-            pos[0, :k] = b.words_at(b.room_field, slots)
-            val[0, :k] = [_as_i64(r) for r in rooms]
-            if m == 3:
-                pos[1, :k] = b.words_at(b.checksum_field, slots)
-                pos[2, :k] = pos[1, :k] + 1
-                val[1, :k] = [_as_i64(t) for t in tags]
-                val[2, :k] = _as_i64(SIGNATURE)
-            if kb > k:
-                pos[:, k:] = pos[:, :1]
-                val[:, k:] = val[:, :1]
-            graph.replay()
-            slot.event.record()
-            return Sealed(tags, contents)
+            return self._seal_ahead(slots, rooms, pads, idents)
         if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
-            b.write_rooms(slots, rooms)
-            if ahead and self.frozen is not None:
-                tags, contents = self.sign_rooms(slots, rooms, pads, idents)
-            else:
-                tags, contents = self.sign(slots, idents, pads)
-            if b.checksum_field is not None:
-                b.write_checksums(slots, tags, SIGNATURE)
+            return self._seal_eager(slots, rooms, pads, idents, ahead)
+        return self._seal_graph(slots, rooms, pads, rows)
+
+    def _seal_ahead(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]]) -> Sealed:
+        """Device rows as frozen but for their rooms: sign on the host, then one upload and one
+        indexed write of the rooms and tags (no digest on the device)."""
+        b = self.b
+        tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        if not self._write:
+            b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
             return Sealed(tags, contents)
+        k = len(slots)
+        kb = bucket_of(k, self._seal_sizes)
+        graph, inp, slot = self._write[kb].next()
+        slot.reuse()
+        m = 3 if b.checksum_field is not None else 1
+        pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
+        pos[0, :k] = b.words_at(b.room_field, slots)
+        val[0, :k] = [_as_i64(r) for r in rooms]
+        if m == 3:
+            pos[1, :k] = b.words_at(b.checksum_field, slots)
+            pos[2, :k] = pos[1, :k] + 1
+            val[1, :k] = [_as_i64(t) for t in tags]
+            val[2, :k] = _as_i64(SIGNATURE)
+        if kb > k:
+            pos[:, k:] = pos[:, :1]
+            val[:, k:] = val[:, :1]
+        graph.replay()
+        slot.event.record()
+        return Sealed(tags, contents)
+
+    def _seal_eager(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]], ahead: bool) -> Sealed:
+        """Host rows, blake2b, or no captured graph: the rooms, the tags and their writes one
+        after the other."""
+        b = self.b
+        b.write_rooms(slots, rooms)
+        if ahead and self.frozen is not None:
+            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        else:
+            tags, contents = self.sign(slots, idents, pads)
+        if b.checksum_field is not None:
+            b.write_checksums(slots, tags, SIGNATURE)
+        return Sealed(tags, contents)
+
+    def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    rows) -> Sealed:
+        """Device rows: the step's seal graph of its bucket replayed (rooms written, digest
+        taken, tags written, with `rows` the staged rows uploaded first); queued."""
+        b = self.b
         k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()

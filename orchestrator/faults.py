@@ -217,11 +217,3 @@ def silent_listener(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(64)
     return sock
-
-
-def engine_only(kind: FaultKind) -> bool:
-    return kind in ENGINE_ONLY
-
-
-def process_fault(kind: FaultKind) -> Optional[FaultKind]:
-    return kind if kind in PROCESS else None
