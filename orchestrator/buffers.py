@@ -58,7 +58,7 @@ def _env_flag(name: str) -> bool:
         return True
     if lowered not in ("false", "0", "no", "n"):
         warnings.warn(f'Invalid value for {name}: "{lowered}" is not a valid boolean value, '
-                      'using default "False"')
+                      'using default "False"', stacklevel=1)  # the default, as SGLang's EnvField.get
     return False
 
 
@@ -103,7 +103,22 @@ class MetadataBuffers:
     CUDA), `enable_sampling_mask` (else SGLang's env SGLANG_ENABLE_DISAGG_SAMPLING_MASK) and
     `layout` (else conf/layout/sglang_0_5_23.yaml)."""
 
-    kv_checksum: Optional[torch.Tensor] = None  # a layout without the field has none (SGLang 0.5.23)
+    # SGLang 0.5.23's fields, the attributes set_buf() writes: each layout field is one,
+    # None where absent (set_buf then raises as SGLang's does)
+    output_ids: torch.Tensor
+    cached_tokens: torch.Tensor
+    output_token_logprobs_val: torch.Tensor
+    output_token_logprobs_idx: torch.Tensor
+    output_top_logprobs_val: torch.Tensor
+    output_top_logprobs_idx: torch.Tensor
+    output_token_sampling_mask_len: torch.Tensor
+    output_token_sampling_mask_idx: torch.Tensor
+    output_token_sampling_logprobs: torch.Tensor
+    output_topk_p: torch.Tensor
+    output_topk_index: torch.Tensor
+    output_hidden_states: torch.Tensor
+    output_dsa_topk_indices: Optional[torch.Tensor]
+    kv_checksum: Optional[torch.Tensor] = None  # also where the layout has no such field
 
     def __init__(
         self,
@@ -233,13 +248,13 @@ class MetadataBuffers:
         return tuple(out)
 
     def set_kv_checksum(self, req: Any, digest: int, signature: int) -> None:
-        row = self._checksums[req.metadata_buffer_index]
+        row = self._checksums[req.metadata_buffer_index]  # type: ignore[index]  # no field: raises, as SGLang's
         row[0] = _sglang_scalar(digest)
         row[1] = _sglang_scalar(signature)
 
     def get_kv_checksum(self, idx: int) -> tuple[int, int]:
         """(digest, signature); (0, 0) means no digest was written."""
-        digest, signature = self._checksums[idx, :2].tolist()
+        digest, signature = self._checksums[idx, :2].tolist()  # type: ignore[index]  # as set_kv_checksum
         return digest & _U64, signature & _U64
 
     def clear_slot(self, idx: int) -> None:
@@ -326,6 +341,7 @@ class MetadataBuffers:
         pos = [self.words_at(self.room_field, slots)]
         vals = [np.array([_as_i64(r) for r in rooms], dtype=np.int64)]
         if digests is not None:
+            assert self.checksum_field is not None, "digests need the layout's checksum field"
             pos.append(self.words_at(self.checksum_field, slots, (0, 1)))
             pair = np.empty((len(slots), 2), dtype=np.int64)
             pair[:, 0] = [_as_i64(d) for d in digests]
@@ -343,6 +359,7 @@ class MetadataBuffers:
         vals = np.empty((len(slots), 2), dtype=np.int64)
         vals[:, 0] = [_as_i64(d) for d in digests]
         vals[:, 1] = _as_i64(signature)
+        assert self.checksum_field is not None, "digests need the layout's checksum field"
         pos = self.words_at(self.checksum_field, slots, (0, 1))
         staged = self._stages.sums.upload(np.concatenate([pos, vals.reshape(-1)]))
         self.words.index_copy_(0, staged[:len(pos)], staged[len(pos):])

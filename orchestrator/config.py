@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +31,8 @@ def is_loopback(host: Optional[str], ipv6: bool = False) -> bool:
     """True for a loopback address: IPv4's 127.0.0.0/8 (every address this tool binds or
     dials is IPv4), with `ipv6` also IPv6's (a listener Mooncake opened); False for anything
     else: None, a host name, "auto", another address."""
+    if host is None:
+        return False
     try:
         addr = ipaddress.ip_address(host) if ipv6 else ipaddress.IPv4Address(host)
     except ValueError:
@@ -612,6 +614,7 @@ def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, 
     import json
     import time
 
+    assert cfg.transport.bootstrap_file is not None, "checked by OrchestratorConfig.check"
     path = Path(cfg.transport.bootstrap_file)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -695,7 +698,7 @@ def typed(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
     except ValidationError as exc:
         key = str(exc.full_key)
         raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
-                          exc.msg.split("\n")[0]) from None
+                          cast(str, exc.msg).split("\n")[0]) from None
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

@@ -51,7 +51,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -145,7 +145,7 @@ class _Slot:
 
     __slots__ = ("event", "last")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event = torch.cuda.Event()
         self.last: Optional[Sealed] = None
 
@@ -223,8 +223,10 @@ class RowDigest:
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
             return
         covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
-        base, step = [], []
-        room_at = tag_at = None
+        base: list[np.ndarray] = []
+        step: list[np.ndarray] = []
+        room_at: Optional[int] = None
+        tag_at: Optional[int] = None
         for i in covered + ([buffers.checksum_field] if buffers.checksum_field is not None else []):
             n = buffers.item_lens[i]
             assert n % 2 == 0 and buffers.offsets[i] % 2 == 0, "fields hold 16-bit words"
@@ -239,6 +241,7 @@ class RowDigest:
         n_idx = len(self.base)
         self.words = tag_at if tag_at is not None else n_idx  # the digested words come first
         weights = np.zeros((n_idx, 12), dtype=np.float64)
+        assert room_at is not None, "every layout has a room field"
         weights[:self.words, :2] = _weights(keys.weight_seed, self.words, 2)
         weights[:self.words, 2:4] = _weights(_PUBLIC_SEED ^ self.words, self.words, 2)
         for j in range(4):  # one-hot columns: the room's words, and the landed tag's
@@ -247,6 +250,9 @@ class RowDigest:
                 weights[tag_at + j, 8 + j] = 1.0
         self.room_rows = weights[room_at:room_at + 4, :4].copy()  # for the frozen sums
         self.has_tag = tag_at is not None
+        # the arena as 16-bit words and the weights: numpy arrays on host rows, tensors on device rows
+        self._u16: Any
+        self._w: Any
         if self.device.type == "cpu":
             self._u16 = buffers.arena.numpy().view(np.int16)
             self._w = weights
@@ -270,6 +276,7 @@ class RowDigest:
         for lo in range(0, n, CHUNK_WORDS):
             part = (x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
             out = part if out is None else out + part
+        assert out is not None, "n > CHUNK_WORDS: at least one chunk"
         return out
 
     # ---- the product ----------------------------------------------------------------------
@@ -287,10 +294,10 @@ class RowDigest:
             return out
         first = slots[0]
         if slots == list(range(first, first + k)):
-            idx = self._table[first:first + k]  # a view: no index upload
+            gather = self._table[first:first + k]  # a view: no index upload
         else:
-            idx = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
-        x = self._u16[idx]
+            gather = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
+        x = self._u16[gather]
         n = x.shape[1]
         if n <= CHUNK_WORDS + 8:  # exact integers in float64: converted on the host
             return (x.to(torch.float64) @ self._w).cpu().numpy().astype(np.int64)
@@ -429,7 +436,7 @@ class RowDigest:
         pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
         pos[0, :k] = b.words_at(b.room_field, slots)
         val[0, :k] = [_as_i64(r) for r in rooms]
-        if m == 3:
+        if b.checksum_field is not None:  # m == 3
             pos[1, :k] = b.words_at(b.checksum_field, slots)
             pos[2, :k] = pos[1, :k] + 1
             val[1, :k] = [_as_i64(t) for t in tags]
@@ -563,10 +570,10 @@ class RowDigest:
         inside, rest = list(clear[:kb]), list(clear[kb:])
         if rest:  # more freed slots than the bucket zeroes: queued before it
             b.clear_slots(rest)
-        words = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
+        parts = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
         if b.checksum_field is not None:
-            words.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
-        words = np.concatenate(words) if inside else np.empty(0, dtype=np.int64)
+            parts.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
+        words = np.concatenate(parts) if inside else np.empty(0, dtype=np.int64)
         inp[kb:kb + len(words)] = words
         inp[kb + len(words):] = b.scratch_word
         graph.replay()

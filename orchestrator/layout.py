@@ -63,12 +63,16 @@ def load_layout(name: str = DEFAULT_LAYOUT) -> LayoutConfig:
     that builds MetadataBuffers by hand gets the default release's layout)."""
     path = LAYOUT_DIR / f"{name}.yaml"
     data = yaml.safe_load(path.read_text())
-    fields = [FieldConfig(**{k: (str(v) if k == "width" else v) for k, v in f.items()})
-              for f in data["fields"]]
+    fields = [_field(f) for f in data["fields"]]
     layout = LayoutConfig(name=data["name"], sglang_version=str(data.get("sglang_version", "")),
                           fields=fields)
     layout.check()
     return layout
+
+
+def _field(raw: dict[str, Any]) -> FieldConfig:
+    kwargs: dict[str, Any] = {k: (str(v) if k == "width" else v) for k, v in raw.items()}
+    return FieldConfig(**kwargs)
 
 
 def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
@@ -117,7 +121,7 @@ def first_difference(mine: list[list[Any]], theirs: Any) -> Optional[str]:
         return "the peer sent no layout description"
     for i in range(max(len(mine), len(theirs))):
         a = mine[i] if i < len(mine) else None
-        b = theirs[i] if i < len(theirs) else None
+        b: Any = theirs[i] if i < len(theirs) else None
         if a == b:
             continue
         if a is None:

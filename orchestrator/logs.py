@@ -19,13 +19,13 @@ import logging
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 import structlog
 
 from .rundir import RunFiles
 
-_SHARED = [
+_SHARED: list[Any] = [  # structlog processors
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
@@ -43,7 +43,7 @@ class _NotSummarized(logging.Filter):
         return not (isinstance(record.msg, dict) and record.msg.get("event") in SUMMARIZED)
 
 
-def _event_first(_, __, event_dict: dict) -> dict:
+def _event_first(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
     """Stable, readable key order in JSON lines: event, timestamp, level, logger, role, rest."""
     head = {k: event_dict.pop(k) for k in _FIRST if k in event_dict}
     return {**head, **event_dict}

@@ -5,8 +5,8 @@ that reads it back (the runner, the report, plots, replay) never spell its name 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 
 def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) -> str:
@@ -17,7 +17,8 @@ def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) 
     return kind if count == 1 else f"{kind}{index}"
 
 
-class ProcName(NamedTuple):
+@dataclass(frozen=True)
+class ProcName:
     """A process name decoded: what proc_name was given, as far as the name tells it."""
 
     kind: str  # "prefill" or "decode"

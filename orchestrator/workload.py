@@ -123,7 +123,8 @@ def make_request(w: WorkloadConfig, index: int, shapes: Shapes) -> AuxRequest:
         return_logprob=w.return_logprob,
     )
     if w.multimodal:
-        req.mm_tokens = tuple(int(v) for v in torch.randint(0, 4096, (3,), generator=g))
+        image, audio, video = (int(v) for v in torch.randint(0, 4096, (3,), generator=g))
+        req.mm_tokens = (image, audio, video)
     if w.return_logprob:
         k = w.top_logprobs_num
         top = torch.sort(-torch.rand(k, generator=g) * 10).values.tolist()

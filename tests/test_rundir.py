@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.rundir import RunFiles, parse_proc_name, proc_name
+from orchestrator.rundir import ProcName, RunFiles, parse_proc_name, proc_name
 
 
 @pytest.mark.parametrize("kind,index,count,tp_rank,tp", [
@@ -16,7 +16,7 @@ from orchestrator.rundir import RunFiles, parse_proc_name, proc_name
 ])
 def test_proc_name_decodes_back(kind, index, count, tp_rank, tp):
     name = proc_name(kind, index, count, tp_rank, tp)
-    assert parse_proc_name(name) == (kind, index, tp_rank)
+    assert parse_proc_name(name) == ProcName(kind, index, tp_rank)
     assert parse_proc_name(name).tp_leader is (tp_rank == 0)
 
 
