@@ -63,8 +63,6 @@ MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, in
 def _seconds(key: str, value: Any, low: float = 0.0, high: float = MAX_WAIT_S, unit: str = "seconds",
              closed: bool = False) -> None:
     """A finite duration in (low, high] ([low, high] when `closed`)."""
-    import math
-
     ok = isinstance(value, (int, float)) and math.isfinite(value) and \
         (value >= low if closed else value > low) and value <= high
     _require(ok, key, value, f"{unit} in {'[' if closed else '('}{low:g}, {high:g}] (finite)")
