@@ -1,6 +1,6 @@
 # Two entry points for a bare machine:
 #   make run    set up, then run the embedded default job (python -m orchestrator)
-#   make test   set up, then run the test suite
+#   make test   set up, then run the linter and type checker (make lint), then the test suite
 # Set-up: a venv in .venv, libibverbs1 (the Mooncake wheels link it) when missing, torch
 # (CPU boxes: torch==2.13.0, the CPU build on disk), and this package with the Mooncake
 # wheel for the machine (extra cpu, cuda12 or cuda13; override with `make MOONCAKE=cuda13`).
@@ -25,7 +25,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(MOONCAKE)
 
-.PHONY: setup run test bench clean cluster-deps
+.PHONY: setup run lint test bench clean cluster-deps
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -54,8 +54,13 @@ cluster-deps:
 run: setup
 	$(PY) -m orchestrator $(ARGS)
 
-test: setup
+# ruff (E, F, I, W, B) and mypy as configured in pyproject.toml; neither writes a cache here
+lint: setup
+	$(PY) -m ruff check --no-cache orchestrator tests tools
+	$(PY) -m mypy orchestrator
+
+test: setup lint
 	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -34,18 +34,17 @@ try:
     from omegaconf import DictConfig
 
     from .app import failed_job, no_space, refused, run_job
-    from .config import ConfigError, register_configs
+    from .config import CONF_DIR, ConfigError, register_configs
     from .results import NoSpace, RunDirBusy
 
     register_configs()
 except _EarlyStop as _exc:
     _interrupted(_exc.args[0])
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 _EXIT: list[int] = []  # every job's exit code, in the order they ran
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
     """A job never raises: its results.json says what happened (a refused profile keeps the
     refusal there), so one bad combination is a failed row in a sweep, not a lost sweep."""

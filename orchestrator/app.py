@@ -18,6 +18,7 @@ from .platform import detect
 from .progress import Progress
 from .results import NoSpace, lock_run_dir, write_atomic
 from .rules import check_profile
+from .rundir import RunFiles
 from .lifecycle import Signals
 from .runner import run_handoffs
 
@@ -62,7 +63,7 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> dict[str, Any]:
         _write_outputs(obj, run_dir, results)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
         results.update(exit_code=report.EXIT_LOST, error=str(exc))
-        if exc.path.name != "results.json":  # it was written: say how the run ended
+        if exc.path.name != RunFiles.RESULTS:  # it was written: say how the run ended
             try:
                 report.write(run_dir, results)
             except OSError:
@@ -100,7 +101,7 @@ def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> dict[str,
     the line goes to stderr."""
     results = {"refused": str(exc), "key": exc.key, "exit_code": report.EXIT_REFUSED,
                "requests": 0, "verified": 0, "corrupted": 0, "failed": 0, "error": str(exc)}
-    write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomic(RunFiles(run_dir).results, json.dumps(results, indent=2) + "\n")
     if announce:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     return results
@@ -111,9 +112,9 @@ def no_space(run_dir: Path, exc: NoSpace) -> dict[str, Any]:
     results = {"requests": 0, "verified": 0, "corrupted": 0, "failed": 0, "error": str(exc),
                "exit_code": report.EXIT_LOST}
     print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
-    if exc.path.name != "results.json":
+    if exc.path.name != RunFiles.RESULTS:
         try:
-            write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+            write_atomic(RunFiles(run_dir).results, json.dumps(results, indent=2) + "\n")
         except OSError:
             pass
     return results
@@ -123,6 +124,6 @@ def failed_job(run_dir: Path, error: str) -> dict[str, Any]:
     """results.json for a sweep job that raised (the sweep records it as a failed row)."""
     results = {"requests": 0, "verified": 0, "corrupted": 0, "failed": 0, "routes": {},
                "error": error, "exit_code": report.EXIT_LOST}
-    write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomic(RunFiles(run_dir).results, json.dumps(results, indent=2) + "\n")
     print(f"job failed: {error}", file=sys.stderr, flush=True)
     return results

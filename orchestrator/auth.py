@@ -30,7 +30,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, cast
 
 from .config import ConfigError
 
@@ -62,7 +62,7 @@ class Authenticator:
         return self._key is not None
 
     def _mac(self, frames: Sequence[bytes]) -> bytes:
-        h = hashlib.blake2b(key=self._key, digest_size=MAC_BYTES)
+        h = hashlib.blake2b(key=cast(bytes, self._key), digest_size=MAC_BYTES)  # callers: no key, no MAC
         for frame in frames:
             h.update(len(frame).to_bytes(4, "big"))
             h.update(frame)
@@ -98,12 +98,13 @@ class Authenticator:
     def session(self, rank: int, prefill_nonce: str, decode_nonce: str, side: str) -> "Session":
         """The keys of one (prefill rank, decode process) pair in this run, for `side`
         ("prefill" or "decode"): what it sends is keyed for its own direction."""
-        if self._key is None:
+        secret_key = self._key
+        if secret_key is None:
             return Session(None, None)
         material = f"{rank}|{prefill_nonce}|{decode_nonce}".encode()
 
         def key(direction: bytes) -> bytes:
-            return hashlib.blake2b(material, key=self._key, digest_size=32,
+            return hashlib.blake2b(material, key=secret_key, digest_size=32,
                                    person=b"orch-sess-" + direction).digest()
 
         p2d, d2p = key(b"p2d"), key(b"d2p")

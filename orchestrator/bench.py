@@ -40,7 +40,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import protocol
-from .config import (ConfigError, EngineTransportSetting, FillMode, MemPoolType,
+from .config import (CONF_DIR, ConfigError, EngineTransportSetting, FillMode, MemPoolType,
                      OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
 from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
@@ -52,7 +52,6 @@ from .rules import check_profile
 from .runner import run_handoffs
 from .stats import percentile
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CHUNK = 100
 
 
@@ -426,7 +425,7 @@ def markdown(results: dict) -> str:
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         obj = validate(cfg)

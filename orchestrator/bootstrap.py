@@ -16,7 +16,7 @@ from typing import Optional
 
 from . import protocol
 from .config import ConfigError, OrchestratorConfig
-from .endpoints.common import proc_name
+from .rundir import proc_name
 from .lifecycle import Interrupted, RunFailed
 from .results import RunResult
 

@@ -17,7 +17,7 @@ import os
 import random
 import secrets
 import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ def _env_flag(name: str) -> bool:
         return True
     if lowered not in ("false", "0", "no", "n"):
         warnings.warn(f'Invalid value for {name}: "{lowered}" is not a valid boolean value, '
-                      'using default "False"')
+                      'using default "False"', stacklevel=1)  # the default, as SGLang's EnvField.get
     return False
 
 
@@ -76,12 +76,49 @@ def _sglang_scalar(value: int) -> int:
     return value
 
 
+def _placement(custom_mem_pool: Any, mem_pool: Optional[MemPoolType]) -> str:
+    """SGLang's rule for where the rows live: a custom pool object means host memory, else
+    `mem_pool` (else SGLANG_MOONCAKE_CUSTOM_MEM_POOL: INTRA_NODE_NVLINK means CUDA)."""
+    if custom_mem_pool is not None:
+        return Device.cpu.value
+    pool = mem_pool
+    if pool is None:
+        env_pool = os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+        pool = MemPoolType.INTRA_NODE_NVLINK if env_pool == "INTRA_NODE_NVLINK" else MemPoolType.NONE
+    return buffer_device(pool, Platform(cuda_devices=torch.cuda.device_count())).value
+
+
+class _Stages(NamedTuple):
+    """CUDA rows: the pinned staging of each per-step write (rooms and tags, tags, clears)."""
+
+    rooms: PinnedStage
+    sums: PinnedStage
+    clear: PinnedStage
+
+
 class MetadataBuffers:
     """SGLang 0.5.23's MetadataBuffers. Keyword-only extras say where the rows live and
     which layout they follow: `device` (else `mem_pool`, else SGLang's own rule: a custom
     pool object means host memory, SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK means
     CUDA), `enable_sampling_mask` (else SGLang's env SGLANG_ENABLE_DISAGG_SAMPLING_MASK) and
     `layout` (else conf/layout/sglang_0_5_23.yaml)."""
+
+    # SGLang 0.5.23's fields, the attributes set_buf() writes: each layout field is one,
+    # None where absent (set_buf then raises as SGLang's does)
+    output_ids: torch.Tensor
+    cached_tokens: torch.Tensor
+    output_token_logprobs_val: torch.Tensor
+    output_token_logprobs_idx: torch.Tensor
+    output_top_logprobs_val: torch.Tensor
+    output_top_logprobs_idx: torch.Tensor
+    output_token_sampling_mask_len: torch.Tensor
+    output_token_sampling_mask_idx: torch.Tensor
+    output_token_sampling_logprobs: torch.Tensor
+    output_topk_p: torch.Tensor
+    output_topk_index: torch.Tensor
+    output_hidden_states: torch.Tensor
+    output_dsa_topk_indices: Optional[torch.Tensor]
+    kv_checksum: Optional[torch.Tensor] = None  # also where the layout has no such field
 
     def __init__(
         self,
@@ -111,24 +148,24 @@ class MetadataBuffers:
         self.output_dsa_topk_indices_dim = output_dsa_topk_indices_dim
         self.enable_sampling_mask = (_env_flag("SGLANG_ENABLE_DISAGG_SAMPLING_MASK")
                                      if enable_sampling_mask is None else bool(enable_sampling_mask))
-        if device is None:
-            if custom_mem_pool is not None:
-                placed = Device.cpu
-            else:
-                pool = mem_pool
-                if pool is None:
-                    env_pool = os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
-                    pool = (MemPoolType.INTRA_NODE_NVLINK if env_pool == "INTRA_NODE_NVLINK"
-                            else MemPoolType.NONE)
-                placed = buffer_device(pool, Platform(cuda_devices=torch.cuda.device_count()))
-            device = placed.value
-        self.device = torch.device(device)
+        self.device = torch.device(_placement(custom_mem_pool, mem_pool) if device is None else device)
         self.size = size
         self.sizes = Sizes(hidden_size, _to_torch_dtype(hidden_states_dtype), max_sampling_mask_tokens,
                            max_top_logprobs_num, output_dsa_topk_indices_dim, kv_checksum_enabled,
                            self.enable_sampling_mask)
         self.specs: list[FieldSpec] = field_specs(layout, self.sizes)
+        self._carve(pin_memory)
+        self.item_lens = [s.item_len for s in self.specs]
+        self.index = {s.name: i for i, s in enumerate(self.specs)}
+        self.room_field = next(i for i, s in enumerate(self.specs) if s.role == "room")
+        self.checksum_field = next((i for i, s in enumerate(self.specs) if s.role == "checksum"), None)
+        self._get_buf_names = get_buf_names(layout)
+        self._views()
 
+    def _carve(self, pin_memory: bool) -> None:
+        """The one backing allocation, and every present field as a (size, width) view into
+        it, 256-byte aligned; an absent field is None, as in SGLang."""
+        size = self.size
         offsets, total = [], 0
         for spec in self.specs:
             offsets.append(total)
@@ -145,7 +182,7 @@ class MetadataBuffers:
         shift = (-self._arena.data_ptr()) % _ALIGN
         self.fields: list[torch.Tensor] = []
         self.offsets: list[int] = []  # of each field from arena_ptr
-        for name in (f.name for f in layout.fields):
+        for name in (f.name for f in self.layout.fields):
             setattr(self, name, None)  # absent fields are None, as in SGLang
         for spec, off in zip(self.specs, offsets):
             raw = self._arena[shift + off: shift + off + size * spec.item_len]
@@ -155,37 +192,44 @@ class MetadataBuffers:
             self.fields.append(tensor)
             self.offsets.append(off)
             setattr(self, spec.name, tensor)
-        self.kv_checksum: Optional[torch.Tensor] = getattr(self, "kv_checksum", None)
         self.arena = self._arena[shift: shift + total]  # the fields, as bytes
         self.arena_ptr = self.arena.data_ptr()
-        # Registered with the engine: the fields, then WARM_BYTES of scratch that no field
-        # covers. A peer's first write into this registration is its warm-up (Mooncake opens
-        # the CUDA IPC mapping or the TCP connection on a session's first write), so that
-        # one-time cost falls in start-up, not on the first request.
-        self.scratch_ptr = self.arena_ptr + total
-        self.arena_bytes = total + WARM_BYTES
         # The fields and the scratch as one flat int64 view: the per-step writes of rooms,
         # digests and clears are one indexed kernel each over it (positions from
         # words_at), and a padded position can point into the scratch.
         self.words = self._arena[shift: shift + total + WARM_BYTES].view(torch.int64)
         self.scratch_word = total // 8
-        self.item_lens = [s.item_len for s in self.specs]
-        self.row_bytes = sum(self.item_lens)
-        self.index = {s.name: i for i, s in enumerate(self.specs)}
-        self.room_field = next(i for i, s in enumerate(self.specs) if s.role == "room")
-        self.checksum_field = next((i for i, s in enumerate(self.specs) if s.role == "checksum"), None)
-        # 64-bit rows read and written as int64 (uint64 has few kernels, on CUDA especially)
+
+    def _views(self) -> None:
+        """The room and kv_checksum rows as int64 (uint64 has few kernels, on CUDA especially),
+        as numpy on host rows (no torch op per write), and pinned staging for the per-step
+        writes on CUDA rows (no pageable copy)."""
         self._rooms = self.fields[self.room_field].view(torch.int64)
         self._checksums = (self.fields[self.checksum_field].view(torch.int64)
                            if self.checksum_field is not None else None)
-        self._get_buf_names = get_buf_names(layout)
-        # host rows: the same 64-bit rows as numpy views (no torch op per write)
         self._rooms_np = self._rooms.numpy() if self.device.type == "cpu" else None
         self._checksums_np = (self._checksums.numpy() if self.device.type == "cpu"
                               and self._checksums is not None else None)
-        if self.device.type == "cuda":  # pinned staging for the per-step writes (no pageable copy)
-            self._stage_rooms, self._stage_sums, self._stage_clear = (
-                PinnedStage(self.device), PinnedStage(self.device), PinnedStage(self.device))
+        if self.device.type == "cuda":
+            self._stages = _Stages(PinnedStage(self.device), PinnedStage(self.device),
+                                   PinnedStage(self.device))
+
+    # Registered with the engine: the fields, then WARM_BYTES of scratch that no field covers.
+    # A peer's first write into this registration is its warm-up (Mooncake opens the CUDA IPC
+    # mapping or the TCP connection on a session's first write), so that one-time cost falls
+    # in start-up, not on the first request.
+    @property
+    def scratch_ptr(self) -> int:
+        return self.arena_ptr + self.scratch_word * 8
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.scratch_word * 8 + WARM_BYTES
+
+    @property
+    def row_bytes(self) -> int:
+        """One request's row: every present field's item length."""
+        return sum(self.item_lens)
 
     # ---- SGLang 0.5.23's surface --------------------------------------------------------
     def get_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
@@ -204,13 +248,13 @@ class MetadataBuffers:
         return tuple(out)
 
     def set_kv_checksum(self, req: Any, digest: int, signature: int) -> None:
-        row = self._checksums[req.metadata_buffer_index]
+        row = self._checksums[req.metadata_buffer_index]  # type: ignore[index]  # no field: raises, as SGLang's
         row[0] = _sglang_scalar(digest)
         row[1] = _sglang_scalar(signature)
 
     def get_kv_checksum(self, idx: int) -> tuple[int, int]:
         """(digest, signature); (0, 0) means no digest was written."""
-        digest, signature = self._checksums[idx, :2].tolist()
+        digest, signature = self._checksums[idx, :2].tolist()  # type: ignore[index]  # as set_kv_checksum
         return digest & _U64, signature & _U64
 
     def clear_slot(self, idx: int) -> None:
@@ -297,13 +341,14 @@ class MetadataBuffers:
         pos = [self.words_at(self.room_field, slots)]
         vals = [np.array([_as_i64(r) for r in rooms], dtype=np.int64)]
         if digests is not None:
+            assert self.checksum_field is not None, "digests need the layout's checksum field"
             pos.append(self.words_at(self.checksum_field, slots, (0, 1)))
             pair = np.empty((len(slots), 2), dtype=np.int64)
             pair[:, 0] = [_as_i64(d) for d in digests]
             pair[:, 1] = _as_i64(signature)
             vals.append(pair.reshape(-1))
         n = sum(len(p) for p in pos)
-        staged = self._stage_rooms.upload(np.concatenate(pos + vals))
+        staged = self._stages.rooms.upload(np.concatenate(pos + vals))
         self.words.index_copy_(0, staged[:n], staged[n:])
 
     def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
@@ -314,8 +359,9 @@ class MetadataBuffers:
         vals = np.empty((len(slots), 2), dtype=np.int64)
         vals[:, 0] = [_as_i64(d) for d in digests]
         vals[:, 1] = _as_i64(signature)
+        assert self.checksum_field is not None, "digests need the layout's checksum field"
         pos = self.words_at(self.checksum_field, slots, (0, 1))
-        staged = self._stage_sums.upload(np.concatenate([pos, vals.reshape(-1)]))
+        staged = self._stages.sums.upload(np.concatenate([pos, vals.reshape(-1)]))
         self.words.index_copy_(0, staged[:len(pos)], staged[len(pos):])
 
     def clear_slots(self, slots: Sequence[int]) -> None:
@@ -331,7 +377,7 @@ class MetadataBuffers:
         pos = [self.words_at(self.room_field, slots, range(self.item_lens[self.room_field] // 8))]
         if self.checksum_field is not None:
             pos.append(self.words_at(self.checksum_field, slots, range(self.item_lens[self.checksum_field] // 8)))
-        self.words.index_fill_(0, self._stage_clear.upload(np.concatenate(pos)), 0)
+        self.words.index_fill_(0, self._stages.clear.upload(np.concatenate(pos)), 0)
 
     def warm(self) -> None:
         """Runs each write kernel of the hot path once on device rows (their first launch

@@ -13,15 +13,31 @@ the rule book, :mod:`orchestrator.rules`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import ipaddress
+import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, List, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # conf/config.yaml and its groups
+
+
+def is_loopback(host: Optional[str], ipv6: bool = False) -> bool:
+    """True for a loopback address: IPv4's 127.0.0.0/8 (every address this tool binds or
+    dials is IPv4), with `ipv6` also IPv6's (a listener Mooncake opened); False for anything
+    else: None, a host name, "auto", another address."""
+    if host is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(host) if ipv6 else ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return addr.is_loopback
 
 
 class ConfigError(ValueError):
@@ -47,8 +63,6 @@ MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, in
 def _seconds(key: str, value: Any, low: float = 0.0, high: float = MAX_WAIT_S, unit: str = "seconds",
              closed: bool = False) -> None:
     """A finite duration in (low, high] ([low, high] when `closed`)."""
-    import math
-
     ok = isinstance(value, (int, float)) and math.isfinite(value) and \
         (value >= low if closed else value > low) and value <= high
     _require(ok, key, value, f"{unit} in {'[' if closed else '('}{low:g}, {high:g}] (finite)")
@@ -229,6 +243,15 @@ class FieldConfig:
     get_buf: bool = True  # part of get_buf()'s tuple (None there when absent)
 
 
+# What a layout field may declare (orchestrator.layout maps the dtype names to torch's)
+LAYOUT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "uint64", "float16", "bfloat16",
+                 "float32", "float64")
+WIDTH_KEYS = ("hidden_size", "max_top_logprobs_num", "max_sampling_mask_tokens",
+              "output_dsa_topk_indices_dim")
+PRESENCE = ("always", "sampling_mask", "dsa", "kv_checksum")
+ROLES = ("", "room", "checksum")
+
+
 @dataclass
 class LayoutConfig:
     name: str = "sglang_0_5_23"
@@ -236,9 +259,34 @@ class LayoutConfig:
     fields: List[FieldConfig] = field(default_factory=list)
 
     def check(self) -> None:
-        from .layout import check_layout  # the layout module owns the field rules
+        """Raise ConfigError for a declaration MetadataBuffers cannot build."""
+        key = f"layout ({self.name})"
+        if not self.fields:
+            raise ConfigError(key, "fields: []", "a list of fields (conf/layout/*.yaml)")
+        names = [f.name for f in self.fields]
+        for i, f in enumerate(self.fields):
+            _check_field(f"layout.fields[{i}] ({f.name})", f)
+        if len(set(names)) != len(names):
+            raise ConfigError(key, names, "field names that are unique")
+        roles = [f.role for f in self.fields if f.role]
+        if roles.count("room") != 1 or roles.count("checksum") > 1:
+            raise ConfigError(key, roles, "exactly one field with role room (bootstrap_room), at most "
+                                          "one with role checksum")
+        room = next(f for f in self.fields if f.role == "room")
+        if room.present != "always" or room.dtype not in ("uint64", "int64"):
+            raise ConfigError(f"layout field {room.name}", room.dtype,
+                              "an always-present 64-bit field for the room")
 
-        check_layout(self)
+
+def _check_field(fk: str, f: FieldConfig) -> None:
+    if f.dtype != "hidden" and f.dtype not in LAYOUT_DTYPES:
+        raise ConfigError(f"{fk}.dtype", f.dtype, f"hidden or one of {', '.join(LAYOUT_DTYPES)}")
+    if not (f.width.isdigit() and int(f.width) > 0) and f.width not in WIDTH_KEYS:
+        raise ConfigError(f"{fk}.width", f.width, f"a whole number > 0 or one of {', '.join(WIDTH_KEYS)}")
+    if f.present not in PRESENCE:
+        raise ConfigError(f"{fk}.present", f.present, f"one of {', '.join(PRESENCE)}")
+    if f.role not in ROLES:
+        raise ConfigError(f"{fk}.role", f.role, "room, checksum or empty")
 
 
 @dataclass
@@ -357,11 +405,11 @@ class TransportConfig:
                      "transport.allow_remote=true")
         else:
             try:
-                host = ipaddress.IPv4Address(self.host)
+                ipaddress.IPv4Address(self.host)
             except ValueError:
                 raise ConfigError("transport.host", self.host,
                                   "an IPv4 address to bind (127.0.0.1 by default), or auto") from None
-            _require(host.is_loopback or self.allow_remote, "transport.host", self.host,
+            _require(is_loopback(self.host) or self.allow_remote, "transport.host", self.host,
                      "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
                      "expose the data and control planes on that address")
         _positive("transport.max_inflight_sends", self.max_inflight_sends)
@@ -563,8 +611,8 @@ def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, 
         return addr
     import json
     import time
-    from pathlib import Path
 
+    assert cfg.transport.bootstrap_file is not None, "checked by OrchestratorConfig.check"
     path = Path(cfg.transport.bootstrap_file)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -648,7 +696,7 @@ def typed(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
     except ValidationError as exc:
         key = str(exc.full_key)
         raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
-                          exc.msg.split("\n")[0]) from None
+                          cast(str, exc.msg).split("\n")[0]) from None
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

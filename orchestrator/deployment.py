@@ -27,8 +27,16 @@ from .config import ConfigError, MemPoolType, OrchestratorConfig
 from .plan import ALLOC_CONF_VARS, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
 from .profile import ProfileError
 from .rules import check_profile
-from .serving import (POOL_VAR, PROTOCOL_VAR, SAMPLING_MASK_VAR, SEND_AUX_TCP_VAR, SGLANG_POOLS,
-                      TIMEOUT_VAR, profile_from_env, sglang_bool)
+from .serving import (
+    POOL_VAR,
+    PROTOCOL_VAR,
+    SAMPLING_MASK_VAR,
+    SEND_AUX_TCP_VAR,
+    SGLANG_POOLS,
+    TIMEOUT_VAR,
+    profile_from_env,
+    sglang_bool,
+)
 
 
 class InputError(Exception):
@@ -158,7 +166,7 @@ def env_file_environment(env: dict[str, str], label: str) -> Environment:
     return Environment(label, env, role=_role_of(label))
 
 
-_PODSPEC_PATHS = {  # kind -> where its pod template specs are
+_PODSPEC_PATHS: dict[str, list[tuple[str, ...]]] = {  # kind -> where its pod template specs are
     "Pod": [("spec",)],
     "Deployment": [("spec", "template", "spec")],
     "StatefulSet": [("spec", "template", "spec")],
@@ -544,6 +552,7 @@ def _describe(plan: Plan, env: Mapping[str, str]) -> str:
     source = transport_source(env)
     if plan.engine_transport is EngineTransport.rdma:
         source += f": {RDMA_OR_TCP}"
+    assert plan.engine_transport is not None, "the engine route has a transport"
     return (text + f", Mooncake transport {plan.engine_transport.value} ({source}), "
             f"a write to a stopped peer gives up after {timeout} s{origin}")
 

@@ -51,7 +51,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -161,7 +161,7 @@ class _Slot:
 
     __slots__ = ("event", "last")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event = torch.cuda.Event()
         self.last: Optional[Sealed] = None
 
@@ -239,8 +239,10 @@ class RowDigest:
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
             return
         covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
-        base, step = [], []
-        room_at = tag_at = None
+        base: list[np.ndarray] = []
+        step: list[np.ndarray] = []
+        room_at: Optional[int] = None
+        tag_at: Optional[int] = None
         for i in covered + ([buffers.checksum_field] if buffers.checksum_field is not None else []):
             n = buffers.item_lens[i]
             assert n % 2 == 0 and buffers.offsets[i] % 2 == 0, "fields hold 16-bit words"
@@ -255,6 +257,7 @@ class RowDigest:
         n_idx = len(self.base)
         self.words = tag_at if tag_at is not None else n_idx  # the digested words come first
         weights = np.zeros((n_idx, 12), dtype=np.float64)
+        assert room_at is not None, "every layout has a room field"
         weights[:self.words, :2] = _weights(keys.weight_seed, self.words, 2)
         weights[:self.words, 2:4] = _weights(_PUBLIC_SEED ^ self.words, self.words, 2)
         for j in range(4):  # one-hot columns: the room's words, and the landed tag's
@@ -263,6 +266,9 @@ class RowDigest:
                 weights[tag_at + j, 8 + j] = 1.0
         self.room_rows = weights[room_at:room_at + 4, :4].copy()  # for the frozen sums
         self.has_tag = tag_at is not None
+        # the arena as 16-bit words and the weights: numpy arrays on host rows, tensors on device rows
+        self._u16: Any
+        self._w: Any
         if self.device.type == "cpu":
             self._u16 = buffers.arena.numpy().view(np.int16)
             self._w = weights
@@ -286,6 +292,7 @@ class RowDigest:
         for lo in range(0, n, CHUNK_WORDS):
             part = (x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
             out = part if out is None else out + part
+        assert out is not None, "n > CHUNK_WORDS: at least one chunk"
         return out
 
     # ---- the product ----------------------------------------------------------------------
@@ -303,10 +310,10 @@ class RowDigest:
             return out
         first = slots[0]
         if slots == list(range(first, first + k)):
-            idx = self._table[first:first + k]  # a view: no index upload
+            gather = self._table[first:first + k]  # a view: no index upload
         else:
-            idx = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
-        x = self._u16[idx]
+            gather = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
+        x = self._u16[gather]
         n = x.shape[1]
         if n <= CHUNK_WORDS + 8:  # exact integers in float64: converted on the host
             return (x.to(torch.float64) @ self._w).cpu().numpy().astype(np.int64)
@@ -422,42 +429,60 @@ class RowDigest:
         the step's rows are first uploaded from it. `ahead`: the rows are as fill_ahead left
         them but for their rooms (host rows then use the frozen sums). Device rows: queued,
         nothing waits."""
-        b = self.b
         if ahead and self.frozen is not None and self.device.type != "cpu":
-            # the rows are as frozen but for their rooms: sign on the host, then one upload
-            # and one indexed write of the rooms and tags (no digest on the device)
-            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
-            if not self._write:
-                b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
-                return Sealed(tags, contents)
-            k = len(slots)
-            kb = bucket_of(k, self._seal_sizes)
-            graph, inp, slot = self._write[kb].next()
-            slot.reuse()
-            m = 3 if b.checksum_field is not None else 1
-            pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
-            pos[0, :k] = b.words_at(b.room_field, slots)
-            val[0, :k] = [_as_i64(r) for r in rooms]
-            if m == 3:
-                pos[1, :k] = b.words_at(b.checksum_field, slots)
-                pos[2, :k] = pos[1, :k] + 1
-                val[1, :k] = [_as_i64(t) for t in tags]
-                val[2, :k] = _as_i64(SIGNATURE)
-            if kb > k:
-                pos[:, k:] = pos[:, :1]
-                val[:, k:] = val[:, :1]
-            graph.replay()
-            slot.event.record()
-            return Sealed(tags, contents)
+            return self._seal_ahead(slots, rooms, pads, idents)
         if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
-            b.write_rooms(slots, rooms)
-            if ahead and self.frozen is not None:
-                tags, contents = self.sign_rooms(slots, rooms, pads, idents)
-            else:
-                tags, contents = self.sign(slots, idents, pads)
-            if b.checksum_field is not None:
-                b.write_checksums(slots, tags, SIGNATURE)
+            return self._seal_eager(slots, rooms, pads, idents, ahead)
+        return self._seal_graph(slots, rooms, pads, rows)
+
+    def _seal_ahead(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]]) -> Sealed:
+        """Device rows as frozen but for their rooms: sign on the host, then one upload and one
+        indexed write of the rooms and tags (no digest on the device)."""
+        b = self.b
+        tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        if not self._write:
+            b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
             return Sealed(tags, contents)
+        k = len(slots)
+        kb = bucket_of(k, self._seal_sizes)
+        graph, inp, slot = self._write[kb].next()
+        slot.reuse()
+        m = 3 if b.checksum_field is not None else 1
+        pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
+        pos[0, :k] = b.words_at(b.room_field, slots)
+        val[0, :k] = [_as_i64(r) for r in rooms]
+        if b.checksum_field is not None:  # m == 3
+            pos[1, :k] = b.words_at(b.checksum_field, slots)
+            pos[2, :k] = pos[1, :k] + 1
+            val[1, :k] = [_as_i64(t) for t in tags]
+            val[2, :k] = _as_i64(SIGNATURE)
+        if kb > k:
+            pos[:, k:] = pos[:, :1]
+            val[:, k:] = val[:, :1]
+        graph.replay()
+        slot.event.record()
+        return Sealed(tags, contents)
+
+    def _seal_eager(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]], ahead: bool) -> Sealed:
+        """Host rows, blake2b, or no captured graph: the rooms, the tags and their writes one
+        after the other."""
+        b = self.b
+        b.write_rooms(slots, rooms)
+        if ahead and self.frozen is not None:
+            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        else:
+            tags, contents = self.sign(slots, idents, pads)
+        if b.checksum_field is not None:
+            b.write_checksums(slots, tags, SIGNATURE)
+        return Sealed(tags, contents)
+
+    def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    rows) -> Sealed:
+        """Device rows: the step's seal graph of its bucket replayed (rooms written, digest
+        taken, tags written, with `rows` the staged rows uploaded first); queued."""
+        b = self.b
         k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()
@@ -561,10 +586,10 @@ class RowDigest:
         inside, rest = list(clear[:kb]), list(clear[kb:])
         if rest:  # more freed slots than the bucket zeroes: queued before it
             b.clear_slots(rest)
-        words = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
+        parts = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
         if b.checksum_field is not None:
-            words.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
-        words = np.concatenate(words) if inside else np.empty(0, dtype=np.int64)
+            parts.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
+        words = np.concatenate(parts) if inside else np.empty(0, dtype=np.int64)
         inp[kb:kb + len(words)] = words
         inp[kb + len(words):] = b.scratch_word
         graph.replay()

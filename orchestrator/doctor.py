@@ -38,13 +38,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .config import ConfigError, MemPoolType, OrchestratorConfig
-from .plan import (ALLOC_CONF_VARS, Device, EngineTransport, Plan, Platform, Route, expandable_segments,
-                   make_plan)
+from .config import ConfigError, MemPoolType, OrchestratorConfig, is_loopback
+from .plan import ALLOC_CONF_VARS, Device, EngineTransport, Plan, Platform, Route, expandable_segments, make_plan
 from .profile import ProfileError, error_exit, load_profile, overrides_dict, profile_label
 from .rules import check_profile
 from .transport.ports import port_is_free, rpc_port_range
-
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -214,7 +212,7 @@ def check_plan(plan: Optional[Plan], error: Optional[ConfigError]) -> Check:
             f"{plan.route.value} ({plan.route_reason.value}), declared transport "
             f"{plan.declared_transport}, fallback={plan.fallback.value}")
     if plan.prefill_gpus is not None:
-        text += f", GPUs prefill {list(plan.prefill_gpus)} / decode {list(plan.decode_gpus)}"
+        text += f", GPUs prefill {list(plan.prefill_gpus)} / decode {list(plan.decode_gpus or ())}"
     findings = [(Status.OK, text + ".")]
     for event in plan.events:
         findings.append((Status.WARN, f"Degraded ({event.reason.value}): {event.detail}; the run "
@@ -421,7 +419,7 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
         addr = ipaddress.IPv4Address(host)
     except ValueError:
         return Check(name, Status.FAIL, f"transport.host={host!r} is not an IPv4 address.")
-    if addr.is_loopback:
+    if is_loopback(host):
         findings.append((Status.OK, f"transport.host={host}: the ZMQ data and control planes bind "
                                     "loopback only (both endpoints on this machine)."))
     elif (err := try_bind(host)) is not None:
@@ -657,7 +655,6 @@ def run_implied(readings, extra: Sequence[str]) -> int:
 
 def env_main(args) -> int:
     from .deployment import Level
-
     from .serving import profile_from_env
 
     extra = list(args.overrides)

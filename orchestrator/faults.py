@@ -58,7 +58,7 @@ class _Delayer(threading.Thread):
             if left > 0:
                 time.sleep(left)
             if push is None and self.inner.route.value == "tcp":
-                endpoint = self.inner.push.getsockopt(zmq.LAST_ENDPOINT).decode()
+                endpoint = self.inner.push.getsockopt_string(zmq.LAST_ENDPOINT)
                 push = self.inner.push.context.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 0)
                 push.connect(endpoint)
@@ -90,7 +90,7 @@ class FaultyRouter:
     starts_in_caller = False  # a fault may sleep or alter the send: the transfer thread does it
 
     def _targeted(self) -> bool:
-        return self.kind is not FaultKind.status_first or self.inner.peer.tp_rank == self.cfg.rank
+        return self.kind is not FaultKind.status_first or self.inner.connected_peer().tp_rank == self.cfg.rank
 
     def sends(self, transfers: Sequence[Transfer]) -> list[Send]:
         if not self._targeted():
@@ -198,6 +198,7 @@ class Checkpoint:
         return self.kind in PREFILL_SIDE or in_flight == 0
 
     def fire(self) -> None:
+        assert self.kind is not None, "fired only when armed"
         self.fired = True
         self.ask(self.kind.value)
 
@@ -217,11 +218,3 @@ def silent_listener(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(64)
     return sock
-
-
-def engine_only(kind: FaultKind) -> bool:
-    return kind in ENGINE_ONLY
-
-
-def process_fault(kind: FaultKind) -> Optional[FaultKind]:
-    return kind if kind in PROCESS else None

@@ -13,26 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 import yaml
 
-from .config import ConfigError, FieldConfig, LayoutConfig
+from .config import CONF_DIR, LAYOUT_DTYPES, FieldConfig, LayoutConfig
 
-LAYOUT_DIR = Path(__file__).resolve().parent.parent / "conf" / "layout"
+LAYOUT_DIR = CONF_DIR / "layout"
 DEFAULT_LAYOUT = "sglang_0_5_23"
 
-DTYPES = {
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
-    "int64": torch.int64, "uint64": torch.uint64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-}
-WIDTH_KEYS = ("hidden_size", "max_top_logprobs_num", "max_sampling_mask_tokens",
-              "output_dsa_topk_indices_dim")
-PRESENCE = ("always", "sampling_mask", "dsa", "kv_checksum")
-ROLES = ("", "room", "checksum")
+DTYPES = {name: getattr(torch, name) for name in LAYOUT_DTYPES}  # the names torch spells alike
 
 
 @dataclass(frozen=True)
@@ -67,45 +58,21 @@ class FieldSpec:
         return self.width * self.dtype.itemsize
 
 
-def check_layout(layout: LayoutConfig) -> None:
-    """Raise ConfigError for a declaration MetadataBuffers cannot build."""
-    key = f"layout ({layout.name})"
-    if not layout.fields:
-        raise ConfigError(key, "fields: []", "a list of fields (conf/layout/*.yaml)")
-    names = [f.name for f in layout.fields]
-    for i, f in enumerate(layout.fields):
-        fk = f"layout.fields[{i}] ({f.name})"
-        if f.dtype != "hidden" and f.dtype not in DTYPES:
-            raise ConfigError(f"{fk}.dtype", f.dtype, f"hidden or one of {', '.join(DTYPES)}")
-        if not (f.width.isdigit() and int(f.width) > 0) and f.width not in WIDTH_KEYS:
-            raise ConfigError(f"{fk}.width", f.width, f"a whole number > 0 or one of {', '.join(WIDTH_KEYS)}")
-        if f.present not in PRESENCE:
-            raise ConfigError(f"{fk}.present", f.present, f"one of {', '.join(PRESENCE)}")
-        if f.role not in ROLES:
-            raise ConfigError(f"{fk}.role", f.role, "room, checksum or empty")
-    if len(set(names)) != len(names):
-        raise ConfigError(key, names, "field names that are unique")
-    roles = [f.role for f in layout.fields if f.role]
-    if roles.count("room") != 1 or roles.count("checksum") > 1:
-        raise ConfigError(key, roles, "exactly one field with role room (bootstrap_room), at most "
-                                      "one with role checksum")
-    room = next(f for f in layout.fields if f.role == "room")
-    if room.present != "always" or room.dtype not in ("uint64", "int64"):
-        raise ConfigError(f"layout field {room.name}", room.dtype,
-                          "an always-present 64-bit field for the room")
-
-
 def load_layout(name: str = DEFAULT_LAYOUT) -> LayoutConfig:
     """A layout declaration from conf/layout/<name>.yaml (outside Hydra: SGLang-style code
     that builds MetadataBuffers by hand gets the default release's layout)."""
     path = LAYOUT_DIR / f"{name}.yaml"
     data = yaml.safe_load(path.read_text())
-    fields = [FieldConfig(**{k: (str(v) if k == "width" else v) for k, v in f.items()})
-              for f in data["fields"]]
+    fields = [_field(f) for f in data["fields"]]
     layout = LayoutConfig(name=data["name"], sglang_version=str(data.get("sglang_version", "")),
                           fields=fields)
-    check_layout(layout)
+    layout.check()
     return layout
+
+
+def _field(raw: dict[str, Any]) -> FieldConfig:
+    kwargs: dict[str, Any] = {k: (str(v) if k == "width" else v) for k, v in raw.items()}
+    return FieldConfig(**kwargs)
 
 
 def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
@@ -154,7 +121,7 @@ def first_difference(mine: list[list[Any]], theirs: Any) -> Optional[str]:
         return "the peer sent no layout description"
     for i in range(max(len(mine), len(theirs))):
         a = mine[i] if i < len(mine) else None
-        b = theirs[i] if i < len(theirs) else None
+        b: Any = theirs[i] if i < len(theirs) else None
         if a == b:
             continue
         if a is None:

@@ -19,11 +19,13 @@ import logging
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 import structlog
 
-_SHARED = [
+from .rundir import RunFiles
+
+_SHARED: list[Any] = [  # structlog processors
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
@@ -41,7 +43,7 @@ class _NotSummarized(logging.Filter):
         return not (isinstance(record.msg, dict) and record.msg.get("event") in SUMMARIZED)
 
 
-def _event_first(_, __, event_dict: dict) -> dict:
+def _event_first(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
     """Stable, readable key order in JSON lines: event, timestamp, level, logger, role, rest."""
     head = {k: event_dict.pop(k) for k in _FIRST if k in event_dict}
     return {**head, **event_dict}
@@ -93,7 +95,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
         _quiet(console, console_level)
         root.addHandler(console)
         if run_dir is not None:
-            fh = logging.FileHandler(run_dir / f"{role}.log")
+            fh = logging.FileHandler(RunFiles(run_dir).log(role))
             fh.setFormatter(_json_formatter())
             root.addHandler(fh)
     root.setLevel(logging.INFO)

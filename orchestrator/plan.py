@@ -277,23 +277,7 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         )
 
     if device is Device.cuda:
-        missing = None
-        if not platform.cuda:
-            missing = (Reason.degraded_no_cuda, "no CUDA device is visible")
-        elif not platform.mooncake_cuda:
-            missing = (Reason.degraded_no_cuda_mooncake,
-                       "the installed Mooncake wheel has no CUDA transports")
-        if missing is not None:
-            reason, why = missing
-            if policy is FallbackPolicy.strict:
-                raise ConfigError(
-                    "mem_pool", pool.value,
-                    f"NONE, NVLINK or BAREX here ({why}); or set transport.fallback=degrade "
-                    "to run on host buffers over Mooncake's TCP transport",
-                )
-            device = Device.cpu
-            events.append(PlanEvent("fallback", reason,
-                                    f"{pool.value} wants CUDA buffers but {why}: host buffers, engine over tcp"))
+        device = _cuda_or_fallback(pool, policy, platform, events)
 
     route, reason = route_rule(pool, setting)
     if route is Route.tcp and device is not Device.cpu:
@@ -306,24 +290,7 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     transport: Optional[EngineTransport] = None
     env: dict[str, Optional[str]] = {}
     if route is Route.engine:
-        mc_setting = cfg.transport.mooncake.transport
-        if events and mc_setting is EngineTransportSetting.auto:
-            transport = EngineTransport.tcp
-        else:
-            transport = engine_transport_rule(mc_setting, device)
-        if transport is EngineTransport.nvlink_intra and device is not Device.cuda:
-            raise ConfigError(
-                "transport.mooncake.transport", mc_setting.value,
-                "auto, tcp or rdma for host buffers (nvlink_intra moves CUDA memory only; "
-                "use mem_pool=INTRA_NODE_NVLINK)",
-            )
-        if transport is EngineTransport.nvlink_intra:
-            for var in expandable_segments(platform.env):
-                raise ConfigError(
-                    var, platform.env[var],
-                    "no expandable_segments:True with nvlink_intra (cuMemCreate memory has "
-                    "no CUDA IPC handle and fails to register)",
-                )
+        transport = _engine_transport(cfg, device, bool(events), platform)
         env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
 
     prefill_gpus = decode_gpus = None
@@ -344,3 +311,52 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         completion=completion_rule(cfg.transport.mooncake.completion, platform.cpu_count),
         events=tuple(events),
     )
+
+
+def _cuda_or_fallback(pool: MemPoolType, policy: FallbackPolicy, platform: Platform,
+                      events: list[PlanEvent]) -> Device:
+    """CUDA buffers where CUDA and Mooncake's CUDA transports are there; else host buffers
+    (transport.fallback=degrade, recorded in `events`) or a ConfigError (strict)."""
+    missing = None
+    if not platform.cuda:
+        missing = (Reason.degraded_no_cuda, "no CUDA device is visible")
+    elif not platform.mooncake_cuda:
+        missing = (Reason.degraded_no_cuda_mooncake,
+                   "the installed Mooncake wheel has no CUDA transports")
+    if missing is None:
+        return Device.cuda
+    reason, why = missing
+    if policy is FallbackPolicy.strict:
+        raise ConfigError(
+            "mem_pool", pool.value,
+            f"NONE, NVLINK or BAREX here ({why}); or set transport.fallback=degrade "
+            "to run on host buffers over Mooncake's TCP transport",
+        )
+    events.append(PlanEvent("fallback", reason,
+                            f"{pool.value} wants CUDA buffers but {why}: host buffers, engine over tcp"))
+    return Device.cpu
+
+
+def _engine_transport(cfg: OrchestratorConfig, device: Device, degraded: bool,
+                      platform: Platform) -> EngineTransport:
+    """The engine route's Mooncake transport (tcp after a fallback, unless one was set), with
+    the combinations that cannot register the buffers refused."""
+    mc_setting = cfg.transport.mooncake.transport
+    if degraded and mc_setting is EngineTransportSetting.auto:
+        transport = EngineTransport.tcp
+    else:
+        transport = engine_transport_rule(mc_setting, device)
+    if transport is EngineTransport.nvlink_intra and device is not Device.cuda:
+        raise ConfigError(
+            "transport.mooncake.transport", mc_setting.value,
+            "auto, tcp or rdma for host buffers (nvlink_intra moves CUDA memory only; "
+            "use mem_pool=INTRA_NODE_NVLINK)",
+        )
+    if transport is EngineTransport.nvlink_intra:
+        for var in expandable_segments(platform.env):
+            raise ConfigError(
+                var, platform.env[var],
+                "no expandable_segments:True with nvlink_intra (cuMemCreate memory has "
+                "no CUDA IPC handle and fails to register)",
+            )
+    return transport

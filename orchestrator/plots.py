@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from .rundir import RunFiles
+
 LATENCY_PNG = "latency.png"
 QUANTILES = ((0.5, "p50"), (0.99, "p99"), (0.999, "p999"))
 
@@ -34,7 +36,7 @@ def run_latencies(run_dir: Path, arrival: bool = False) -> dict[str, dict[str, l
     with `arrival` (an open-loop run) the latency from arrival of verified requests."""
     metrics = {m: k for m, k in METRICS.items() if arrival or m != "from arrival"}
     out: dict[str, dict[str, list[float]]] = {m: {} for m in metrics}
-    for path in sorted(Path(run_dir).glob("requests*.jsonl")):
+    for path in RunFiles(run_dir).all_requests():
         with open(path) as fh:
             for line in fh:
                 if not line.endswith("\n"):

@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import ConfigError, OrchestratorConfig, register_configs, validate
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from .config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
 
 
 class ProfileError(Exception):
@@ -228,11 +226,11 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - a syntax error in an override
         return one_line(exc)
     choices = []
-    for text, o in zip(ours, parsed):
-        if o.is_sweep_override():
+    for text, override in zip(ours, parsed):
+        if override.is_sweep_override():
             key = text.split("=", 1)[0]
             try:
-                choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+                choices.append([f"{key}={v}" for v in override.sweep_string_iterator()])
             except Exception:  # noqa: BLE001 - a range or glob sweep: Hydra expands it itself
                 return None
         else:

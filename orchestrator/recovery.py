@@ -8,12 +8,13 @@ from pathlib import Path
 from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .results import DecodeResult, RankResult, Record, read_jsonl, read_records
+from .rundir import RunFiles
 
 
 def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
     """A decode that sent no stats: its outcomes from its verdicts file."""
     res = DecodeResult(name, error="no stats: the process ended early; counts from its verdicts file")
-    for v in read_jsonl(run_dir / f"verdicts-{name}.jsonl"):
+    for v in read_jsonl(RunFiles(run_dir).verdicts(name)):
         res.outcomes[Outcome(v["outcome"])] += 1
         if v["outcome"] != Outcome.verified.value:
             res.details[Detail(v["detail"])] += 1
@@ -33,8 +34,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     clock: the handoff phase began, the run stopped) times a rate over the phase that ran."""
     n = cfg.workload.requests
     base = rank * n
-    suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{name}"
-    path = run_dir / f"requests{suffix}.jsonl"
+    path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
     from .layout import profile_layout
 
     res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg)))
@@ -44,7 +44,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
             seen.add(rec.rid)
             res.add(rec)
     judged = _judged(run_dir, rank)
-    from .workload import room_of
+    from .workload import decode_of, room_of
 
     end = base + n
     if missing is Detail.interrupted:
@@ -57,7 +57,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
         if rid in seen:
             continue
         outcome, detail = judged.get(rid, (Outcome.failed, missing))
-        rec = Record(rid, room_of(cfg.workload, rid), rid % cfg.endpoints.decode_ranks, -1,
+        rec = Record(rid, room_of(cfg.workload, rid), decode_of(rid, cfg.endpoints.decode_ranks), -1,
                      route if rid in judged else "", None, None, None, None, outcome, detail, "", None)
         res.add(rec)
         added.append(rec)
@@ -73,9 +73,8 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
 def _judged(run_dir: Path, rank: int) -> dict[int, tuple[Outcome, Detail]]:
     """The verdicts every decode instance gave prefill rank `rank`, by request id."""
     judged: dict[int, tuple[Outcome, Detail]] = {}
-    for f in sorted(run_dir.glob("verdicts-decode*.jsonl")):
-        tp_follower = "." in f.stem and not f.stem.endswith(".0")
-        if tp_follower:
+    for decode, f in RunFiles(run_dir).all_verdicts():
+        if not decode.tp_leader:
             continue  # a TP instance's verdict is its leader's
         for v in read_jsonl(f):
             if v.get("prefill") == rank:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import read_jsonl
+from .rundir import RunFiles
 
 DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
                  "outcome")
@@ -40,9 +41,9 @@ def _fill(run_dir: Path) -> str:
 def deterministic(run_dir: Path) -> dict[str, Any]:
     content = _fill(run_dir) != "ahead"
     requests = {r["rid"]: (r["room"], r["checksum"] if content else None, r["outcome"])
-                for path in sorted(run_dir.glob("requests*.jsonl")) for r in read_jsonl(path, strict=True)}
+                for path in RunFiles(run_dir).all_requests() for r in read_jsonl(path, strict=True)}
     decisions = {(d["rid"], d["decode"]): tuple(d.get(k) for k in DECISION_KEYS)
-                 for path in sorted(run_dir.glob("decisions*.jsonl")) for d in read_jsonl(path, strict=True)}
+                 for path in RunFiles(run_dir).all_decisions() for d in read_jsonl(path, strict=True)}
     return {"requests": requests, "decisions": decisions}
 
 
@@ -67,8 +68,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def compare(original: Path, replay: Path) -> dict[str, Any]:
     a, b = deterministic(original), deterministic(replay)
-    ra = json.loads((original / "results.json").read_text())
-    rb = json.loads((replay / "results.json").read_text())
+    ra = json.loads(RunFiles(original).results.read_text())
+    rb = json.loads(RunFiles(replay).results.read_text())
     latency = {}
     for metric in ("send_aux", "handoff"):
         for q in ("p50", "p99", "p999"):
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if seeds.get("drawn") and seeds.get("workload.seed") is not None:  # the run drew its seed
         cmd.append(f"workload.seed={seeds['workload.seed']}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if not (out / "results.json").exists():
+    if not RunFiles(out).results.exists():
         print(f"error: the replay did not produce results (exit {proc.returncode}):\n"
               f"{proc.stderr[-2000:]}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from .outcomes import Detail, Outcome
 from .plan import Plan
 from .results import LATENCIES, STAGES, RankResult, counter_dict, decode_dict, write_atomic
 from .results import RunResult
+from .rundir import RunFiles, parse_proc_name
 from .stats import LatencyHistogram
 
 EXIT_OK, EXIT_NOT_VERIFIED, EXIT_REFUSED, EXIT_LOST = 0, 1, 2, 3
@@ -74,7 +75,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[s
         "mixed:" + ",".join(f"{k}={v}" for k, v in sorted(out.transports.items())) if transports else None)
     decodes = {name: decode_dict(d) for name, d in out.decodes.items()}
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values()
-                          if "." not in d.name or d.name.endswith(".0"))
+                          if parse_proc_name(d.name).tp_leader)
     w, t = cfg.workload, cfg.transport
     results = {
         "requests": requests,
@@ -225,7 +226,7 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[dict[str, Any]]:
 
 def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> dict[str, Any]:
     """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
-    leaders = [d for d in out.decodes.values() if "." not in d.name or d.name.endswith(".0")]
+    leaders = [d for d in out.decodes.values() if parse_proc_name(d.name).tp_leader]
     outcomes, details = Counter(), Counter()
     for d in leaders:
         outcomes.update(d.outcomes)
@@ -262,7 +263,7 @@ def exit_code(results: dict[str, Any]) -> int:
 
 def write(run_dir: Path, results: dict[str, Any]) -> None:
     """results.json, written atomically (requests.jsonl was streamed by the prefill)."""
-    write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomic(RunFiles(run_dir).results, json.dumps(results, indent=2) + "\n")
 
 
 def rel(path: Path) -> str:
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.dirs) == 2:
         try:
-            a, b = (json.loads((d / "results.json").read_text()) for d in args.dirs)
+            a, b = (json.loads(RunFiles(d).results.read_text()) for d in args.dirs)
             text, ok = merge(a, b)
         except (OSError, ValueError, KeyError) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -126,15 +126,34 @@ class AuxRouter:
         if peer.auth is not None:  # from here on, every message is signed for this run and pair
             self.auth = peer.auth
 
+    def connected_peer(self) -> Peer:
+        """The decode process connect() gave (every send goes to it)."""
+        assert self.peer is not None, "connect() first"
+        return self.peer
+
+    def mooncake(self) -> MooncakeEngine:
+        """The engine of the engine route."""
+        assert self.engine is not None, "the engine route has an engine"
+        return self.engine
+
+    def peer_session(self) -> str:
+        """The peer's engine session id (the engine route: connect() refused a peer without one)."""
+        session = self.connected_peer().session_id
+        assert session is not None, "connect() checked it"
+        return session
+
     def warm(self) -> float:
         """Engine route: one write of our scratch into the peer's (no field covers either),
         so the engine's one-time work for this peer (opening its CUDA IPC mapping, or its
         TCP connection) happens at start-up. Returns its seconds (0.0: nothing to warm)."""
-        if self.route is not Route.engine or not self.peer.scratch_ptr:
+        if self.route is not Route.engine:
+            return 0.0
+        peer = self.connected_peer()
+        if not peer.scratch_ptr:
             return 0.0
         t0 = _now()
-        self.engine.batch_write(self.peer.session_id, [self.buffers.scratch_ptr],
-                                [self.peer.scratch_ptr], [WARM_BYTES])
+        self.mooncake().batch_write(self.peer_session(), [self.buffers.scratch_ptr],
+                                    [peer.scratch_ptr], [WARM_BYTES])
         return _now() - t0
 
     @property
@@ -157,7 +176,7 @@ class AuxRouter:
         length = item_len * rows."""
         first, n = send.transfers[0], len(send.transfers)
         srcs = [p + k * first.src_slot for p, k in zip(self.src_ptrs, self.item_lens)]
-        dsts = [p + k * first.dst_slot for p, k in zip(self.peer.aux_ptrs, self.item_lens)]
+        dsts = [p + k * first.dst_slot for p, k in zip(self.connected_peer().aux_ptrs, self.item_lens)]
         return srcs, dsts, [k * n for k in self.item_lens]
 
     def frames(self, send: Send) -> list[list[bytes]]:
@@ -180,11 +199,11 @@ class AuxRouter:
             if self.route is Route.engine:
                 srcs, dsts, lens = blocks or self.blocks(send)
                 send.blocks, send.nbytes = len(srcs), sum(lens)
-                target = session or self.peer.session_id
-                step = self.max_blocks
+                target = session or self.peer_session()
+                step, engine = self.max_blocks, self.mooncake()
                 for i in range(0, len(srcs), step):
-                    send.handles.append(self.engine.submit(target, srcs[i:i + step], dsts[i:i + step],
-                                                           lens[i:i + step]))
+                    send.handles.append(engine.submit(target, srcs[i:i + step], dsts[i:i + step],
+                                                      lens[i:i + step]))
             else:
                 msgs = self.frames(send)
                 send.blocks, send.nbytes = len(msgs), sum(len(m[5]) for m in msgs)
@@ -203,7 +222,7 @@ class AuxRouter:
             if send.error is not None:
                 break
             try:
-                self.engine.wait(batch, session=self.peer.session_id, blocks=send.blocks)
+                self.mooncake().wait(batch, session=self.connected_peer().session_id, blocks=send.blocks)
             except EngineError as exc:
                 send.error = str(exc)
         send.handles = []

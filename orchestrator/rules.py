@@ -18,11 +18,10 @@ Pure: the machine is described by `platform` (its env snapshot included).
 
 from __future__ import annotations
 
-import ipaddress
 from urllib.parse import urlsplit
 
 from .auth import secret_from_env
-from .config import ConfigError, DigestKind, FallbackPolicy, FaultKind, OrchestratorConfig, Role
+from .config import ConfigError, DigestKind, FallbackPolicy, FaultKind, OrchestratorConfig, Role, is_loopback
 from .faults import ENGINE_ONLY
 from .plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
@@ -49,7 +48,7 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     t = cfg.transport
     if t.secret_env is not None:
         secret_from_env(t.secret_env, platform.env)
-    remote = t.host == "auto" or not ipaddress.IPv4Address(t.host).is_loopback
+    remote = not is_loopback(t.host)  # auto too: an address on the default route
     if (remote or cfg.role is not Role.both) and t.secret_env is None:
         why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
         raise ConfigError("transport.secret_env", None,
@@ -75,7 +74,7 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     mc = t.mooncake
     if mc.start_metadata_server:
         url = urlsplit(mc.metadata_server)
-        if url.scheme != "http" or not _loopback(url.hostname):
+        if url.scheme != "http" or not is_loopback(url.hostname):
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
@@ -118,10 +117,3 @@ def _check_memory(cfg: OrchestratorConfig, plan: Plan, platform: Platform) -> No
                 raise ConfigError("buffers.size", cfg.buffers.size,
                                   f"fewer slots or a smaller row: the buffers on GPU {gpu} would need "
                                   f"{need:,} bytes ({each:,} per process) and it has {have:,} bytes")
-
-
-def _loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.IPv4Address(host).is_loopback
-    except ValueError:
-        return False

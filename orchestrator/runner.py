@@ -29,7 +29,6 @@ from . import protocol
 from .auth import run_secret
 from .bootstrap import lookup, serve_bootstrap, start_metadata_server
 from .config import FaultKind, OrchestratorConfig, Role, resolve_seed
-from .endpoints.common import proc_name
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import silent_listener
@@ -38,6 +37,7 @@ from .plan import Device, Plan
 from .lifecycle import Interrupted, RunFailed, Signals, spawn
 from .recovery import decode_from_disk, reconstruct
 from .results import RankResult, RunResult
+from .rundir import RunFiles, proc_name
 
 _clock = time.monotonic
 
@@ -70,7 +70,7 @@ def _free_port(host: str) -> int:
 
 
 def _engine_log_tail(run_dir: Path, name: str) -> Optional[str]:
-    path = run_dir / f"{name}.mooncake.log"
+    path = RunFiles(run_dir).mooncake_log(name)
     try:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:

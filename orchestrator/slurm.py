@@ -159,5 +159,5 @@ def quiet_submitit(log_path: Path) -> None:
             return None
         return ["sh", "-c", f'exec "$@" 2>>{shlex.quote(str(log_path))}', *command[:1], *command]
 
-    watcher._pd_aux_make_command = original
-    watcher._make_command = _make_command
+    watcher._pd_aux_make_command = original  # type: ignore[attr-defined]  # a patch: ours, once
+    watcher._make_command = _make_command  # type: ignore[method-assign]

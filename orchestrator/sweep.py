@@ -26,6 +26,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .plots import pyplot, short_dir
+from .rundir import RunFiles
 
 CSV_NAME = "summary.csv"
 MD_NAME = "summary.md"
@@ -87,7 +88,7 @@ def _get(d: Any, *path: str) -> Any:
 
 def _row(job_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": int(job_dir.name)}
-    path = job_dir / "results.json"
+    path = RunFiles(job_dir).results
     if not path.is_file():
         row.update(status="missing", error="no results.json")
         return row

@@ -35,6 +35,12 @@ def seed_of(w: WorkloadConfig) -> int:
     return 0 if w.seed is None else w.seed
 
 
+def decode_of(rid: int, n: int) -> int:
+    """The decode instance (of `n`) that request `rid` hands off to: every prefill rank deals
+    its requests round-robin over the decode instances."""
+    return rid % n
+
+
 def room_of(w: WorkloadConfig, rid: int) -> int:
     """Request `rid`'s room: `duplicate_rooms` consecutive requests share one (retries, n>1)."""
     return room_for(seed_of(w), rid // w.duplicate_rooms)
@@ -117,7 +123,8 @@ def make_request(w: WorkloadConfig, index: int, shapes: Shapes) -> AuxRequest:
         return_logprob=w.return_logprob,
     )
     if w.multimodal:
-        req.mm_tokens = tuple(int(v) for v in torch.randint(0, 4096, (3,), generator=g))
+        image, audio, video = (int(v) for v in torch.randint(0, 4096, (3,), generator=g))
+        req.mm_tokens = (image, audio, video)
     if w.return_logprob:
         k = w.top_logprobs_num
         top = torch.sort(-torch.rand(k, generator=g) * 10).values.tolist()

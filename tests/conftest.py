@@ -9,10 +9,10 @@ import zmq
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator.config import OrchestratorConfig, register_configs, validate
+from orchestrator.config import CONF_DIR, OrchestratorConfig, register_configs, validate
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+CONF = CONF_DIR
 
 register_configs()
 

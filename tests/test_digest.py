@@ -73,7 +73,7 @@ def test_sender_and_receiver_agree():
     slots, idents = [1, 4], [(3, 11), (3, 12)]
     tags, content = s.sign(slots, idents)
     sender.write_checksums(slots, tags, 99)
-    for i, slot in enumerate(slots):  # "transfer": copy the rows over
+    for slot in slots:  # "transfer": copy the rows over
         for src, dst in zip(sender.fields, receiver.fields):
             dst[slot].copy_(src[slot])
     checks = r.read(slots, idents)

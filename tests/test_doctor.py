@@ -13,10 +13,23 @@ import pytest
 
 from orchestrator import doctor, profile
 from orchestrator.config import ConfigError
-from orchestrator.doctor import (Check, CudaProbe, MooncakeProbe, Status, check_alloc_conf,
-                                 check_cuda, check_host, check_mc_env, check_mooncake, check_plan,
-                                 check_rpc_ports, intended_plan, intra_nvlink_built,
-                                 port_is_free, rpc_port_range)
+from orchestrator.doctor import (
+    Check,
+    CudaProbe,
+    MooncakeProbe,
+    Status,
+    check_alloc_conf,
+    check_cuda,
+    check_host,
+    check_mc_env,
+    check_mooncake,
+    check_plan,
+    check_rpc_ports,
+    intended_plan,
+    intra_nvlink_built,
+    port_is_free,
+    rpc_port_range,
+)
 from orchestrator.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
 from orchestrator.profile import one_line
 
@@ -404,7 +417,7 @@ def test_doctor_compares_the_peer_profile_layout():
     proc = run_cli("orchestrator.doctor", "buffers.enable_sampling_mask=true",
                    "--peer", "layout=sglang_pre_0_5_23")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.split()[1:2] == ["layout"])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.split()[1:2] == ["layout"])
     assert line.startswith("FAIL") and "field 6" in line and "output_token_sampling_mask_len" in line
     proc = run_cli("orchestrator.doctor", "--peer", "transport.route=tcp")
     assert proc.returncode == 0 and "give the same 10 fields" in proc.stdout

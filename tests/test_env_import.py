@@ -10,7 +10,6 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator import MetadataBuffers, wire
-from orchestrator.auth import Authenticator
 from orchestrator.outcomes import Detail, Outcome
 
 from .peers import PrefillPeer
@@ -79,7 +78,8 @@ def test_control_messages_decode_or_raise_wire_error(raw):
     b'{"type": "update", "grants": [[true, 0]], "v": []}', b'{"type": "update", "grants": [], "v": [], "x": 1}',
     b'{"type": "update", "grants": [[1, 2, 3]], "v": []}', b'{"type": "arrive", "reqs": [[1, 2]], "contiguous": 1}',
     b'{"type": "hello", "rank": 0, "layout": [["a", "int32"]], "fingerprint": ""}', b'{"type": "nope"}', b"\xff\xfe",
-    b'{"type": "hello", "rank": 0, "layout": ' + json.dumps([["f", "int32", 64]] * 100).encode() + b', "fingerprint": ""}',
+    b'{"type": "hello", "rank": 0, "layout": ' + json.dumps([["f", "int32", 64]] * 100).encode()
+    + b', "fingerprint": ""}',
     b"x" * (wire.MAX_MESSAGE_BYTES + 1),
     b"\x80\x04\x95" + b"cos\nsystem\n",  # a pickle: never decoded as one
 ])

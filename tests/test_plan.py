@@ -6,11 +6,20 @@ import itertools
 
 import pytest
 
-from orchestrator.config import (ConfigError, FallbackPolicy, MemPoolType,
-                                 RouteSetting)
-from orchestrator.plan import (MANAGED_MC_VARS, Device, EngineTransport, Platform, Reason, Route,
-                               buffer_device, engine_env, gpu_placement, make_plan,
-                               route_rule)
+from orchestrator.config import ConfigError, FallbackPolicy, MemPoolType, RouteSetting
+from orchestrator.plan import (
+    MANAGED_MC_VARS,
+    Device,
+    EngineTransport,
+    Platform,
+    Reason,
+    Route,
+    buffer_device,
+    engine_env,
+    gpu_placement,
+    make_plan,
+    route_rule,
+)
 
 CPU = Platform(cuda_devices=0, mooncake_cuda=False)
 ONE_GPU = Platform(cuda_devices=1, mooncake_cuda=True)

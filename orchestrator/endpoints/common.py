@@ -4,7 +4,6 @@ declared."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import sys
@@ -16,10 +15,11 @@ import structlog
 import torch
 
 from ..buffers import MetadataBuffers
-from ..config import FallbackPolicy, OrchestratorConfig
+from ..config import FallbackPolicy, OrchestratorConfig, is_loopback
 from ..logs import configure
 from ..plan import Device, Plan, Route
 from ..platform import boot_id, pid_namespace  # noqa: F401 - the endpoints take them from here
+from ..rundir import RunFiles, proc_name  # noqa: F401 - proc_name: the endpoints take it from here
 from ..transport.engine import MooncakeEngine, exposed, listening_sockets
 from ..workload import Shapes
 
@@ -52,7 +52,7 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see lifecycle.spawn
-    err = open(run_dir / f"{role}.stderr.log", "ab", buffering=0)
+    err = open(RunFiles(run_dir).stderr_log(role), "ab", buffering=0)
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     torch.set_num_threads(1)  # endpoints share the machine; row ops are tiny
@@ -71,14 +71,6 @@ def report_failure(log, event: str, exc: BaseException) -> str:
     log.error(event, error=line)
     log.info(f"{event}_traceback", traceback=traceback.format_exc())
     return line
-
-
-def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) -> str:
-    """"prefill"/"decode" for a single process, "prefill0", "decode3", "decode1.0" (instance
-    1, TP rank 0) otherwise; names the process's log files."""
-    if kind == "decode" and tp > 1:
-        return f"decode{index}.{tp_rank}"
-    return kind if count == 1 else f"{kind}{index}"
 
 
 def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
@@ -115,14 +107,14 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
         mc = cfg.transport.mooncake
         engine = MooncakeEngine(cfg.transport.host, mc.metadata_server, plan.protocol,
                                 mc.device_name, env=plan.mc_env,
-                                log_path=str(run_dir / f"{role}.mooncake.log"))
+                                log_path=str(RunFiles(run_dir).mooncake_log(role)))
         engine.register(buffers.arena_ptr, buffers.arena_bytes)
         effective = engine.effective_transport
         transport = f"mooncake-{effective.value if effective else 'unknown'}"
         listeners = listening_sockets()
         log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
                  declared=plan.declared_transport, effective=transport, listeners=listeners)
-        if exposed(listeners) and ipaddress.IPv4Address(cfg.transport.host).is_loopback:
+        if exposed(listeners) and is_loopback(cfg.transport.host):
             log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
                      detail="Mooncake binds its handshake and TCP listeners on all "
                             "interfaces; firewall them or run in a network namespace")

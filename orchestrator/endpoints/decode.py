@@ -49,6 +49,7 @@ from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan, same_process_space_rule
 from ..results import DecodeResult
+from ..rundir import RunFiles
 from ..transport.engine import exposed, listening_sockets
 from .common import (report_failure, Stop, bind_random, boot_id, pid_namespace, build_side, new_socket, proc_name, process_gpu,
                      rss_kb, start_process)
@@ -418,7 +419,7 @@ class DecodeEndpoint:
         self.notices = Notices()
         self.res = DecodeResult(self.name)
         self.judge = Judge(cfg, self.buffers, self.digest, self.res)
-        self.records = open(run_dir / f"verdicts-{self.name}.jsonl", "w", buffering=1 << 16)
+        self.records = open(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
         self.rows = Rows(self.buffers, self.digest, self.slots, cfg.gate.read,
                          decode_setup(self.buffers, cfg.faults, cfg.gate.zero_room_on_free), self.group.size == 1)

@@ -45,8 +45,9 @@ from ..outcomes import Detail, Outcome
 from ..plan import Plan, same_process_space_rule
 from ..results import RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
+from ..rundir import RunFiles
 from ..transport.engine import EngineError
-from ..workload import RequestPool, arrival_offsets, room_of
+from ..workload import RequestPool, arrival_offsets, decode_of, room_of
 from .common import (report_failure, Stop, boot_id, build_side, new_socket, pid_namespace, proc_name, process_gpu, rss_kb,
                      shapes, start_process)
 from ..layout import describe, fingerprint, first_difference
@@ -314,15 +315,15 @@ class PrefillEndpoint:
         self.replayed = 0
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
-        suffix = "" if cfg.endpoints.prefill_ranks == 1 else f"-{self.name}"
+        files, ranks = RunFiles(run_dir), cfg.endpoints.prefill_ranks
         self._static = {
             "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
             "route": plan.route.value, "reason": plan.route_reason.value,
             "transport": self.side.transport, "row_bytes": self.buffers.row_bytes,
             "fallback": plan.events[0].reason.value if plan.events else None,
         }
-        self._decisions = DecisionLog(run_dir / f"decisions{suffix}.jsonl", self.name, self._static)
-        self.records_path = run_dir / f"requests{suffix}.jsonl"
+        self._decisions = DecisionLog(files.decisions(self.name, ranks), self.name, self._static)
+        self.records_path = files.requests(self.name, ranks)
         self.records_path.write_text("")  # this process's records start here (phases append)
         self.wake_addr = f"inproc://wake-{id(self)}"
         self.wake = self.ctx.socket(zmq.PAIR)
@@ -544,7 +545,7 @@ class _Loop:
     def arrive(self, i: int, t_arrive: float) -> None:
         ep = self.ep
         rid = self.phase.rid_base + i
-        inst = ep.instances[rid % len(ep.instances)]
+        inst = ep.instances[decode_of(rid, len(ep.instances))]
         room = room_of(self.w, rid)
         req = Req(rid, room, inst.index, t_arrive, ep.keys.pad(ep.rank, rid))
         if inst.lost:

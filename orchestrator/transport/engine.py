@@ -17,6 +17,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional, Sequence
 
+from ..config import is_loopback
 from ..plan import EngineTransport
 from .ports import any_free_port
 
@@ -120,7 +121,7 @@ def exposed(listeners: list[str]) -> list[str]:
     out = []
     for item in listeners:
         addr = item.rsplit(":", 1)[0].strip("[]")
-        if not ipaddress.ip_address(addr).is_loopback:
+        if not is_loopback(addr, ipv6=True):
             out.append(item)
     return out
 
