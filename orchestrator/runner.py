@@ -474,7 +474,7 @@ def _watch(cfg, prefills, decodes, out: RunResult, log, progress, signals) -> No
                     if progress is not None and hasattr(progress, "phase"):
                         progress.phase(value)
                 elif kind == "result":
-                    out.ranks[p.name] = value
+                    out.add(p.name, value)
                     p.done = True
                 else:
                     _lose(p, decodes, out, log, f"endpoint failed: {value}")
@@ -573,7 +573,7 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log, plan_rou
                 except (EOFError, OSError):
                     break
                 if kind == "result":
-                    out.ranks[p.name] = value
+                    out.add(p.name, value)
                     p.done = True
     for d in decodes:
         if d.proc.is_alive():
@@ -614,7 +614,7 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log, plan_rou
             if not out.interrupted and out.error is None and d.proc.exitcode not in (0, None):
                 out.lost.setdefault(d.name, f"exited with code {d.proc.exitcode}")
     for p in prefills:
-        if p.name not in out.ranks:
+        if not out.reported(p.name):
             reason = out.lost.get(p.name)
             out.ranks[p.name] = reconstruct(cfg, run_dir, p.index, p.name,
                                             Detail.interrupted if out.interrupted and not reason else
@@ -623,8 +623,8 @@ def _finish(cfg, run_dir: Path, prefills, decodes, out: RunResult, log, plan_rou
                                             phase=(out.t_phase, out.t_stop))
     ep = cfg.endpoints
     for p in prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
-        rank = out.ranks[p.name]
-        for inst, why in (rank.lost.items() if isinstance(rank, RankResult) else ()):
+        rank = out.ranks.get(p.name)  # none where a driver ran
+        for inst, why in (rank.lost.items() if rank else ()):
             out.lost.setdefault(proc_name("decode", inst, ep.decode_ranks, 0, ep.decode_tp),
                                 f"declared lost by {p.name}: {why}")
 
