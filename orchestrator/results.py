@@ -1,10 +1,11 @@
 """Typed results: what a prefill rank measured (RankResult), what a decode process judged
 (DecodeResult), and one run (RunResult: both, keyed by process name, the same shape for one
-rank or many). Endpoints fill them in; the runner merges them; orchestrator.report turns a
-RunResult into a job's results (JobResults, or DecodeSideResults for role=decode, or NotRun
-for a job that did not run), which are written to and read from results.json here only
-(`to_json` / `Results.from_json`, `Results.read`); everyone else reads their attributes. Times are
-CLOCK_MONOTONIC seconds of the process that took them.
+rank or many; a driver's own result, the bench's, apart). Endpoints fill them in; the
+runner merges them; orchestrator.report turns a RunResult into a job's results (JobResults,
+or DecodeSideResults for role=decode, or NotRun for a job that did not run), which are
+written to and read from results.json here only (`to_json`, `Results.from_json`,
+`Results.read`); everyone else reads their attributes. Times are CLOCK_MONOTONIC seconds of
+the process that took them.
 """
 
 from __future__ import annotations
