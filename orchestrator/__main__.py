@@ -35,7 +35,7 @@ try:
 
     from .app import failed_job, no_space, refused, run_job
     from .config import CONF_DIR, ConfigError, register_configs
-    from .results import NoSpace, RunDirBusy
+    from .results import EXIT_REFUSED, NoSpace, NotRun, RunDirBusy
 
     register_configs()
 except _EarlyStop as _exc:
@@ -59,17 +59,17 @@ def main(cfg: DictConfig) -> float:
         results = no_space(run_dir, exc)
     except RunDirBusy as exc:  # refused before start; the other run's files stay untouched
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        results = {"exit_code": 2, "verified": 0}
+        results = NotRun(EXIT_REFUSED, str(exc))  # not written
     except Exception as exc:  # noqa: BLE001 - a sweep must survive any one job
         if single:
             raise
         results = failed_job(run_dir, f"{type(exc).__name__}: {exc}")
-    _EXIT.append(results["exit_code"])
-    if results.get("signal") and not single and _in_process(hc):
+    _EXIT.append(results.exit_code)
+    if results.ending.signal and not single and _in_process(hc):
         # an interrupted job ends the sweep, not only itself (where the sweep runs here: a
         # launcher's worker, e.g. a Slurm job, returns its results to its launcher instead)
-        raise _SweepStopped(results["exit_code"], str(hc.sweep.dir))
-    return float(results["verified"])
+        raise _SweepStopped(results.exit_code, str(hc.sweep.dir))
+    return float(results.verified)
 
 
 def _in_process(hc) -> bool:

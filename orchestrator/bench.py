@@ -46,7 +46,7 @@ from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
 from .plan import Device, Plan, Route
 from .platform import detect
-from .results import STAGES, RankResult
+from .results import EXIT_SIGNAL, STAGES, Percentiles, RankResult, each, read_section
 from .router import Send, Transfer
 from .rules import check_profile
 from .runner import run_handoffs
@@ -55,14 +55,27 @@ from .stats import percentile
 CHUNK = 100
 
 
-def _stats(samples_us: list[float]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SampleStats:
     """Exact percentiles of back-to-back calls (one in flight); per_s = n / sum."""
-    if not samples_us:
-        return {"n": 0}
-    return {"n": len(samples_us), "p50": percentile(samples_us, 50),
-            "p99": percentile(samples_us, 99), "p999": percentile(samples_us, 99.9),
-            "mean": round(statistics.fmean(samples_us), 2),
-            "per_s": round(len(samples_us) / (sum(samples_us) / 1e6), 1)}
+
+    n: int = 0
+    p50: Optional[float] = None
+    p99: Optional[float] = None
+    p999: Optional[float] = None
+    mean: Optional[float] = None
+    per_s: Optional[float] = None
+
+    @classmethod
+    def of(cls, samples_us: list[float]) -> "SampleStats":
+        if not samples_us:
+            return cls()
+        return cls(len(samples_us), percentile(samples_us, 50), percentile(samples_us, 99),
+                   percentile(samples_us, 99.9), round(statistics.fmean(samples_us), 2),
+                   round(len(samples_us) / (sum(samples_us) / 1e6), 1))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n": 0} if not self.n else asdict(self)
 
 
 @dataclass
@@ -73,17 +86,31 @@ class PhaseResult:
     batch_size: int
     concurrency: int
     handoffs_per_s: Optional[float]
-    handoff_us: dict  # forward step done -> verdict (the digest checked) on the decode
-    taken_us: dict  # forward step done -> taken (status in, readiness gate passed) on the decode
-    set_buf_us: dict
-    send_us: dict
+    handoff_us: Percentiles  # forward step done -> verdict (the digest checked) on the decode
+    taken_us: Percentiles  # forward step done -> taken (status in, readiness gate passed) on the decode
+    set_buf_us: Percentiles
+    send_us: Percentiles
     requests_per_send: Optional[float]
-    stages_p50_us: dict
+    stages_p50_us: dict[str, Optional[float]]  # STAGES -> p50 us
+
+    @classmethod
+    def from_json(cls, d: Any) -> "PhaseResult":
+        return read_section(cls, d, **{k: Percentiles.from_json for k in
+                                       ("handoff_us", "taken_us", "set_buf_us", "send_us")})
+
+
+@dataclass(frozen=True)
+class Bulk:
+    """One large block written back to back (bandwidth)."""
+
+    bytes: int
+    median_s: float
+    gb_per_s: float
 
 
 @dataclass
 class PathResult:
-    """Everything measured on one route."""
+    """Everything a driver measured on one route (RunResult.paths)."""
 
     path: str
     transport: str = ""
@@ -93,17 +120,104 @@ class PathResult:
     ours_us: list[float] = field(default_factory=list)
     raw_us: list[float] = field(default_factory=list)
     raw_run_us: list[float] = field(default_factory=list)  # one B-slot run per write
-    bulk: Optional[dict] = None
+    bulk: Optional[Bulk] = None
     error: Optional[str] = None
 
 
 def _phase_result(name: str, res: RankResult, phase: Phase) -> PhaseResult:
     rate = res.verified / res.wall_s if res.wall_s else None
+    lat = {k: Percentiles.of(h) for k, h in res.latency.items()}
     return PhaseResult(name, res.requests, res.verified, phase.batch_size, phase.concurrency,
-                       round(rate, 1) if rate else None, res.latency["handoff_us"].summary(),
-                       res.latency["taken_us"].summary(), res.latency["set_buf_us"].summary(), res.latency["send_us"].summary(),
-                       round(res.finished / res.sends, 2) if res.sends else None,
+                       round(rate, 1) if rate else None, lat["handoff_us"], lat["taken_us"], lat["set_buf_us"],
+                       lat["send_us"], round(res.finished / res.sends, 2) if res.sends else None,
                        {k: h.percentile(50) for k, h in res.stages.items()})
+
+
+def _optional(cls):
+    """A reader of an optional section of bench.json."""
+    return lambda v: None if v is None else read_section(cls, v)
+
+
+@dataclass
+class PathReport:
+    """One route in bench.json: what it measured, or only why it has nothing (`error`,
+    `row_bytes` None)."""
+
+    path: str
+    error: Optional[str] = None
+    transport: Optional[str] = None
+    row_bytes: Optional[int] = None
+    blocks: Optional[int] = None
+    buffer_device: Optional[str] = None
+    completion: Optional[str] = None
+    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    ours_send_aux: Optional[SampleStats] = None  # our send (start + finish) on the engine route
+    raw_batch_write: Optional[SampleStats] = None  # Mooncake's batch_transfer_sync_write, same blocks
+    ours_over_raw_p50: Optional[float] = None
+    raw_run: Optional[SampleStats] = None  # raw writes of B-slot runs
+    raw_rows_per_s: Optional[float] = None
+    raw_run_rows_per_s: Optional[float] = None
+    bulk: Optional[Bulk] = None
+
+    @classmethod
+    def of(cls, res: PathResult, plan: Plan) -> "PathReport":
+        rep = cls(res.path, res.error, res.transport, res.row_bytes, res.blocks, plan.buffer_device.value,
+                  plan.completion.value, res.phases, bulk=res.bulk)
+        if res.ours_us:
+            rep.ours_send_aux, rep.raw_batch_write = SampleStats.of(res.ours_us), SampleStats.of(res.raw_us)
+            rep.ours_over_raw_p50 = round(rep.ours_send_aux.p50 / rep.raw_batch_write.p50, 3)
+            rep.raw_run = SampleStats.of(res.raw_run_us)
+            rep.raw_rows_per_s = rep.raw_batch_write.per_s
+            rep.raw_run_rows_per_s = round(rep.raw_run.per_s * max(1, _batch(res)), 1)
+        return rep
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def to_json(self) -> dict[str, Any]:
+        if self.row_bytes is None:
+            return {"path": self.path, "error": self.error}
+        d: dict[str, Any] = {"path": self.path, "transport": self.transport, "row_bytes": self.row_bytes,
+                             "blocks": self.blocks, "buffer_device": self.buffer_device,
+                             "completion": self.completion,
+                             "phases": {k: asdict(v) for k, v in self.phases.items()}}
+        if self.ours_send_aux is not None:
+            d.update(ours_send_aux=self.ours_send_aux.to_json(), raw_batch_write=self.raw_batch_write.to_json(),
+                     ours_over_raw_p50=self.ours_over_raw_p50, raw_run=self.raw_run.to_json(),
+                     raw_rows_per_s=self.raw_rows_per_s, raw_run_rows_per_s=self.raw_run_rows_per_s)
+        if self.bulk:
+            d["bulk"] = asdict(self.bulk)
+        if self.error:
+            d["error"] = self.error
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PathReport":
+        stats, bulk = _optional(SampleStats), _optional(Bulk)
+        return read_section(cls, d, phases=each(PhaseResult.from_json), ours_send_aux=stats,
+                            raw_batch_write=stats, raw_run=stats, bulk=bulk)
+
+
+@dataclass
+class BenchResults:
+    """bench.json: every route's report, and the ratios between them."""
+
+    profile: dict  # the selected profile's plan (orchestrator.plan.Plan.as_dict())
+    batch_size: int
+    paths: list[PathReport] = field(default_factory=list)
+    interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM": the paths not yet run are left out
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"profile": self.profile, "batch_size": self.batch_size,
+                "paths": [p.to_json() for p in self.paths],
+                **({"interrupted": self.interrupted} if self.interrupted else {}), "ratios": self.ratios}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "BenchResults":
+        return read_section(cls, d, paths=lambda ps: [PathReport.from_json(p) for p in ps or []],
+                            ratios=lambda r: r or {})
 
 
 @dataclass
@@ -191,7 +305,7 @@ class BenchDriver:
                 if rc != 0:
                     raise RuntimeError(f"bulk write returned {rc}")
             med = statistics.median(times)
-            out.bulk = {"bytes": self.bulk_bytes, "median_s": med, "gb_per_s": round(self.bulk_bytes / med / 1e9, 2)}
+            out.bulk = Bulk(self.bulk_bytes, med, round(self.bulk_bytes / med / 1e9, 2))
 
 
 # ---- paths -------------------------------------------------------------------------------
@@ -243,12 +357,11 @@ def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
     return out
 
 
-def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
+def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
     configure(run_dir, "bench", keep_root_handlers=True)
     platform = detect()
     b = cfg.bench
-    results: dict[str, Any] = {"profile": check_profile(cfg, platform).as_dict(),
-                               "batch_size": b.batch_size, "paths": []}
+    results = BenchResults(check_profile(cfg, platform).as_dict(), b.batch_size)
     todo = paths(cfg, platform)
     for k, ph in enumerate(todo, 1):
         phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
@@ -263,23 +376,23 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> dict[str, Any]:
                      f"ended: {out.error or out.lost or 'no result'}")
         if out.interrupted:  # Ctrl-C / SIGTERM ends the bench, not only this path
             progress.say(f"interrupted ({out.interrupted}): the paths not yet run are left out")
-            results["interrupted"] = out.interrupted
+            results.interrupted = out.interrupted
             break
-        res = next(iter(out.ranks.values()), None)
-        if not isinstance(res, PathResult):
+        res = next(iter(out.paths.values()), None)
+        if res is None:
             err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
-            results["paths"].append({"path": ph.name, "error": err})
+            results.paths.append(PathReport(ph.name, err))
             continue
-        results["paths"].append(_path_dict(res, ph.plan))
-    results["ratios"] = ratios(results["paths"])
-    (run_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+        results.paths.append(PathReport.of(res, ph.plan))
+    results.ratios = ratios(results.paths)
+    (run_dir / "bench.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
     table = markdown(results)
     (run_dir / "bench.md").write_text(table + "\n")
     print(table, flush=True)
     print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
           flush=True)
-    if results.get("interrupted"):
-        raise SystemExit({"SIGINT": 130, "SIGTERM": 143}.get(results["interrupted"], 130))
+    if results.interrupted:
+        raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
     return results
 
 
@@ -303,122 +416,118 @@ class _BenchProgress:
         pass
 
 
-def _path_dict(res: PathResult, plan: Plan) -> dict[str, Any]:
-    d: dict[str, Any] = {"path": res.path, "transport": res.transport, "row_bytes": res.row_bytes,
-                         "blocks": res.blocks, "buffer_device": plan.buffer_device.value,
-                         "completion": plan.completion.value,
-                         "phases": {k: asdict(v) for k, v in res.phases.items()}}
-    if res.ours_us:
-        ours, raw = _stats(res.ours_us), _stats(res.raw_us)
-        d.update(ours_send_aux=ours, raw_batch_write=raw,
-                 ours_over_raw_p50=round(ours["p50"] / raw["p50"], 3),
-                 raw_run=_stats(res.raw_run_us))
-        d["raw_rows_per_s"] = raw["per_s"]
-        d["raw_run_rows_per_s"] = round(d["raw_run"]["per_s"] * max(1, _batch(res)), 1)
-    if res.bulk:
-        d["bulk"] = res.bulk
-    if res.error:
-        d["error"] = res.error
-    return d
-
-
 def _batch(res: PathResult) -> int:
     ph = res.phases.get("coalesced")
     return ph.batch_size if ph else 1
 
 
-def _rate(p: dict, phase: str) -> Optional[float]:
-    return (p.get("phases", {}).get(phase) or {}).get("handoffs_per_s")
+def _rate(p: PathReport, phase: str) -> Optional[float]:
+    ph = p.phases.get(phase)
+    return ph.handoffs_per_s if ph else None
 
 
-def ratios(paths: list[dict]) -> dict[str, Any]:
-    ok = [p for p in paths if "error" not in p]
+def _set_buf_p50(p: PathReport, phase: str) -> Optional[float]:
+    ph = p.phases.get(phase)
+    return ph.set_buf_us.p50 if ph else None
+
+
+def _handoff_p50(p: PathReport) -> Optional[float]:
+    ph = p.phases.get("handoff 1-in-flight")
+    return ph.handoff_us.p50 if ph else None
+
+
+def ratios(paths: list[PathReport]) -> dict[str, Any]:
+    ok = [p for p in paths if p.ok]
     out: dict[str, Any] = {}
-    tcp = next((p for p in ok if p["path"].startswith("tcp route")), None)
+    tcp = next((p for p in ok if p.path.startswith("tcp route")), None)
     first = ok[0] if ok else None
+    host = next((q for q in ok if q.buffer_device == "cpu" and "inline" in q.phases), None)
+    host_sb = _set_buf_p50(host, "inline") if host else None
     for p in ok:
-        name = p["path"]
-        if "ours_over_raw_p50" in p:
-            out[f"ours/raw send_aux p50, {name}"] = p["ours_over_raw_p50"]
+        name, device = p.path, p.buffer_device
+        if p.ours_over_raw_p50 is not None:
+            out[f"ours/raw send_aux p50, {name}"] = p.ours_over_raw_p50
         per, co, inl = _rate(p, "per-request"), _rate(p, "coalesced"), _rate(p, "inline")
         if per and co:
             out[f"coalesced / per-request handoffs/s, {name}"] = round(co / per, 2)
-        sb = p["phases"].get("inline", {}).get("set_buf_us", {}).get("p50")
+        sb = _set_buf_p50(p, "inline")
         if inl and sb:
             out[f"inline handoffs/s / set_buf ceiling (1e6/{sb} us), {name}"] = round(inl / (1e6 / sb), 3)
-        st = p["phases"].get("inline staged", {})
-        st_sb, st_rate = st.get("set_buf_us", {}).get("p50"), st.get("handoffs_per_s")
+        st_sb, st_rate = _set_buf_p50(p, "inline staged"), _rate(p, "inline staged")
         if st_sb and st_rate:
-            out[f"inline staged handoffs/s / set_buf ceiling (1e6/{st_sb} us), {name}"] = round(st_rate / (1e6 / st_sb), 3)
-        host = next((q for q in ok if q.get("buffer_device") == "cpu" and "inline" in q["phases"]), None)
-        host_sb = host["phases"]["inline"]["set_buf_us"].get("p50") if host else None
-        if host_sb and p.get("buffer_device") != "cpu":
+            out[f"inline staged handoffs/s / set_buf ceiling (1e6/{st_sb} us), {name}"] = \
+                round(st_rate / (1e6 / st_sb), 3)
+        if host_sb and device != "cpu":
             if sb:
-                out[f"set_buf sglang on {p.get('buffer_device')} rows / host rows, {name}"] = round(sb / host_sb, 2)
+                out[f"set_buf sglang on {device} rows / host rows, {name}"] = round(sb / host_sb, 2)
             if st_sb:
-                out[f"set_buf staged on {p.get('buffer_device')} rows / host rows, {name}"] = round(st_sb / host_sb, 2)
-        if inl and p.get("raw_rows_per_s"):
-            out[f"inline handoffs/s / raw back-to-back writes/s, {name}"] = round(inl / p["raw_rows_per_s"], 3)
+                out[f"set_buf staged on {device} rows / host rows, {name}"] = round(st_sb / host_sb, 2)
+        if inl and p.raw_rows_per_s:
+            out[f"inline handoffs/s / raw back-to-back writes/s, {name}"] = round(inl / p.raw_rows_per_s, 3)
     if first and tcp and first is not tcp:
-        h1 = first["phases"].get("handoff 1-in-flight", {}).get("handoff_us", {}).get("p50")
-        h2 = tcp["phases"].get("handoff 1-in-flight", {}).get("handoff_us", {}).get("p50")
+        h1, h2 = _handoff_p50(first), _handoff_p50(tcp)
         if h1 and h2:
-            out[f"tcp route handoff p50 / {first['path']} handoff p50"] = round(h2 / h1, 2)
+            out[f"tcp route handoff p50 / {first.path} handoff p50"] = round(h2 / h1, 2)
         for phase in ("per-request", "batched", "coalesced"):
             a, t = _rate(first, phase), _rate(tcp, phase)
             if a and t:
-                out[f"{first['path']} / tcp route handoffs/s, {phase}"] = round(a / t, 2)
+                out[f"{first.path} / tcp route handoffs/s, {phase}"] = round(a / t, 2)
     return out
 
 
-def markdown(results: dict) -> str:
-    B = results["batch_size"]
-    def cell(v):
-        return "-" if v is None else v
+def _cell(v):
+    return "-" if v is None else v
 
+
+def _phase_rows(paths: list[PathReport]) -> list[str]:
     rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us | p99 us | set_buf p50 us | requests/send |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p in results["paths"]:
-        if "error" in p:
-            rows.append(f"| {p['path']} | FAILED: {p['error']} | | | | | | | | | |")
+    for p in paths:
+        if not p.ok:
+            rows.append(f"| {p.path} | FAILED: {p.error} | | | | | | | | | |")
             continue
-        for name, ph in p["phases"].items():
-            rows.append(f"| {p['path']} | {name} | {ph['batch_size']} | {ph['concurrency']} | "
-                        f"{ph['verified']}/{ph['requests']} | {cell(ph['handoffs_per_s'])} | "
-                        f"{cell(ph.get('taken_us', {}).get('p50'))} | {cell(ph['handoff_us'].get('p50'))} | {cell(ph['handoff_us'].get('p99'))} | "
-                        f"{cell(ph['set_buf_us'].get('p50'))} | {ph['requests_per_send']} |")
+        for name, ph in p.phases.items():
+            rows.append(f"| {p.path} | {name} | {ph.batch_size} | {ph.concurrency} | "
+                        f"{ph.verified}/{ph.requests} | {_cell(ph.handoffs_per_s)} | "
+                        f"{_cell(ph.taken_us.p50)} | {_cell(ph.handoff_us.p50)} | {_cell(ph.handoff_us.p99)} | "
+                        f"{_cell(ph.set_buf_us.p50)} | {ph.requests_per_send} |")
+    return rows
+
+
+def _raw_rows(paths: list[PathReport], batch: int) -> list[str]:
     raw = ["", "| path | our send_aux p50 us | raw batch write p50 us | ours/raw | raw writes/s (1 request) | "
-               f"raw rows/s ({B}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
-    for p in results["paths"]:
-        if "ours_send_aux" in p:
-            raw.append(f"| {p['path']} | {p['ours_send_aux']['p50']} | {p['raw_batch_write']['p50']} | "
-                       f"{p['ours_over_raw_p50']} | {p['raw_rows_per_s']} | {p['raw_run_rows_per_s']} | "
-                       f"{(p.get('bulk') or {}).get('gb_per_s')} |")
+               f"raw rows/s ({batch}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
+    for p in paths:
+        if p.ours_send_aux is not None:
+            raw.append(f"| {p.path} | {p.ours_send_aux.p50} | {p.raw_batch_write.p50} | "
+                       f"{p.ours_over_raw_p50} | {p.raw_rows_per_s} | {p.raw_run_rows_per_s} | "
+                       f"{p.bulk.gb_per_s if p.bulk else None} |")
     stages = ["", "Where a one-in-flight handoff's time goes (p50 us of each stage; forward step done "
                   "-> verified):", "", "| path | " + " | ".join(STAGES) + " | handoff p50 |",
               "|---|" + "---|" * (len(STAGES) + 1)]
-    for p in results["paths"]:
-        ph = p.get("phases", {}).get("handoff 1-in-flight")
+    for p in paths:
+        ph = p.phases.get("handoff 1-in-flight")
         if ph:
-            stages.append(f"| {p['path']} | " + " | ".join(str(ph["stages_p50_us"].get(k)) for k in STAGES)
-                          + f" | {ph['handoff_us'].get('p50')} |")
-    raw += stages
+            stages.append(f"| {p.path} | " + " | ".join(str(ph.stages_p50_us.get(k)) for k in STAGES)
+                          + f" | {ph.handoff_us.p50} |")
+    return raw + stages
+
+
+def markdown(results: BenchResults) -> str:
+    paths = results.paths
     sb = ["", "set_buf per request (p50 us, on the scheduler's thread; inline phases):", "",
           "| path | rows on | sglang (SGLang 0.5.23's set_buf) | staged (pinned rows, one upload a step) |",
           "|---|---|---|---|"]
-    for p in results["paths"]:
-        phases = p.get("phases", {})
-        if "inline" in phases:
-            st = phases.get("inline staged", {}).get("set_buf_us", {}).get("p50")
-            sb.append(f"| {p['path']} | {p.get('buffer_device')} | {phases['inline']['set_buf_us'].get('p50')} | "
-                      f"{cell(st) if 'inline staged' in phases else 'same as sglang (host rows)'} |")
-    raw += sb
-    first = next((p for p in results["paths"] if "row_bytes" in p), {})
-    lines = rows + raw + ["", (f"{first.get('row_bytes')} B per request in {first.get('blocks')} blocks; "
-                               if first else "no path finished; ")
-                          + "handoff = row ready on the prefill -> verified on the decode", "",
-                          "Ratios:"]
-    lines += [f"- {k}: {v}" for k, v in results["ratios"].items()]
+    for p in paths:
+        if "inline" in p.phases:
+            st = _set_buf_p50(p, "inline staged")
+            sb.append(f"| {p.path} | {p.buffer_device} | {_set_buf_p50(p, 'inline')} | "
+                      f"{_cell(st) if 'inline staged' in p.phases else 'same as sglang (host rows)'} |")
+    first = next((p for p in paths if p.row_bytes is not None), None)
+    lines = _phase_rows(paths) + _raw_rows(paths, results.batch_size) + sb + [
+        "", (f"{first.row_bytes} B per request in {first.blocks} blocks; " if first else "no path finished; ")
+        + "handoff = row ready on the prefill -> verified on the decode", "", "Ratios:"]
+    lines += [f"- {k}: {v}" for k, v in results.ratios.items()]
     return "\n".join(lines)
 
 

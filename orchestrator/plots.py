@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .results import Percentiles
 
 from .rundir import RunFiles
 
@@ -65,10 +68,10 @@ def percentiles(values) -> dict[str, Optional[float]]:
 
 
 def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
-                marks: Optional[dict[str, dict[str, Optional[float]]]] = None) -> Optional[Path]:
+                marks: Optional[dict[str, Percentiles]] = None) -> Optional[Path]:
     """One panel per metric: the CDF of each route's latencies on a log x axis, its p50, p99
     and p999 marked and labelled beside their lines, below the curve (where a CDF leaves
-    room), the legend under the panel. `marks` ({metric: {p50, p99, p999}}, results.json's
+    room), the legend under the panel. `marks` ({metric: Percentiles}, the job's
     latency_us) are the summary's own percentiles: a panel of one route marks those; several
     routes get theirs from the same computation. Returns the path, or None when nothing was
     measured."""
@@ -77,6 +80,8 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
         return None
     plt = pyplot()
     from matplotlib import ticker
+
+    from .results import Percentiles
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 5.2), squeeze=False)
     for ax, (metric, routes) in zip(axes[0], panels):
@@ -87,9 +92,9 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
             ys = [(i + 1) / n for i in range(n)]
             step = max(1, n // 4000)  # the curve needs no more points than pixels
             given = (marks or {}).get(metric) if len(drawn) == 1 else None
-            pcts = given if given and any(v is not None for v in given.values()) else percentiles(xs)
-            shown = [(name, pcts.get(name), q) for q, name in QUANTILES
-                     if pcts.get(name) is not None and n * (1 - q) >= 1]
+            pcts = given if given and given.measured else Percentiles(**percentiles(xs))
+            shown = [(name, getattr(pcts, name), q) for q, name in QUANTILES
+                     if getattr(pcts, name) is not None and n * (1 - q) >= 1]
             label = f"{route} (n={n:,}): " + ", ".join(f"{name} {x:,.0f}" for name, x, _ in shown) + " us"
             line, = ax.plot(xs[::step] + [xs[-1]], ys[::step] + [1.0], label=label)
             span = math.log(max(xs[-1], xs[0] * 1.01) / xs[0])
@@ -121,7 +126,7 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     return path
 
 
-def run_latency_png(run_dir: Path, title: str, marks: Optional[dict] = None,
+def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, Percentiles]] = None,
                     arrival: bool = False) -> Optional[Path]:
     return latency_cdf(Path(run_dir) / LATENCY_PNG, run_latencies(run_dir, arrival), title, marks)
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .results import read_jsonl
+from .results import Results, read_jsonl
 from .rundir import RunFiles
 
 DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
@@ -68,12 +68,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def compare(original: Path, replay: Path) -> dict[str, Any]:
     a, b = deterministic(original), deterministic(replay)
-    ra = json.loads(RunFiles(original).results.read_text())
-    rb = json.loads(RunFiles(replay).results.read_text())
+    ra, rb = Results.read(original), Results.read(replay)
     latency = {}
     for metric in ("send_aux", "handoff"):
-        for q in ("p50", "p99", "p999"):
-            x, y = ra["latency_us"][metric][q], rb["latency_us"][metric][q]
+        pa, pb = (getattr(r.latency_us, metric) for r in (ra, rb))
+        for q, x, y in zip(("p50", "p99", "p999"), (pa.p50, pa.p99, pa.p999), (pb.p50, pb.p99, pb.p999)):
             latency[f"{metric}.{q}"] = {"original_us": x, "replay_us": y,
                                         "ratio": round(y / x, 3) if x and y else None}
     fa = _flatten(json.loads((original / "fingerprint.json").read_text()))
@@ -90,7 +89,7 @@ def compare(original: Path, replay: Path) -> dict[str, Any]:
         "decision_differences": _diff(a["decisions"], b["decisions"]),
         "latency": latency,
         "fingerprint_differences": env_diff,
-        "exit_codes": {"original": ra.get("exit_code"), "replay": rb.get("exit_code")},
+        "exit_codes": {"original": ra.exit_code, "replay": rb.exit_code},
     }
 
 

@@ -36,7 +36,7 @@ from .outcomes import Detail
 from .plan import Device, Plan
 from .lifecycle import Interrupted, RunFailed, Signals, spawn
 from .recovery import decode_from_disk, reconstruct
-from .results import RankResult, RunResult
+from .results import RunResult
 from .rundir import RunFiles, proc_name
 
 _clock = time.monotonic
@@ -347,7 +347,7 @@ class Job:
                 if progress is not None and hasattr(progress, "phase"):
                     progress.phase(label)
             case protocol.Result(result=result):
-                self.out.ranks[p.name] = result
+                self.out.add(p.name, result)
                 p.done = True
             case _:
                 self._lose(p, f"endpoint failed: {_said(msg)}")
@@ -449,7 +449,7 @@ class Job:
 
     def _prefill_result(self, p: _Proc, msg) -> bool:
         if isinstance(msg, protocol.Result):
-            self.out.ranks[p.name] = msg.result
+            self.out.add(p.name, msg.result)
             p.done = True
         return p.done
 
@@ -478,7 +478,7 @@ class Job:
                 if not out.interrupted and out.error is None and d.proc.exitcode not in (0, None):
                     out.lost.setdefault(d.name, f"exited with code {d.proc.exitcode}")
         for p in self.prefills:
-            if p.name not in out.ranks:
+            if not out.reported(p.name):
                 reason = out.lost.get(p.name)
                 out.ranks[p.name] = reconstruct(self.cfg, self.run_dir, p.index, p.name,
                                                 Detail.interrupted if out.interrupted and not reason else
@@ -486,7 +486,7 @@ class Job:
                                                 route=self.plan.route.value, ran=p.running,
                                                 phase=(out.t_phase, out.t_stop))
         for p in self.prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
-            rank = out.ranks[p.name]
-            for inst, why in (rank.lost.items() if isinstance(rank, RankResult) else ()):
+            rank = out.ranks.get(p.name)  # none where a driver ran
+            for inst, why in (rank.lost.items() if rank else ()):
                 out.lost.setdefault(proc_name("decode", inst, ep.decode_ranks, 0, ep.decode_tp),
                                     f"declared lost by {p.name}: {why}")

@@ -40,10 +40,6 @@ class LatencyHistogram:
         for v in values:
             self.add(v)
 
-    @staticmethod
-    def _bucket(us: float) -> int:
-        return int(math.log(us / _BASE_US) / _LOG_RATIO) if us > _BASE_US else 0
-
     def add(self, us: float) -> None:
         self._pending.append(us)
         if len(self._pending) >= self.BUFFER:

@@ -7,15 +7,14 @@ rebuilds the same files.
 
 A job dir is a subdir whose name is a whole number (Hydra's `hydra.job.num`). Its row
 carries the swept values (from `.hydra/overrides.yaml`, `hydra.*` keys left out) and a
-status: `ok` (every request verified, no error), `failed` (ran, but not every request was
-verified), `error` (results.json carries an error, or cannot be read) or `missing` (no
-results.json: the job crashed before writing one).
+status (orchestrator.results.RunStatus): `ok` (every request verified, no error), `failed`
+(ran, but not every request was verified), `error` (results.json carries an error, or
+cannot be read) or `missing` (no results.json: the job crashed before writing one).
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .plots import pyplot, short_dir
+from .results import DecodeSideResults, JobResults, Results, RunStatus
 from .rundir import RunFiles
 
 CSV_NAME = "summary.csv"
@@ -78,70 +78,54 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     return out
 
 
-def _get(d: Any, *path: str) -> Any:
-    for key in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)
-    return d
-
-
 def _row(job_dir: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"job": int(job_dir.name)}
-    path = RunFiles(job_dir).results
-    if not path.is_file():
-        row.update(status="missing", error="no results.json")
+    if not RunFiles(job_dir).results.is_file():
+        row.update(status=RunStatus.missing, error="no results.json")
         return row
     try:
-        res = json.loads(path.read_text())
-        if not isinstance(res, dict):
-            raise ValueError("not a JSON object")
+        res = Results.read(job_dir)
     except (OSError, ValueError) as exc:
-        row.update(status="error", error=f"unreadable results.json: {exc}")
+        row.update(status=RunStatus.error, error=f"unreadable results.json: {exc}")
         return row
-    error = res.get("error")
-    requests, verified = res.get("requests"), res.get("verified")
-    if error is not None:
-        status = "error"
-    elif requests and verified == requests:
-        status = "ok"
-    else:
-        status = "failed"
-    routes = res.get("routes") or {}
-    row.update(
-        status=status,
-        requests=requests,
-        verified=verified,
-        corrupted=res.get("corrupted"),
-        failed=res.get("failed"),
-        routes=";".join(f"{k}={v}" for k, v in sorted(routes.items())) if isinstance(routes, dict) else str(routes),
-        mem_pool=_get(res, "plan", "mem_pool"),
-        route=_get(res, "plan", "route"),
-        handoffs_per_s=res.get("handoffs_per_s"),
-        offered_per_s=res.get("offered_per_s"),
-        achieved_pct=(round(100 * res["handoffs_per_s"] / res["offered_per_s"], 1)
-                      if res.get("offered_per_s") and res.get("handoffs_per_s") is not None else None),
-        mb_per_s=res.get("mb_per_s"),
-        bytes_per_request=res.get("bytes_per_request"),
-        effective_transport=res.get("effective_transport"),
-        startup_s=res.get("startup_s"),
-        startup_by_process=";".join(f"{k}={v}" for k, v in (res.get("startup_by_process") or {}).items()) or None,
-        silent_corruptions=_get(res, "tp", "silent_corruptions"),
-        steps_disagreed=_get(res, "tp", "steps_disagreed"),
-        exit_code=res.get("exit_code"),
-        error=error,
-    )
-    for q in ("p50", "p99"):
-        row[f"e2e_{q}_us"] = _get(res, "latency_us", "e2e", q)
+    row.update(status=res.status, requests=res.requests, verified=res.verified, corrupted=res.corrupted,
+               failed=res.failed, routes=";".join(f"{k}={v}" for k, v in sorted((res.routes or {}).items())),
+               exit_code=res.exit_code, error=res.error)
+    if isinstance(res, (JobResults, DecodeSideResults)):
+        row.update(_ran(res))
+    if isinstance(res, JobResults):
+        row.update(_measured(res))
+    return row
+
+
+def _ran(res: JobResults | DecodeSideResults) -> dict[str, Any]:
+    """The columns of a job that ran: its plan, transport, start-up and rate, TP agreement."""
+    t, tp = res.timing, res.tp
+    return dict(
+        mem_pool=res.plan.mem_pool, route=res.plan.route, handoffs_per_s=t.handoffs_per_s,
+        offered_per_s=t.offered_per_s,
+        achieved_pct=(round(100 * t.handoffs_per_s / t.offered_per_s, 1)
+                      if t.offered_per_s and t.handoffs_per_s is not None else None),
+        mb_per_s=t.mb_per_s, bytes_per_request=t.bytes_per_request,
+        effective_transport=res.transports.effective_transport, startup_s=t.startup_s,
+        startup_by_process=";".join(f"{k}={v}" for k, v in (t.startup_by_process or {}).items()) or None,
+        silent_corruptions=tp.silent_corruptions if tp else None,
+        steps_disagreed=tp.steps_disagreed if tp else None)
+
+
+def _measured(res: JobResults) -> dict[str, Any]:
+    """A run's latency and decode gate columns."""
+    lat, gate = res.latency_us, res.decode_gate
+    load = gate.one_load
+    row: dict[str, Any] = dict(
+        e2e_p50_us=lat.e2e.p50, e2e_p99_us=lat.e2e.p99, gate_read=gate.read,
+        gate_read_p50_us=gate.gate_read_us_per_poll.p50, gate_read_p99_us=gate.gate_read_us_per_poll.p99,
+        stall_p50_us=gate.stall_us_per_poll.p50, stall_p99_us=gate.stall_us_per_poll.p99,
+        forward_steps_per_s_idle=load.forward_steps_per_s_idle if load else None,
+        forward_steps_per_s_serving=load.forward_steps_per_s_serving if load else None)
     for kind in ("send_aux", "taken", "handoff"):
-        for q in ("p50", "p99", "p999"):
-            row[f"{kind}_{q}_us"] = _get(res, "latency_us", kind, q)
-    row["gate_read"] = _get(res, "decode_gate", "read")
-    for kind in ("gate_read_us_per_poll", "stall_us_per_poll"):
-        for q in ("p50", "p99"):
-            row[f"{kind.replace('_us_per_poll', '')}_{q}_us"] = _get(res, "decode_gate", kind, q)
-    row["forward_steps_per_s_idle"] = _get(res, "decode_gate", "load", "forward_steps_per_s_idle")
-    row["forward_steps_per_s_serving"] = _get(res, "decode_gate", "load", "forward_steps_per_s_serving")
+        p = getattr(lat, kind)
+        row.update({f"{kind}_p50_us": p.p50, f"{kind}_p99_us": p.p99, f"{kind}_p999_us": p.p999})
     return row
 
 
@@ -156,6 +140,8 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, RunStatus):
+        return value.value
     return "" if value is None else str(value)
 
 
@@ -197,7 +183,7 @@ def _md_cell(value: Any) -> str:
 
 
 def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    ok = sum(r["status"] == "ok" for r in rows)
+    ok = sum(r["status"] is RunStatus.ok for r in rows)
     lines = [f"# Sweep summary: {sweep_dir}", "",
              f"{len(rows)} jobs, {ok} ok.", "",
              "| " + " | ".join(columns) + " |",
@@ -239,7 +225,7 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     labels = ["\n".join([f"job {r['job']}"] + [pair(k, r.get(k)) for k in keys]) for r in rows]
     x = list(range(len(rows)))
     fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * len(rows) + 6), 5.6))
-    ran = [r["status"] in ("ok", "failed") for r in rows]
+    ran = [r["status"] in (RunStatus.ok, RunStatus.failed) for r in rows]
     top = max([_number(r.get("requests")) or 0.0 for r in rows] + [1.0])
     bottom = [0.0] * len(rows)
     for key, color in (("verified", "tab:green"), ("corrupted", "tab:red"), ("failed", "tab:gray")):
@@ -252,7 +238,7 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
         if silent:
             axes[0].annotate(f"{silent:g} silent", (i, bottom[i]), ha="center", va="bottom", fontsize="small")
         if not ran[i]:
-            what = "refused" if r.get("exit_code") == 2 else r["status"]
+            what = "refused" if r.get("exit_code") == 2 else r["status"].value
             for ax, h in ((axes[0], top), (axes[1], rate_top)):
                 ax.bar([i], [h], color="none", edgecolor="tab:orange", hatch="//", linewidth=1)
                 ax.text(i, h / 2, what, ha="center", va="center", rotation=90, color="tab:orange",
@@ -271,32 +257,20 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     axes[0].set_ylim(0, top * 1.18)  # headroom for the legend, above every bar
     axes[1].set_ylim(0, rate_top * 1.18)
     axes[0].legend(fontsize="small", loc="upper center", ncol=3, framealpha=0.9)
-    ok = sum(r["status"] == "ok" for r in rows)
+    ok = sum(r["status"] is RunStatus.ok for r in rows)
     fig.suptitle(f"sweep {short_dir(sweep_dir)}: {ok}/{len(rows)} jobs ok", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
-    plt = pyplot()
+STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
 
-    x_key, x_label = _x_axis(swept, rows)
-    if x_key is None:
-        plt.close("all")
-        return _write_bars(path, sweep_dir, swept, rows)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    ok = [r for r in rows if r["status"] == "ok"]
-    load = x_key == RATE_KEY  # a latency-vs-load sweep: offered load on x, p50 and p99 from arrival
-    if load:
-        panels = [("e2e_p50_us", "latency from arrival (us): p50 solid, p99 dashed"),
-                  ("handoffs_per_s", "verified handoffs/s vs offered")]
-        x_label = "offered load (requests/s per prefill rank)"
-    else:
-        panels = [("send_aux_p50_us", "send_aux p50 latency (us)"), ("handoffs_per_s", "handoffs/s")]
-    # One line per (mem_pool, route); other swept keys that vary among the plotted rows (not
-    # the x axis, not mem_pool, which the plan already names) split lines further, so that a
-    # line never zig-zags between two configurations at the same x.
+
+def _series(swept: list[str], x_key: str, ok: list[dict[str, Any]]) -> dict[tuple, list[tuple[float, dict]]]:
+    """One line per (mem_pool, route); other swept keys that vary among the plotted rows (not
+    the x axis, not mem_pool, which the plan already names) split lines further, so that a
+    line never zig-zags between two configurations at the same x."""
     extra = [k for k in swept if k not in (x_key, swept_column("mem_pool"))
              and len({r.get(k) for r in ok}) > 1]
     series: dict[tuple, list[tuple[float, dict[str, Any]]]] = {}
@@ -307,57 +281,90 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
         label = (row.get("mem_pool") or "?", row.get("route") or "?",
                  *(f"{k}={row.get(k)}" for k in extra))
         series.setdefault(label, []).append((x, row))
+    return series
+
+
+def _lines(ax, key: str, series: dict, load: bool) -> None:
+    """A panel's lines: `key` against x for each series (with a load sweep's p99 dashed)."""
+    for n_series, (label, pts) in enumerate(sorted(series.items())):
+        marker, style = STYLES[n_series % len(STYLES)]
+        if load and key == "e2e_p50_us":
+            style = "-"  # p50 solid, p99 dashed, the marker tells the lines apart
+        pts.sort(key=lambda p: p[0])
+        px = [x for x, r in pts if _number(r.get(key)) is not None]
+        py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
+        name = f"{label[0]} / {label[1]}" + "".join(f", {e}" for e in label[2:])
+        # a distinct marker and dash per line, drawn thinner and on top as they come: a
+        # line that lies exactly on another stays visible
+        line, = ax.plot(px, py, marker=marker, linestyle=style, markersize=7 - n_series % 3,
+                        linewidth=2.2 - 0.4 * (n_series % 3), zorder=3 + n_series, label=name)
+        if load and key == "e2e_p50_us":
+            qx = [x for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
+            qy = [_number(r.get("e2e_p99_us")) for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
+            ax.plot(qx, qy, marker=marker, markerfacecolor="none", linestyle="--", color=line.get_color(),
+                    zorder=3 + n_series)
+
+
+def _offered_line(ax, xs: list[float], measured_top: float) -> bool:
+    """A load sweep's offered = achieved diagonal; True when it was clipped off the chart."""
+    offered = sorted(set(xs))
+    ax.plot(offered, offered, color="gray", linestyle=":", zorder=2, label="offered")
+    if measured_top and max(offered) > 2.5 * measured_top:  # it would squash the measured lines
+        ax.set_ylim(0, 1.3 * measured_top)
+        ax.text(0.02, 0.97, f"offered line leaves the chart above {1.3 * measured_top:,.0f}/s",
+                transform=ax.transAxes, ha="left", va="top", fontsize="x-small", color="gray")
+        return True
+    return False
+
+
+def _axes(ax, key: str, title: str, x_label: str, xs: list[float], has_series: bool, load: bool,
+          clipped: bool) -> None:
+    """A panel's titles, scales, ticks and legend."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel({"e2e_p50_us": "latency from arrival (us, log scale)", "send_aux_p50_us": "send_aux p50 (us)",
+                   "handoffs_per_s": "verified handoffs/s"}.get(key, title))
+    ax.grid(True, which="both", alpha=0.3)
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")
+    ticks = sorted(set(xs))
+    if 0 < len(ticks) <= 8:  # label the swept values themselves
+        ax.set_xticks(ticks, [f"{x:.0f}" if x.is_integer() else repr(x) for x in ticks])
+        ax.minorticks_off()
+    if has_series:
+        if load and key == "e2e_p50_us":
+            ax.set_yscale("log")
+        elif not clipped:
+            ax.set_ylim(bottom=0)
+        ax.legend(title="mem_pool / route", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no successful jobs", ha="center", va="center",
+                transform=ax.transAxes, fontsize=14, color="gray")
+
+
+def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[str, Any]]) -> None:
+    plt = pyplot()
+
+    x_key, x_label = _x_axis(swept, rows)
+    if x_key is None:
+        plt.close("all")
+        return _write_bars(path, sweep_dir, swept, rows)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    ok = [r for r in rows if r["status"] is RunStatus.ok]
+    load = x_key == RATE_KEY  # a latency-vs-load sweep: offered load on x, p50 and p99 from arrival
+    if load:
+        panels = [("e2e_p50_us", "latency from arrival (us): p50 solid, p99 dashed"),
+                  ("handoffs_per_s", "verified handoffs/s vs offered")]
+        x_label = "offered load (requests/s per prefill rank)"
+    else:
+        panels = [("send_aux_p50_us", "send_aux p50 latency (us)"), ("handoffs_per_s", "handoffs/s")]
+    series = _series(swept, x_key, ok)
     xs = [x for pts in series.values() for x, _ in pts]
-    log_x = bool(xs) and min(xs) > 0 and max(xs) / min(xs) > 10
-    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
     measured_top = max([_number(r.get("handoffs_per_s")) or 0.0 for r in ok] + [0.0])
     for ax, (key, title) in zip(axes, panels):
-        clipped = False
-        for n_series, (label, pts) in enumerate(sorted(series.items())):
-            marker, style = styles[n_series % len(styles)]
-            if load and key == "e2e_p50_us":
-                style = "-"  # p50 solid, p99 dashed, the marker tells the lines apart
-            pts.sort(key=lambda p: p[0])
-            px = [x for x, r in pts if _number(r.get(key)) is not None]
-            py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
-            name = f"{label[0]} / {label[1]}" + "".join(f", {e}" for e in label[2:])
-            # a distinct marker and dash per line, drawn thinner and on top as they come: a
-            # line that lies exactly on another stays visible
-            line, = ax.plot(px, py, marker=marker, linestyle=style, markersize=7 - n_series % 3,
-                            linewidth=2.2 - 0.4 * (n_series % 3), zorder=3 + n_series, label=name)
-            if load and key == "e2e_p50_us":
-                qx = [x for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
-                qy = [_number(r.get("e2e_p99_us")) for x, r in pts if _number(r.get("e2e_p99_us")) is not None]
-                ax.plot(qx, qy, marker=marker, markerfacecolor="none", linestyle="--", color=line.get_color(),
-                        zorder=3 + n_series)
-        if load and key == "handoffs_per_s" and xs:
-            offered = sorted(set(xs))
-            ax.plot(offered, offered, color="gray", linestyle=":", zorder=2, label="offered")
-            if measured_top and max(offered) > 2.5 * measured_top:  # it would squash the measured lines
-                ax.set_ylim(0, 1.3 * measured_top)
-                clipped = True
-                ax.text(0.02, 0.97, f"offered line leaves the chart above {1.3 * measured_top:,.0f}/s",
-                        transform=ax.transAxes, ha="left", va="top", fontsize="x-small", color="gray")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(x_label)
-        ax.set_ylabel({"e2e_p50_us": "latency from arrival (us, log scale)", "send_aux_p50_us": "send_aux p50 (us)",
-                       "handoffs_per_s": "verified handoffs/s"}.get(key, title))
-        ax.grid(True, which="both", alpha=0.3)
-        if log_x:
-            ax.set_xscale("log")
-        ticks = sorted(set(xs))
-        if 0 < len(ticks) <= 8:  # label the swept values themselves
-            ax.set_xticks(ticks, [f"{x:.0f}" if x.is_integer() else repr(x) for x in ticks])
-            ax.minorticks_off()
-        if series:
-            if load and key == "e2e_p50_us":
-                ax.set_yscale("log")
-            elif not clipped:
-                ax.set_ylim(bottom=0)
-            ax.legend(title="mem_pool / route", fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "no successful jobs", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=14, color="gray")
+        _lines(ax, key, series, load)
+        clipped = _offered_line(ax, xs, measured_top) if load and key == "handoffs_per_s" and xs else False
+        _axes(ax, key, title, x_label, xs, bool(series), load, clipped)
     fig.suptitle(f"sweep {short_dir(sweep_dir)}: {len(ok)}/{len(rows)} jobs ok", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

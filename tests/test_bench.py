@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from orchestrator.bench import BenchResults
+
 from .conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -21,17 +23,17 @@ def test_bench_runs_every_path_and_phase(tmp_path):
          "bench.requests=128", "bench.batch_size=8", "bench.bulk_mib=1", "bench.bulk_reps=2",
          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    results = json.loads((run_dir / "bench.json").read_text())
-    paths = results["paths"]
-    assert {p["path"].split(",")[0] for p in paths} >= {"engine tcp", "tcp route (ZMQ)"}
+    results = BenchResults.from_json(json.loads((run_dir / "bench.json").read_text()))
+    paths = results.paths
+    assert {p.path.split(",")[0] for p in paths} >= {"engine tcp", "tcp route (ZMQ)"}
     for p in paths:
-        assert "error" not in p, p
-        assert set(p["phases"]) == {"handoff 1-in-flight", "per-request", "batched", "coalesced", "inline"}
-        for ph in p["phases"].values():
-            assert ph["verified"] == ph["requests"] and ph["handoffs_per_s"] > 0, (p["path"], ph)
-        assert p["phases"]["coalesced"]["requests_per_send"] > 1
-    engine = next(p for p in paths if p["path"].startswith("engine"))
-    assert engine["ours_over_raw_p50"] > 0 and engine["bulk"]["gb_per_s"] > 0
+        assert p.ok, p
+        assert set(p.phases) == {"handoff 1-in-flight", "per-request", "batched", "coalesced", "inline"}
+        for ph in p.phases.values():
+            assert ph.verified == ph.requests and ph.handoffs_per_s > 0, (p.path, ph)
+        assert p.phases["coalesced"].requests_per_send > 1
+    engine = next(p for p in paths if p.path.startswith("engine"))
+    assert engine.ours_over_raw_p50 > 0 and engine.bulk.gb_per_s > 0
     md = (run_dir / "bench.md").read_text()
     assert "| verified |" in md and "None" not in md and "Ratios:" in md
     # where it is while it runs, each side's start-up, and where it wrote

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.results import Results
+
 from .conftest import ROOT
 from .helpers import cluster as cl
 
@@ -73,8 +75,8 @@ def jobs(cluster: cl.Cluster) -> dict[str, tuple[str, str]]:
     return {p[0]: (p[1], p[2] if len(p) > 2 else "") for p in (ln.split() for ln in out.splitlines()) if p}
 
 
-def results(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
+def results(run_dir: Path) -> Results:
+    return Results.read(run_dir)
 
 
 def merged_report(prefill_dir: Path, decode_dir: Path) -> subprocess.CompletedProcess:
@@ -146,8 +148,8 @@ def test_sweep_through_the_slurm_launcher(cluster, tmp_path):
     assert len(rows) == 3, rows  # header and one row per job
     for job, pool, route in (("0", "NONE", "engine"), ("1", "NVLINK", "tcp")):
         r = results(sweep / job)
-        assert (r["requests"], r["verified"], r["corrupted"], r["failed"]) == (300, 300, 0, 0), r
-        assert r["exit_code"] == 0 and r["plan"]["mem_pool"] == pool and r["routes"] == {route: 300}
+        assert (r.requests, r.verified, r.corrupted, r.failed) == (300, 300, 0, 0), r
+        assert r.exit_code == 0 and r.plan.mem_pool == pool and r.routes == {route: 300}
     states = {j: s for j, s in jobs(cluster).items() if s[0] == "CD"}
     assert len(states) >= 2 and all(node.startswith("pdnode") for _, node in states.values()), states
 
@@ -175,25 +177,25 @@ def test_two_node_recipe_as_documented(cluster, tmp_path, recipe_env):
     assert "Traceback" not in console and "Bypassing sacct error" not in console, console
 
     decode, prefill = results(sweep / "0"), results(sweep / "1")
-    assert (decode["role"], prefill["role"]) == ("decode", "prefill")
-    assert (prefill["requests"], prefill["verified"], prefill["corrupted"], prefill["failed"]) == (200, 200, 0, 0)
-    assert (decode["requests"], decode["verified"]) == (200, 200) and decode["exit_code"] == 0
-    assert prefill["effective_transport"] == "mooncake-tcp"
+    assert (decode.role, prefill.role) == ("decode", "prefill")
+    assert (prefill.requests, prefill.verified, prefill.corrupted, prefill.failed) == (200, 200, 0, 0)
+    assert (decode.requests, decode.verified) == (200, 200) and decode.exit_code == 0
+    assert prefill.transports.effective_transport == "mooncake-tcp"
     # decode on one node, prefill on the other: the array's two tasks, one node each
     ran = {j: s for j, s in jobs(cluster).items() if j not in before}
     nodes = {j.split("_")[1]: node for j, (state, node) in ran.items() if "_" in j}
     assert set(nodes) == {"0", "1"} and nodes["0"] != nodes["1"], ran
-    host, _, port = decode["bootstrap"].partition(":")
-    assert host == dict(cl.NODES)[nodes["0"]], (decode["bootstrap"], nodes)
-    assert json.loads((sweep / "0" / "bootstrap.json").read_text()) == {"address": decode["bootstrap"]}
-    assert decode["prefills_seen"] == [0]
+    host, _, port = decode.bootstrap.partition(":")
+    assert host == dict(cl.NODES)[nodes["0"]], (decode.bootstrap, nodes)
+    assert json.loads((sweep / "0" / "bootstrap.json").read_text()) == {"address": decode.bootstrap}
+    assert decode.prefills_seen == [0]
     # the secret went by name only
     assert recipe_env["PD_SECRET"] not in (sweep / "multirun.yaml").read_text()
 
     rep = merged_report(sweep / "1", sweep / "0")
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "requests 200: verified 200, corrupted 0, failed 0" in rep.stdout, rep.stdout
-    assert f"decode side at {decode['bootstrap']} judged 200: verified 200, corrupted 0, failed 0" in rep.stdout
+    assert f"decode side at {decode.bootstrap} judged 200: verified 200, corrupted 0, failed 0" in rep.stdout
     assert rep.stdout.rstrip().endswith("both sides agree"), rep.stdout
     print(f"\n[cluster] decode on {nodes['0']}, prefill on {nodes['1']}\n{rep.stdout}")
 
@@ -234,30 +236,30 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
 
     decode, prefill = results(sweep / "0"), results(sweep / "1")
     for side in (decode, prefill):
-        assert side["interrupted"] is True and side["signal"] == "SIGTERM", side
-        assert side["exit_code"] == 143 and side["corrupted"] == 0
-    n = prefill["verified"]
+        assert side.ending.interrupted is True and side.ending.signal == "SIGTERM", side
+        assert side.exit_code == 143 and side.corrupted == 0
+    n = prefill.verified
     assert 200 <= n < requests
-    assert prefill["requests"] == requests
-    not_started = prefill.get("not_started", 0)  # never arrived before SIGTERM: no line, not failed
-    assert prefill["verified"] + prefill["corrupted"] + prefill["failed"] + not_started == requests
+    assert prefill.requests == requests
+    not_started = prefill.not_started  # never arrived before SIGTERM: no line, not failed
+    assert prefill.verified + prefill.corrupted + prefill.failed + not_started == requests
     # What was not verified was in flight, or arrived and was not sent, when SIGTERM came.
     # Slurm signals every process of the step at once; the runner gives its prefill endpoint
     # a grace period to wind down (runner._watch). On a loaded box it can take longer: then
     # the runner ends it (slow_to_stop) and rebuilds its counts from requests.jsonl and the
     # decode's verdicts. Either way no side claims more than it saw.
-    reasons = prefill["failure_reasons"]
+    reasons = prefill.failure_reasons
     assert set(reasons) <= {"interrupted", "not_sent_interrupted"}, reasons
     assert sum(reasons.values()) == requests - n - not_started, reasons
     assert _verified_lines(sweep / "1") == n  # each verified request has its line
-    assert decode["corrupted"] == 0 and decode["failed"] == 0, decode
-    assert decode["verified"] >= n, (decode, reasons)  # the prefill side never over-claims
-    assert prefill["lost"] == {}, prefill["lost"]  # slow to stop is not lost
-    stopped_in_time = not prefill.get("slow_to_stop")
+    assert decode.corrupted == 0 and decode.failed == 0, decode
+    assert decode.verified >= n, (decode, reasons)  # the prefill side never over-claims
+    assert prefill.ending.lost == {}, prefill.ending.lost  # slow to stop is not lost
+    stopped_in_time = not prefill.ending.slow_to_stop
     if stopped_in_time:
         # a request in flight may have been judged on the decode side after the prefill
         # side stopped counting
-        assert decode["verified"] <= n + reasons.get("interrupted", 0), (decode, reasons)
+        assert decode.verified <= n + reasons.get("interrupted", 0), (decode, reasons)
     settle = time.monotonic() + 30  # CG (completing) turns into CA once slurmd has reaped the steps
     while True:
         ran = {j: s[0] for j, s in jobs(cluster).items() if j not in before}
@@ -272,7 +274,7 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
     if stopped_in_time:
         assert "both sides agree" in rep.stdout, rep.stdout
     print(f"\n[cluster] scancel after {n} verified of {requests} ({reasons}), decode judged "
-          f"{decode['verified']}: exit {proc.returncode}; prefill endpoint stopped within its grace: "
+          f"{decode.verified}: exit {proc.returncode}; prefill endpoint stopped within its grace: "
           f"{stopped_in_time}\n{rep.stdout}")
 
 

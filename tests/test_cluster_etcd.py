@@ -16,7 +16,6 @@ Needs etcd (Debian: etcd-server, `make cluster-deps`); the split runs also need 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from orchestrator.results import Results
 
 from .conftest import ROOT
 from .helpers import etcd as etcd_helper
@@ -61,8 +62,8 @@ def pair():
         assert not problems, problems
 
 
-def results(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
+def results(run_dir: Path) -> Results:
+    return Results.read(run_dir)
 
 
 def command(run_dir: Path, overrides: list[str], prefix: list[str] = ()) -> list[str]:
@@ -107,12 +108,12 @@ def test_single_host_run_through_etcd(tmp_path):
         revision = etcd.revision()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = results(tmp_path / "run")
-    assert (r["requests"], r["verified"], r["corrupted"], r["failed"]) == (500, 500, 0, 0), r
-    assert r["effective_transport"] == "mooncake-tcp" and r["routes"] == {"engine": 500}
+    assert (r.requests, r.verified, r.corrupted, r.failed) == (500, 500, 0, 0), r
+    assert r.transports.effective_transport == "mooncake-tcp" and r.routes == {"engine": 500}
     # two engines, each put its segment and RPC records and removed them at the end
     assert revision > 4, revision
-    print(f"\n[etcd] single host: 500 verified, {r['handoffs_per_s']} handoffs/s, "
-          f"start-up {r['startup_s']} s, etcd revision {revision}")
+    print(f"\n[etcd] single host: 500 verified, {r.timing.handoffs_per_s} handoffs/s, "
+          f"start-up {r.timing.startup_s} s, etcd revision {revision}")
 
 
 # ---- two namespaces --------------------------------------------------------------------------
@@ -138,14 +139,14 @@ def test_split_run_across_namespaces_through_etcd(pair, tmp_path):
     assert prefill.returncode == 0, prefill.stdout + prefill.stderr
     assert drc == 0, (tmp_path / "decode.out").read_text()
     p, d = results(tmp_path / "prefill"), results(tmp_path / "decode")
-    assert (p["requests"], p["verified"], p["corrupted"], p["failed"]) == (400, 400, 0, 0), p
-    assert (d["requests"], d["verified"]) == (400, 400) and d["bootstrap"] == f"{DECODE_IP}:{BOOTSTRAP_PORT}"
-    assert p["effective_transport"] == "mooncake-tcp"
+    assert (p.requests, p.verified, p.corrupted, p.failed) == (400, 400, 0, 0), p
+    assert (d.requests, d.verified) == (400, 400) and d.bootstrap == f"{DECODE_IP}:{BOOTSTRAP_PORT}"
+    assert p.transports.effective_transport == "mooncake-tcp"
     assert revision > 4, revision  # both engines registered with etcd, across the link
     rep = subprocess.run([sys.executable, "-m", "orchestrator.report", str(tmp_path / "prefill"),
                           str(tmp_path / "decode")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert rep.returncode == 0 and "both sides agree" in rep.stdout, rep.stdout + rep.stderr
-    print(f"\n[etcd] across namespaces: 400 verified, {p['handoffs_per_s']} handoffs/s, "
+    print(f"\n[etcd] across namespaces: 400 verified, {p.timing.handoffs_per_s} handoffs/s, "
           f"etcd revision {revision}\n{rep.stdout}")
 
 
@@ -184,8 +185,8 @@ def test_etcd_stopped_mid_run_does_not_stop_the_transfers(pair, tmp_path):
     assert prc == 0, out
     assert drc == 0, (tmp_path / "decode.out").read_text()
     p, d = results(tmp_path / "prefill"), results(tmp_path / "decode")
-    assert (p["verified"], p["corrupted"], p["failed"]) == (requests, 0, 0), p
-    assert d["verified"] == requests
+    assert (p.verified, p.corrupted, p.failed) == (requests, 0, 0), p
+    assert d.verified == requests
     assert "Traceback" not in out
     print(f"\n[etcd] stopped after {at} of {requests} verified: all {requests} verified, prefill "
           f"exit {prc}, decode exit {drc}, {after_s:.1f} s from the stop to both sides' end")
@@ -221,5 +222,5 @@ def test_etcd_gone_before_the_prefill_side_starts_is_bounded_exit_3(pair, tmp_pa
     assert len(errors) == 1 and f"metadata_server={etcd.url}" in errors[0], console
     assert "reason=metadata server not answering: EtcdStoragePlugin: unable to set" in errors[0]
     p = results(tmp_path / "prefill")
-    assert p["exit_code"] == 3 and p["verified"] == 0 and "mooncake initialize returned -1" in p["error"]
+    assert p.exit_code == 3 and p.verified == 0 and "mooncake initialize returned -1" in p.error
     print(f"\n[etcd] gone before the prefill side: exit {prefill.returncode} in {elapsed:.1f} s\n{console}")

@@ -19,6 +19,7 @@ from orchestrator.config import ConfigError, EngineTransportSetting, FallbackPol
 from orchestrator.deployment import Level, Role, Wheel
 from orchestrator.plan import Platform
 from orchestrator.profile import load_profile
+from orchestrator.results import Results
 from orchestrator.rules import check_profile
 from orchestrator.serving import profile_from_env, serving_env
 
@@ -443,9 +444,9 @@ def test_cli_run_runs_the_implied_profile_here(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert ("$ python -m orchestrator workload.requests=20 buffers.size=16 "
             f"hydra.run.dir={tmp_path / 'run'} mem_pool=NONE") in proc.stdout
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["verified"] == 20 and results["exit_code"] == 0
-    assert results["plan"]["declared_transport"] == "mooncake-tcp"
+    results = Results.read(tmp_path / "run")
+    assert results.verified == 20 and results.exit_code == 0
+    assert results.plan.declared_transport == "mooncake-tcp"
 
 
 @pytest.mark.parametrize("doc,command", [

@@ -30,7 +30,7 @@ def _run(cfg_factory, tmp_path: Path, *overrides: str):
     records = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
     # the invariant behind every fault: a request that carried an injected fault is never verified
     assert not [r for r in records if r["fault"] and r["outcome"] == "verified"]
-    assert res["verified"] + res["corrupted"] + res["failed"] == res["requests"]
+    assert res.verified + res.corrupted + res.failed == res.requests
     return res, records, wall
 
 
@@ -44,7 +44,7 @@ def test_corrupt_byte_is_caught(cfg_factory, tmp_path, route):
                            "workload.requests=100")
     hits = _hits(records)
     assert len(hits) == 9 and {r["detail"] for r in hits} == {"checksum_mismatch"}
-    assert res["corrupted"] == 9 and res["verified"] == 91 and res["failed"] == 0
+    assert res.corrupted == 9 and res.verified == 91 and res.failed == 0
 
 
 def test_bad_destination_partial_batch_never_accepted(cfg_factory, tmp_path):
@@ -52,13 +52,13 @@ def test_bad_destination_partial_batch_never_accepted(cfg_factory, tmp_path):
                               "workload.requests=60")
     hits = _hits(records)
     assert len(hits) == 3 and {r["detail"] for r in hits} == {"sender_error"}
-    assert res["verified"] == 57 and res["corrupted"] == 0
+    assert res.verified == 57 and res.corrupted == 0
 
 
 def test_wrong_session(cfg_factory, tmp_path):
     res, records, _ = _run(cfg_factory, tmp_path, "faults=wrong_session", "faults.every=20",
                            "workload.requests=60")
-    assert {r["detail"] for r in _hits(records)} == {"sender_error"} and res["verified"] == 57
+    assert {r["detail"] for r in _hits(records)} == {"sender_error"} and res.verified == 57
 
 
 def test_stale_room_in_reused_slot_never_passes_the_gate(cfg_factory, tmp_path):
@@ -67,48 +67,48 @@ def test_stale_room_in_reused_slot_never_passes_the_gate(cfg_factory, tmp_path):
     hits = _hits(records)
     assert len(hits) == 4
     assert {r["detail"] for r in hits} == {"room_mismatch"}  # a previous tenant's room was there
-    assert res["verified"] == 56
+    assert res.verified == 56
 
 
 def test_decode_killed_mid_run(cfg_factory, tmp_path):
     res, records, wall = _run(cfg_factory, tmp_path, "faults=decode_killed", "faults.at_request=50",
                               "workload.requests=3000", "transport.timeout_s=5")
-    assert res["faults_applied"] and res["faults_applied"][0]["fault"] == "decode_killed"
-    assert res["verified"] == 50 and res["corrupted"] == 0  # exactly at its request
+    assert res.ending.faults_applied and res.ending.faults_applied[0]["fault"] == "decode_killed"
+    assert res.verified == 50 and res.corrupted == 0  # exactly at its request
     # the runner saw the process exit: the wait ends at once, not after transport.timeout_s
-    assert set(res["failure_reasons"]) == {"decode_lost", "not_sent_peer_lost"}
-    assert res["failure_reasons"]["decode_lost"] == 8  # the next window: announced, never granted
-    assert res["lost"] == {"decode": "exited with code -9"}
-    assert res["exit_code"] == 3 and wall < 30
+    assert set(res.failure_reasons) == {"decode_lost", "not_sent_peer_lost"}
+    assert res.failure_reasons["decode_lost"] == 8  # the next window: announced, never granted
+    assert res.ending.lost == {"decode": "exited with code -9"}
+    assert res.exit_code == 3 and wall < 30
     # the rate is over the phase that ran: first arrival to the last verdict before the fault
-    assert res["wall_s"] < 5  # (a wait for the timeout would be in it)
+    assert res.timing.wall_s < 5  # (a wait for the timeout would be in it)
 
 
 def test_decode_stopped_shorter_than_timeout_is_ridden_out(cfg_factory, tmp_path):
     res, _, wall = _run(cfg_factory, tmp_path, "faults=decode_stopped", "faults.at_request=50",
                         "faults.duration_s=0.5", "transport.timeout_s=4", "workload.requests=1500")
-    assert res["faults_applied"] and res["verified"] == 1500
+    assert res.ending.faults_applied and res.verified == 1500
 
 
 def test_decode_stopped_longer_than_timeout_is_declared_lost(cfg_factory, tmp_path):
     res, _, wall = _run(cfg_factory, tmp_path, "faults=decode_stopped", "faults.at_request=50",
                         "faults.duration_s=6", "workload.requests=3000")
-    assert res["faults_applied"] and res["verified"] == 50 and res["corrupted"] == 0
-    assert "peer_lost" in res["failure_reasons"] or "not_sent_peer_lost" in res["failure_reasons"]
+    assert res.ending.faults_applied and res.verified == 50 and res.corrupted == 0
+    assert "peer_lost" in res.failure_reasons or "not_sent_peer_lost" in res.failure_reasons
     assert wall < 30
 
 
 def test_silent_control_peer(cfg_factory, tmp_path):
     res, _, wall = _run(cfg_factory, tmp_path, "faults=silent_control", "workload.requests=50")
-    assert res["verified"] == 0 and res["failed"] == 50
-    assert "did not answer hello" in res["error"] + str(res["lost"])
+    assert res.verified == 0 and res.failed == 50
+    assert "did not answer hello" in res.error + str(res.ending.lost)
     assert wall < 20
 
 
 def test_silent_mooncake_peer_is_bounded_by_our_watchdog(cfg_factory, tmp_path):
     res, _, wall = _run(cfg_factory, tmp_path, "faults=silent_peer", "workload.requests=50")
-    assert res["verified"] == 0 and res["failed"] == 50
-    assert "did not finish within transport.timeout_s=2" in res["error"] + str(res["lost"])
+    assert res.verified == 0 and res.failed == 50
+    assert "did not finish within transport.timeout_s=2" in res.error + str(res.ending.lost)
     assert wall < 25  # Mooncake's own handshake would block for 60 s
 
 

@@ -30,16 +30,16 @@ def test_the_three_gate_reads_give_the_same_verdicts(tmp_path):
     outs = {}
     for mode in ("sglang", "batched", "side_stream"):
         res = _run(tmp_path / mode, f"gate.read={mode}", "workload.seed=7")
-        assert (res["verified"], res["corrupted"], res["failed"]) == (200, 0, 0), res["failure_reasons"]
-        gate = res["decode_gate"]
-        assert gate["read"] == mode and gate["polls"] > 0 and gate["stall_us_per_poll"]["p50"] is not None
+        assert (res.verified, res.corrupted, res.failed) == (200, 0, 0), res.failure_reasons
+        gate = res.decode_gate
+        assert gate.read == mode and gate.polls > 0 and gate.stall_us_per_poll.p50 is not None
         outs[mode] = deterministic(tmp_path / mode)
     assert outs["sglang"] == outs["batched"] == outs["side_stream"]
 
 
 def test_decode_load_is_off_with_a_warning_on_host_rows(tmp_path):
     res = _run(tmp_path, "endpoints.decode_load.step_ms=8", "endpoints.decode_load.idle_s=0.2")
-    assert res["verified"] == 200 and res["decode_gate"]["load"] is None
+    assert res.verified == 200 and res.decode_gate.load is None
     lines = [json.loads(x) for x in (tmp_path / "decode.log").read_text().splitlines()]
     assert any(x["event"] == "decode_load_off" and x["level"] == "warning" for x in lines)
 

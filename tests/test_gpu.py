@@ -60,16 +60,15 @@ def _run(cfg_factory, tmp_path, *overrides):
     plan = check_profile(cfg, detect())
     assert plan.engine_transport is EngineTransport.nvlink_intra
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
-    print(json.dumps({k: res[k] for k in ("verified", "failed", "effective_transport", "latency_us",
-                                          "handoffs_per_s", "sends", "startup_s")}))
+    print(res.verified, res.failed, res.transports.effective_transport, res.latency_us, res.timing)
     return res
 
 
 def test_intra_node_nvlink_handoffs_verified_over_nvlink(cfg_factory, tmp_path):
     res = _run(cfg_factory, tmp_path, "workload.requests=300", "buffers.hidden_size=7168",
                "buffers.hidden_states_dtype=bfloat16")
-    assert (res["verified"], res["failed"], res["corrupted"]) == (300, 0, 0), res
-    assert res["effective_transport"] == "mooncake-nvlink_intra"
+    assert (res.verified, res.failed, res.corrupted) == (300, 0, 0), res
+    assert res.transports.effective_transport == "mooncake-nvlink_intra"
     decisions = [json.loads(x) for x in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert {d["transport"] for d in decisions} == {"mooncake-nvlink_intra"}
     assert {d["buffer_device"] for d in decisions} == {"cuda"}
@@ -83,8 +82,8 @@ def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(cfg_factory,
     res = _run(cfg_factory, tmp_path, "experiment=deepseek_v3_mtp", "workload.requests=4096",
                "workload.batch_size=64", "workload.concurrency=256", "buffers.size=512",
                "transport.coalesce=true", "transport.status=per_step", "buffers.kv_checksum_enabled=true")
-    assert (res["verified"], res["failed"], res["corrupted"]) == (4096, 0, 0), res
-    assert res["sends"] < 4096 / 4
+    assert (res.verified, res.failed, res.corrupted) == (4096, 0, 0), res
+    assert res.timing.sends < 4096 / 4
 
 
 def _trap(conn):
@@ -117,7 +116,7 @@ def test_all_pairs_four_by_four_over_nvlink(cfg_factory, tmp_path):
     cfg = cfg_factory("experiment=pd_8gpu_nvlink", "workload.requests=200")
     plan = check_profile(cfg, detect())
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
-    print(json.dumps({"pairs": res["pairs"], "effective_transport": res["effective_transport"]}))
-    assert (res["verified"], res["failed"], res["corrupted"]) == (800, 0, 0), res
-    assert res["effective_transport"] == "mooncake-nvlink_intra"
-    assert len(res["pairs"]) == 16
+    print(res.pairs, res.transports.effective_transport)
+    assert (res.verified, res.failed, res.corrupted) == (800, 0, 0), res
+    assert res.transports.effective_transport == "mooncake-nvlink_intra"
+    assert len(res.pairs) == 16

@@ -154,9 +154,9 @@ def test_reused_slots_are_zeroed_before_they_are_granted_again(cfg_factory, tmp_
         plan = check_profile(cfg, detect())
         run_dir = tmp_path / fill
         res = build_results(cfg, plan, run_handoffs(cfg, plan, run_dir))
-        print(fill, {k: res[k] for k in ("verified", "failure_reasons", "handoffs_per_s")},
-              "gate waits", res["decode"]["decode"]["gate_waits"])
-        assert (res["verified"], res["failed"], res["corrupted"]) == (3000, 0, 0), res["failure_reasons"]
+        print(fill, res.verified, res.failure_reasons, res.timing.handoffs_per_s,
+              "gate waits", res.decode["decode"].gate_waits)
+        assert (res.verified, res.failed, res.corrupted) == (3000, 0, 0), res.failure_reasons
 
 
 def test_steps_sealed_back_to_back_without_a_wait_each_keep_their_own_tags():
@@ -192,11 +192,11 @@ def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(cfg_facto
         cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", "workload.requests=300", "workload.seed=5", *extra)
         plan = check_profile(cfg, detect())
         res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / name))
-        print(name, res["latency_us"]["taken"], res["decode_gate"])
-        assert res["verified"] == 300, res["failure_reasons"]
+        print(name, res.latency_us.taken, res.decode_gate)
+        assert res.verified == 300, res.failure_reasons
         outs[name] = deterministic(tmp_path / name)
-    load = res["decode_gate"]["load"]
-    assert load["forward_steps_per_s_idle"] > 0 and load["forward_steps_per_s_serving"] > 0
+    load = res.decode_gate.load
+    assert load.forward_steps_per_s_idle > 0 and load.forward_steps_per_s_serving > 0
     for part in ("requests", "decisions"):
         a, b = outs["reference"][part], outs[mode][part]
         assert a == b, [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)][:5]

@@ -48,11 +48,11 @@ def _records(run_dir: Path) -> list[dict]:
 
 def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=NONE")
-    assert (res["verified"], res["failed"], res["corrupted"]) == (200, 0, 0), res
-    assert res["routes"] == {"engine": 200} and res["exit_code"] == 0
-    assert res["effective_transport"] == "mooncake-tcp"
-    assert res["startup_s"] > 0 and res["wall_s"] > 0 and res["handoffs_per_s"] > 0
-    assert res["latency_us"]["handoff"]["p50"] > 0 and res["latency_clock"] == "one_way"
+    assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
+    assert res.routes == {"engine": 200} and res.exit_code == 0
+    assert res.transports.effective_transport == "mooncake-tcp"
+    assert res.timing.startup_s > 0 and res.timing.wall_s > 0 and res.timing.handoffs_per_s > 0
+    assert res.latency_us.handoff.p50 > 0 and res.latency_clock == "one_way"
     decisions = _decisions(run_dir)
     assert len(decisions) == 200
     required = {"event", "room", "rid", "slot", "dst_slot", "mem_pool", "buffer_device", "route",
@@ -74,17 +74,17 @@ def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
 
 def test_nvlink_pool_goes_over_zmq(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=NVLINK")
-    assert (res["verified"], res["failed"]) == (200, 0), res
-    assert res["routes"] == {"tcp": 200} and res["effective_transport"] == "zmq-tcp"
+    assert (res.verified, res.failed) == (200, 0), res
+    assert res.routes == {"tcp": 200} and res.transports.effective_transport == "zmq-tcp"
     assert {d["reason"] for d in _decisions(run_dir)} == {"pool_nvlink_sends_over_tcp"}
 
 
 def test_forced_tcp_route_deepseek_rows(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "transport.route=tcp", "buffers.hidden_size=7168",
                         "buffers.hidden_states_dtype=bfloat16", "workload.concurrency=32")
-    assert (res["verified"], res["failed"]) == (200, 0), res
+    assert (res.verified, res.failed) == (200, 0), res
     assert {d["reason"] for d in _decisions(run_dir)} == {"route_forced_tcp"}
-    assert res["bytes_per_request"] == 15872  # DeepSeek-V3-class hidden 7168 bf16 (the notes)
+    assert res.timing.bytes_per_request == 15872  # DeepSeek-V3-class hidden 7168 bf16 (the notes)
 
 
 @pytest.mark.parametrize("route", ["engine", "tcp"])
@@ -92,26 +92,26 @@ def test_steps_coalesced_sends_and_step_statuses(cfg_factory, tmp_path, route):
     res, run_dir = _run(cfg_factory, tmp_path, f"transport.route={route}", "workload.batch_size=16",
                         "workload.concurrency=64", "buffers.size=128", "transport.coalesce=true",
                         "transport.status=per_step", "workload.fill=ahead", requests=640)
-    assert (res["verified"], res["failed"], res["corrupted"]) == (640, 0, 0), res
+    assert (res.verified, res.failed, res.corrupted) == (640, 0, 0), res
     sends = {(d["rank"], d["dst_slot"]): d["send"]["requests"] for d in _decisions(run_dir)}
-    assert max(sends.values()) > 1 and res["sends"] < 640  # runs of slots went as one send
+    assert max(sends.values()) > 1 and res.timing.sends < 640  # runs of slots went as one send
     assert all(d["send"]["blocks"] == 10 for d in _decisions(run_dir))  # one block per field
 
 
 @pytest.mark.slow
 def test_open_loop_arrivals_measure_from_arrival(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "workload.rate=400", requests=200)
-    assert res["verified"] == 200, res
-    e2e, hand = res["latency_us"]["e2e"], res["latency_us"]["handoff"]
-    assert e2e["p50"] >= hand["p50"]  # from arrival: includes the wait for a grant and a step
-    assert 0.35 < res["wall_s"] < 2.0  # 200 arrivals at 400/s take about half a second
+    assert res.verified == 200, res
+    e2e, hand = res.latency_us.e2e, res.latency_us.handoff
+    assert e2e.p50 >= hand.p50  # from arrival: includes the wait for a grant and a step
+    assert 0.35 < res.timing.wall_s < 2.0  # 200 arrivals at 400/s take about half a second
 
 
 @pytest.mark.slow
 def test_degraded_intra_node_nvlink_runs_on_host_over_engine_tcp(cfg_factory, tmp_path):
     res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
-    assert res["verified"] == 200 and res["effective_transport"] == "mooncake-tcp"
-    assert res["plan"]["events"][0]["event"] == "fallback"
+    assert res.verified == 200 and res.transports.effective_transport == "mooncake-tcp"
+    assert res.plan.events[0]["event"] == "fallback"
     assert {(d["mem_pool"], d["buffer_device"], d["fallback"]) for d in _decisions(run_dir)} == {
         ("INTRA_NODE_NVLINK", "cpu", "degraded_no_cuda")}
 
@@ -269,10 +269,10 @@ def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
     cfg = cfg_factory("endpoints.prefill_ranks=2", "endpoints.decode_ranks=2", "workload.requests=100")
     plan = make_plan(cfg, CPU)
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
-    assert (res["verified"], res["failed"], res["corrupted"]) == (200, 0, 0), res
-    assert set(res["pairs"]) == {"p0->d0", "p0->d1", "p1->d0", "p1->d1"}
-    assert all(p["verified"] == 50 for p in res["pairs"].values())
-    rates = [p["handoffs_per_s"] for p in res["pairs"].values()]
+    assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
+    assert set(res.pairs) == {"p0->d0", "p0->d1", "p1->d0", "p1->d1"}
+    assert all(p.verified == 50 for p in res.pairs.values())
+    rates = [p.handoffs_per_s for p in res.pairs.values()]
     assert all(r and r > 0 for r in rates) and len(set(rates)) == 4  # each pair's own rate
     rids = [r["rid"] for r in _records(tmp_path)]
     assert sorted(rids) == list(range(200))  # unique across prefill ranks
@@ -286,12 +286,12 @@ def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
     plan = make_plan(cfg, CPU)
     assert plan.mc_env["MC_FORCE_TCP"] is None and plan.declared_transport == "mooncake-rdma"
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / "strict"))
-    assert res["verified"] == 0 and res["exit_code"] == 3
-    assert "came up on mooncake-tcp, declared mooncake-rdma" in res["error"]
+    assert res.verified == 0 and res.exit_code == 3
+    assert "came up on mooncake-tcp, declared mooncake-rdma" in res.error
 
     cfg = cfg_factory("transport.mooncake.transport=rdma", "transport.fallback=degrade",
                       "workload.requests=50")
     plan = make_plan(cfg, CPU)
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / "degrade"))
-    assert res["verified"] == 50 and res["effective_transport"] == "mooncake-tcp"
+    assert res.verified == 50 and res.transports.effective_transport == "mooncake-tcp"
     assert "effective_transport_differs" in (tmp_path / "degrade" / "decode.log").read_text()

@@ -30,6 +30,8 @@ from typing import Optional
 
 import pytest
 
+from orchestrator.results import Results
+
 from .conftest import ROOT
 from .netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
 
@@ -130,8 +132,8 @@ class Side:
             self.proc.send_signal(signal.SIGINT)
         return self.wait(timeout)
 
-    def results(self) -> dict:
-        return json.loads((self.run_dir / "results.json").read_text())
+    def results(self) -> Results:
+        return Results.read(self.run_dir)
 
     def tail(self, n: int = 3000) -> str:
         return f"--- {self.name} stdout ---\n{self.stdout[-n:]}\n--- {self.name} stderr ---\n{self.stderr[-n:]}"
@@ -290,19 +292,19 @@ def test_every_handoff_verified_across_namespaces(netns, tmp_path, route, metada
     no_traceback(prefill, decode)
 
     p, d = prefill.results(), decode.results()
-    assert p["role"] == "prefill" and d["role"] == "decode"
-    assert p["requests"] == n and p["verified"] == n, p
-    assert p["corrupted"] == 0 and p["failed"] == 0 and p["failure_reasons"] == {}
-    assert p["error"] is None and p["lost"] == {}
-    assert p["routes"] == {route: n}
-    assert p["effective_transport"] == ("mooncake-tcp" if route == "engine" else "zmq-tcp")
-    assert p["latency_clock"] == "one_way"  # one kernel, one monotonic clock
-    assert p["handoffs_per_s"] and p["handoffs_per_s"] > 0
-    assert d["requests"] == n and d["verified"] == p["verified"], d
-    assert d["corrupted"] == 0 and d["failed"] == 0 and d["prefills_seen"] == [0]
+    assert p.role == "prefill" and d.role == "decode"
+    assert p.requests == n and p.verified == n, p
+    assert p.corrupted == 0 and p.failed == 0 and p.failure_reasons == {}
+    assert p.error is None and p.ending.lost == {}
+    assert p.routes == {route: n}
+    assert p.transports.effective_transport == ("mooncake-tcp" if route == "engine" else "zmq-tcp")
+    assert p.latency_clock == "one_way"  # one kernel, one monotonic clock
+    assert p.timing.handoffs_per_s and p.timing.handoffs_per_s > 0
+    assert d.requests == n and d.verified == p.verified, d
+    assert d.corrupted == 0 and d.failed == 0 and d.prefills_seen == [0]
 
     address = f"{DECODE_IP}:{port}"
-    assert d["bootstrap"] == address
+    assert d.bootstrap == address
     assert json.loads((decode.run_dir / "bootstrap.json").read_text()) == {"address": address}
     assert f"decode side up: bootstrap address {address}" in decode.stdout
 
@@ -320,9 +322,9 @@ def test_every_handoff_verified_across_namespaces(netns, tmp_path, route, metada
     assert f"judged {n}: verified {n}" in rep.stdout, rep.stdout
 
     key = f"{route}-{metadata}"
-    RATES[key] = p["handoffs_per_s"]
-    print(f"\n[netns] {key}: {n} handoffs verified, {p['handoffs_per_s']} handoffs/s, "
-          f"handoff p50 {p['latency_us']['handoff']['p50']} us, startup {p['startup_s']} s, "
+    RATES[key] = p.timing.handoffs_per_s
+    print(f"\n[netns] {key}: {n} handoffs verified, {p.timing.handoffs_per_s} handoffs/s, "
+          f"handoff p50 {p.latency_us.handoff.p50} us, startup {p.timing.startup_s} s, "
           f"prefill command {prefill.elapsed:.1f} s")
 
 
@@ -359,12 +361,12 @@ def test_wrong_secret_ends_both_sides_at_once(wrong_secret_run):
     prefill, prc, decode, drc = wrong_secret_run
     assert prc == 3 and drc == 3, prefill.tail() + decode.tail()
     p = prefill.results()
-    assert p["verified"] == 0 and p["failed"] == 100 and p["corrupted"] == 0
+    assert p.verified == 0 and p.failed == 100 and p.corrupted == 0
     assert not [r for r in records(prefill.run_dir) if r["outcome"] == "verified"]
     line = "the peer's MAC did not match: the two sides have different secrets in $"
-    assert line in p["error"], p["error"]
+    assert line in p.error, p.error
     d = decode.results()
-    assert line in d["error"] and d["requests"] == 0 and d["verified"] == 0, d
+    assert line in d.error and d.requests == 0 and d.verified == 0, d
     # from the prefill's engine up (the lookup starts then) to the runner giving up: the
     # first lookup, not the start-up window
     up = log_events(prefill.run_dir / "prefill.log", "engine_up")
@@ -455,33 +457,33 @@ def test_unreachable_decode_is_declared_lost_within_timeout(cut_run):
     print(f"\n[netns] link cut ({c.route} route) after {len(c.before)} verified: declared lost "
           f"{detect:.3f} s after the cut (transport.timeout_s={TIMEOUT_S:g}), prefill command "
           f"exited {c.t_exit - c.t_cut[0]:.1f} s after the cut with {c.prc}; verified "
-          f"{p['verified']}, failure_reasons {p['failure_reasons']}")
+          f"{p.verified}, failure_reasons {p.failure_reasons}")
     assert TIMEOUT_S - 0.5 <= t_lost - c.t_cut[1] and detect <= TIMEOUT_S + LOST_MARGIN_S
 
     assert c.prc == 3, c.prefill.tail()  # a side was lost
-    assert p["requests"] == CUT_REQUESTS and p["corrupted"] == 0
-    assert p["verified"] + p["failed"] == CUT_REQUESTS
-    reasons = p["failure_reasons"]
+    assert p.requests == CUT_REQUESTS and p.corrupted == 0
+    assert p.verified + p.failed == CUT_REQUESTS
+    reasons = p.failure_reasons
     assert reasons and set(reasons) <= {"peer_lost", "not_sent_peer_lost"}, reasons
-    assert sum(reasons.values()) == p["failed"]
+    assert sum(reasons.values()) == p.failed
     # everything verified before the cut is still verified, exactly once
     recs = records(c.prefill.run_dir)
     assert len(recs) == CUT_REQUESTS and len({r["rid"] for r in recs}) == CUT_REQUESTS
     after = {r["rid"] for r in recs if r["outcome"] == "verified"}
-    assert c.before <= after and len(after) == p["verified"]
+    assert c.before <= after and len(after) == p.verified
     no_traceback(c.prefill)
 
     # the decode side ended itself (no bye could reach it): its prefill lost, exit 3; it
     # judged at least what the prefill heard back as verified, and nothing it judged was wrong
     assert c.drc == 3, c.decode.tail()
     d = c.decode.results()
-    assert d["verified"] >= p["verified"] and d["corrupted"] == 0, d
-    assert "prefill" in d["lost"], d["lost"]
+    assert d.verified >= p.verified and d.corrupted == 0, d
+    assert "prefill" in d.ending.lost, d.ending.lost
     no_traceback(c.decode)
 
 
 def test_unreachable_decode_exits_3(cut_run):
-    assert cut_run.prc == 3 and cut_run.prefill.results()["exit_code"] == 3
+    assert cut_run.prc == 3 and cut_run.prefill.results().exit_code == 3
 
 
 def test_unreachable_decode_command_ends_within_bound(cut_run):
@@ -526,6 +528,6 @@ def test_non_loopback_host_without_allow_remote_is_refused(netns, tmp_path):
         for name in ("fingerprint.json", "orchestrator.log", "bootstrap.json", "requests.jsonl"):
             assert not (side.run_dir / name).exists(), f"{side.name}: {name}"
         if (side.run_dir / "results.json").exists():
-            assert side.results()["exit_code"] == 2
+            assert side.results().exit_code == 2
     for ns in (netns.prefill_ns, netns.decode_ns):
         assert netns.pids(ns) == []  # nothing left listening

@@ -230,18 +230,18 @@ def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
     from orchestrator.report import _open_loop_warnings, batch_caps
 
     cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
-    (line,) = batch_caps(cfg, {"sends": 297, "routes": {"engine": 1000}})
+    (line,) = batch_caps(cfg, sends=297, routed=1000)
     assert "capped at 8" in line and "workload.concurrency=8" in line
     cfg = cfg_factory("workload.batch_size=128", "workload.concurrency=2048", "buffers.size=1024")
-    (line,) = batch_caps(cfg, {"sends": 1000, "routes": {"engine": 1000}})  # not coalesced: 10 blocks each
+    (line,) = batch_caps(cfg, sends=1000, routed=1000)  # not coalesced: 10 blocks each
     assert "transport.max_inflight_blocks=1024" in line and "capped at 102" in line
     cfg = cfg_factory("workload.batch_size=64", "workload.concurrency=1024", "buffers.size=1024",
                       "transport.coalesce=true")
-    assert batch_caps(cfg, {"sends": 180, "routes": {"engine": 10000}}) == []  # ~56 per send
-    (line,) = batch_caps(cfg, {"sends": 1000, "routes": {"engine": 10000}})  # 10 per send
+    assert batch_caps(cfg, sends=180, routed=10000) == []  # ~56 per send
+    (line,) = batch_caps(cfg, sends=1000, routed=10000)  # 10 per send
     assert "10.0 requests each" in line and "workload.concurrency=1024" in line
-    assert batch_caps(cfg_factory(), {"sends": 1000, "routes": {"engine": 1000}}) == []
+    assert batch_caps(cfg_factory(), sends=1000, routed=1000) == []
     # open loop: achieved < 95% of offered says so with both numbers; a sustained one is quiet
-    (warn,) = _open_loop_warnings({"offered_per_s": 1000, "handoffs_per_s": 583.6})
+    (warn,) = _open_loop_warnings(offered=1000, achieved=583.6)
     assert "offered 1000" in warn and "583.6" in warn
-    assert _open_loop_warnings({"offered_per_s": 1000, "handoffs_per_s": 990.0}) == []
+    assert _open_loop_warnings(offered=1000, achieved=990.0) == []

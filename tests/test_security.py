@@ -49,7 +49,7 @@ def test_authenticated_run_verifies_everything(cfg_factory, tmp_path, monkeypatc
     cfg = cfg_factory("transport.secret_env=ORCH_SECRET_RUN", "workload.requests=100")
     plan = check_profile(cfg, Platform(env={"ORCH_SECRET_RUN": "correct horse battery staple"}))
     res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
-    assert res["verified"] == 100 and res["authenticated"]["rejected"] == 0
+    assert res.verified == 100 and res.authenticated.rejected == 0
     assert not any("correct horse" in f.read_text(errors="replace") for f in tmp_path.glob("*.log"))
 
 

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from orchestrator.results import Results
+
 from .conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,7 +47,7 @@ def test_layout_mismatch_ends_both_sides_with_one_line(tmp_path):
         errors = [line for line in out.splitlines() if line.startswith("ERROR:")]
         assert len(errors) == 1 and "field 6" in errors[0] and "output_token_sampling_mask_len" in errors[0]
         assert "engine said" not in out and "Traceback" not in out
-    assert json.loads((tmp_path / "p" / "results.json").read_text())["verified"] == 0
+    assert Results.read(tmp_path / "p").verified == 0
 
 
 def test_wrong_secret_ends_both_sides_with_one_line_each(tmp_path):
@@ -88,8 +90,8 @@ def test_decode_side_ends_when_its_prefill_dies(tmp_path):
     d_out, d_err = decode.communicate(timeout=60)
     assert time.monotonic() - t0 < 2 + 10, d_out
     assert decode.returncode == 3, d_out + d_err
-    res = json.loads((tmp_path / "d" / "results.json").read_text())
-    assert "prefill" in res["lost"] and res["corrupted"] == 0 and res["verified"] > 0, res
+    res = Results.read(tmp_path / "d")
+    assert "prefill" in res.ending.lost and res.corrupted == 0 and res.verified > 0, res
 
 
 def _tree(pid: int) -> list[int]:

@@ -31,12 +31,12 @@ def _run(run_dir, *overrides):
 def test_decode_tp2_verifies_end_to_end(tmp_path, route):
     res = _run(tmp_path, "endpoints.decode_tp=2", f"transport.route={route}", "workload.requests=300",
                "workload.batch_size=4", "workload.concurrency=16")
-    assert (res["verified"], res["failed"], res["corrupted"]) == (300, 0, 0), res
-    tp = res["tp"]
-    assert tp["ranks"] == 2 and tp["silent_corruptions"] == 0 and tp["hung"] == 0
-    assert set(tp["per_rank"]) == {"decode0.0", "decode0.1"}
-    assert all(r["outcomes"] == {"verified": 300} for r in tp["per_rank"].values())  # on every rank
-    assert tp["allreduce_us_mean"] > 0
+    assert (res.verified, res.failed, res.corrupted) == (300, 0, 0), res
+    tp = res.tp
+    assert tp.ranks == 2 and tp.silent_corruptions == 0 and tp.hung == 0
+    assert set(tp.per_rank) == {"decode0.0", "decode0.1"}
+    assert all(r.outcomes == {"verified": 300} for r in tp.per_rank.values())  # on every rank
+    assert tp.allreduce_us_mean > 0
     steps = [json.loads(x) for x in (tmp_path / "tp-decode0.1.jsonl").read_text().splitlines()]
     assert steps and {"seen", "agreed", "took", "disagreed"} <= set(steps[0])
 
@@ -47,27 +47,27 @@ def test_gate_off_lets_the_race_through_reproducibly(tmp_path):
         res = _run(tmp_path / str(i), *RACE, "gate.readiness=false", "workload.requests=150",
                    "workload.concurrency=1", "workload.seed=0")  # two runs, one seed: same rooms
         runs.append(res)
-        assert res["corrupted"] == 50 and res["verified"] == 100  # every third request
-        tp = res["tp"]
-        assert tp["steps_disagreed"] > 0 and tp["silent_corruptions"] == 50
-        assert set(res["failure_reasons"]) <= {"taken_unready", "room_mismatch"}
+        assert res.corrupted == 50 and res.verified == 100  # every third request
+        tp = res.tp
+        assert tp.steps_disagreed > 0 and tp.silent_corruptions == 50
+        assert set(res.failure_reasons) <= {"taken_unready", "room_mismatch"}
     assert deterministic(tmp_path / "0") == deterministic(tmp_path / "1")  # replays IDENTICAL
 
 
 def test_gate_on_same_race_verifies_everything(tmp_path):
     res = _run(tmp_path, *RACE, "workload.requests=300", "workload.batch_size=4", "workload.concurrency=16")
-    assert (res["verified"], res["corrupted"], res["failed"]) == (300, 0, 0), res
-    assert res["tp"]["silent_corruptions"] == 0 and res["tp"]["hung"] == 0
-    assert res["tp"]["steps_disagreed"] > 0  # the ranks disagreed, and the gate held the request back
+    assert (res.verified, res.corrupted, res.failed) == (300, 0, 0), res
+    assert res.tp.silent_corruptions == 0 and res.tp.hung == 0
+    assert res.tp.steps_disagreed > 0  # the ranks disagreed, and the gate held the request back
 
 
 def test_stale_room_is_caught_only_with_zeroing_on(tmp_path):
     common = (*RACE, "faults.every=1", "workload.requests=200", "workload.batch_size=4",
               "workload.concurrency=16", "buffers.size=16")
     off = _run(tmp_path / "off", *common, "gate.zero_room_on_free=false")
-    assert off["failure_reasons"].get("room_mismatch", 0) > 0  # the previous tenant's room passed the gate
+    assert off.failure_reasons.get("room_mismatch", 0) > 0  # the previous tenant's room passed the gate
     on = _run(tmp_path / "on", *common)
-    assert (on["verified"], on["corrupted"]) == (200, 0), on["failure_reasons"]
+    assert (on.verified, on.corrupted) == (200, 0), on.failure_reasons
 
 
 def test_gate_holds_a_torn_row_until_it_settles():

@@ -22,7 +22,7 @@ from orchestrator.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform
 from orchestrator.report import build_results
-from orchestrator.results import read_records, write_atomic
+from orchestrator.results import Results, read_records, write_atomic
 from orchestrator.rules import check_profile
 from orchestrator.runner import run_handoffs
 from orchestrator.transport.engine import MooncakeEngine
@@ -123,7 +123,7 @@ def test_forged_row_written_through_another_mooncake_engine_is_refused(tmp_path)
 def test_duplicate_rooms_each_get_their_own_slot_and_verdict(tmp_path, route, group):
     res, records = _run(tmp_path, f"transport.route={route}", f"workload.duplicate_rooms={group}",
                         "workload.requests=200", "workload.concurrency=16", "buffers.size=16")
-    assert (res["verified"], res["failed"], res["corrupted"]) == (200, 0, 0), res
+    assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
     assert sorted(r.rid for r in records) == list(range(200))  # one record per request
     rooms = {}
     for r in records:
@@ -138,22 +138,22 @@ def test_duplicate_rooms_each_get_their_own_slot_and_verdict(tmp_path, route, gr
 def test_prefill_killed_report_matches_requests_file_and_decode(tmp_path, route):
     res, records = _run(tmp_path, f"transport.route={route}", "faults=prefill_killed",
                         "faults.at_request=300", "workload.requests=2000", "workload.concurrency=16")
-    assert res["lost"] and "prefill" in res["lost"] and res["exit_code"] == 3
+    assert res.ending.lost and "prefill" in res.ending.lost and res.exit_code == 3
     verdicts = [json.loads(x) for x in (tmp_path / "verdicts-decode.jsonl").read_text().splitlines()]
     decode_verified = sum(v["outcome"] == "verified" for v in verdicts)
     file_verified = sum(r.outcome is Outcome.verified for r in records)
     assert len(records) == 2000 and sorted(r.rid for r in records) == list(range(2000))
-    assert res["verified"] == file_verified == decode_verified >= 300
-    assert res["decode_verified"] == decode_verified
-    assert set(res["failure_reasons"]) == {"prefill_lost"}
+    assert res.verified == file_verified == decode_verified >= 300
+    assert res.decode_verified == decode_verified
+    assert set(res.failure_reasons) == {"prefill_lost"}
 
 
 def test_stalled_prefill_resumes_without_dropping_a_healthy_decode(tmp_path):
     t0 = time.monotonic()
     res, records = _run(tmp_path, "endpoints.prefill_ranks=2", "faults=prefill_stopped",
                         "faults.at_request=100", "faults.duration_s=5", "workload.requests=1500")
-    assert res["faults_applied"] and res["faults_applied"][0]["fault"] == "prefill_stopped"
-    assert (res["verified"], res["failed"]) == (3000, 0), res["failure_reasons"]
+    assert res.ending.faults_applied and res.ending.faults_applied[0]["fault"] == "prefill_stopped"
+    assert (res.verified, res.failed) == (3000, 0), res.failure_reasons
     assert time.monotonic() - t0 > 5
 
 
@@ -213,17 +213,17 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert "Traceback" not in out + err and "terminate called" not in out + err
     assert "None" not in out, out
     assert _live_in_group(proc.pid) == []  # no process of the run is left behind
-    res = json.loads((run_dir / "results.json").read_text())
-    assert res["interrupted"] is True and res["exit_code"] == code
+    res = Results.read(run_dir)
+    assert res.ending.interrupted is True and res.exit_code == code
     records = list(read_records(run_dir / "requests.jsonl"))
     # a request that never arrived is not_started, with no line; failed <= what was in flight
-    assert res["not_started"] > 0 and len(records) + res["not_started"] == 100000
-    assert res["verified"] == sum(r.outcome is Outcome.verified for r in records) > 0
-    assert res["failed"] <= res["workload"]["in_flight_max"]
-    assert res["verified"] + res["corrupted"] + res["failed"] + res["not_started"] == 100000
-    assert set(res["failure_reasons"]) <= {"interrupted"}
-    assert sum(res["routes"].values()) >= res["verified"] and res["lost"] == {}
-    assert res["handoffs_per_s"] is not None
+    assert res.not_started > 0 and len(records) + res.not_started == 100000
+    assert res.verified == sum(r.outcome is Outcome.verified for r in records) > 0
+    assert res.failed <= res.workload.in_flight_max
+    assert res.verified + res.corrupted + res.failed + res.not_started == 100000
+    assert set(res.failure_reasons) <= {"interrupted"}
+    assert sum(res.routes.values()) >= res.verified and res.ending.lost == {}
+    assert res.timing.handoffs_per_s is not None
 
 
 def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
@@ -243,7 +243,7 @@ def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
     assert "Traceback" not in out + err
     assert not (sweep_dir / "1").exists()  # no further job started
     assert (sweep_dir / "summary.csv").exists() and "sweep interrupted" in err
-    assert json.loads((sweep_dir / "0" / "results.json").read_text())["signal"] == "SIGINT"
+    assert Results.read(sweep_dir / "0").ending.signal == "SIGINT"
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5])

@@ -22,6 +22,7 @@ from orchestrator.digest import SIGNATURE
 from orchestrator.layout import describe
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
+from orchestrator.results import Results
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, DecodeProcess, typed_cfg
@@ -423,7 +424,7 @@ def test_a_side_killed_during_start_up_is_exit_3_with_one_line(tmp_path):
     assert proc.returncode == 3, out + err
     assert "Traceback" not in out + err
     assert "while starting" in out + err or "while bootstrapping" in out + err
-    assert json.loads((run_dir / "results.json").read_text())["exit_code"] == 3
+    assert Results.read(run_dir).exit_code == 3
 
 
 def _decode_that_fails(conn) -> None:
@@ -502,9 +503,9 @@ def test_a_stalled_sibling_prefill_never_makes_a_healthy_one_lose_the_decode(tmp
     proc, run_dir = _cli(tmp_path, "endpoints.prefill_ranks=2", "buffers.size=4", "faults=prefill_stopped",
                          "faults.at_request=100", "faults.duration_s=5", "transport.timeout_s=3",
                          "workload.requests=1500")
-    res = json.loads((run_dir / "results.json").read_text())
-    assert proc.returncode == 0 and (res["verified"], res["failed"]) == (3000, 0), res["failure_reasons"]
-    assert res["faults_applied"][0]["fault"] == "prefill_stopped"
+    res = Results.read(run_dir)
+    assert proc.returncode == 0 and (res.verified, res.failed) == (3000, 0), res.failure_reasons
+    assert res.ending.faults_applied[0]["fault"] == "prefill_stopped"
 
 
 # ---- 3'. a stalled Mooncake listener ---------------------------------------------------------
@@ -558,7 +559,7 @@ def test_rooms_differ_per_run_unless_the_seed_is_pinned(tmp_path):
     assert not set(_rooms(da)) & set(_rooms(db))  # a drawn seed each: no room in common
     seeds = [json.loads((d / "fingerprint.json").read_text())["seeds"] for d in (da, db)]
     assert all(s["drawn"] for s in seeds) and seeds[0]["workload.seed"] != seeds[1]["workload.seed"]
-    assert json.loads((da / "results.json").read_text())["workload"]["seed"] == seeds[0]["workload.seed"]
+    assert Results.read(da).workload.seed == seeds[0]["workload.seed"]
     c, dc = _cli(tmp_path, "workload.requests=200", "workload.seed=5", name="c")
     d, dd = _cli(tmp_path, "workload.requests=200", "workload.seed=5", name="d")
     assert c.returncode == d.returncode == 0

@@ -4,12 +4,15 @@ table takes about a minute on a 2-core box."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrator.results import Results  # noqa: E402
 
 FAST = ["transport.timeout_s=2", "transport.mooncake.tcp_progress_timeout_s=2"]
 CASES = [
@@ -49,12 +52,12 @@ def main() -> int:
         proc = subprocess.run([sys.executable, "-m", "orchestrator", *FAST, *overrides,
                                f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
         wall = time.monotonic() - t0
-        r = json.loads((run_dir / "results.json").read_text())
-        why = ", ".join(f"{k}={v}" for k, v in sorted(r["failure_reasons"].items())) or "-"
-        if r.get("error"):
-            why += f"; run error: {r['error'][:90]}"
+        r = Results.read(run_dir)
+        why = ", ".join(f"{k}={v}" for k, v in sorted((r.failure_reasons or {}).items())) or "-"
+        if r.error:
+            why += f"; run error: {r.error[:90]}"
         tb = "yes" if "Traceback" in proc.stdout + proc.stderr else "no"
-        print(f"| {name} | {r['requests']} | {r['verified']} | {r['corrupted']} | {r['failed']} | "
+        print(f"| {name} | {r.requests} | {r.verified} | {r.corrupted} | {r.failed} | "
               f"{why} | {proc.returncode} | {wall:.1f} | {tb} |", flush=True)
     return 0
 

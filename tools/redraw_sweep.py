@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import sweep  # noqa: E402
+from orchestrator.results import RunStatus  # noqa: E402
 
 
 def table(text: str, heading: str) -> list[dict[str, str]]:
@@ -49,7 +50,8 @@ def main(argv=None) -> int:
     if args.summary_md:
         cols = list(rows[0])
         swept = cols[1:cols.index("status")]
-        parsed = [{k: (None if v == "" else int(v) if k in ("job", "requests", "verified") else v)
+        parsed = [{k: (None if v == "" else int(v) if k in ("job", "requests", "verified")
+                       else RunStatus(v) if k == "status" else v)
                    for k, v in r.items()} for r in rows]
         sweep._write_png(args.out, Path(args.title), swept, parsed)
         print(json.dumps({"rows": len(parsed), "out": str(args.out)}))
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
         verified, requests = (int(x) for x in r["verified"].split("/"))
         out_rows.append({
             "job": i, sweep.RATE_KEY: r["offered /s"].replace(",", ""), "override:mem_pool": pool,
-            "status": "ok" if verified == requests else "failed", "requests": requests,
+            "status": RunStatus.ok if verified == requests else RunStatus.failed, "requests": requests,
             "verified": verified, "mem_pool": pool, "route": route,
             "handoffs_per_s": float(r["handoffs/s"].replace(",", "")),
             "e2e_p50_us": float(r["e2e p50 us"].replace(",", "")),

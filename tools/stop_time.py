@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.results import Results  # noqa: E402
 
 
 def once(sig: signal.Signals, group: bool, overrides: list[str], wait_s: float) -> dict:
@@ -38,10 +41,10 @@ def once(sig: signal.Signals, group: bool, overrides: list[str], wait_s: float) 
         t0 = time.monotonic()
         out, err = proc.communicate(timeout=120)
         stop_s = time.monotonic() - t0
-        res = json.loads((run_dir / "results.json").read_text())
-        return {"stop_s": round(stop_s, 2), "rc": proc.returncode, "verified": res["verified"],
-                "failed": res["failed"], "not_started": res.get("not_started"),
-                "in_flight_max": res["workload"]["in_flight_max"],
+        res = Results.read(run_dir)
+        return {"stop_s": round(stop_s, 2), "rc": proc.returncode, "verified": res.verified,
+                "failed": res.failed, "not_started": res.not_started,
+                "in_flight_max": res.workload.in_flight_max,
                 "none_in_summary": "None" in out, "traceback": "Traceback" in out + err,
                 "load": os.getloadavg()[0]}
 
