@@ -98,7 +98,8 @@ def _capture_stream() -> "torch.cuda.Stream":
 
 
 def _capture(body) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of body() (run twice on a side stream first, as capture requires)."""
+    """A CUDA graph of body() (run twice on a side stream first, as capture requires); the
+    graph keeps body(), and with it every tensor the replays read or write."""
     side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -109,6 +110,11 @@ def _capture(body) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, stream=side):
         body()
     torch.cuda.current_stream().synchronize()
+    # The graph replays into the addresses of every tensor body() holds (its device inputs,
+    # constants, staged rows): they must live as long as the graph. Dropped with the closure,
+    # their memory went back to the allocator, and the next tensors allocated (the request
+    # pool's hidden states) were overwritten by every replay.
+    graph.keep = body  # type: ignore[attr-defined]
     return graph
 
 

@@ -71,6 +71,32 @@ def test_read_graph_zeroes_freed_rooms_in_the_same_pass(clear):
     assert torch.equal(dev.arena.cpu(), host.arena)
 
 
+def test_tensors_allocated_after_the_captures_are_never_written_by_a_replay():
+    """Every tensor a captured graph reads or writes lives as long as the graph: memory
+    dropped after the capture went back to the allocator, the request pool's device tensors
+    were given it, and every seal replay overwrote them (rid 256 = pool entry 0 again, sealed
+    with other bytes, seen on an H200)."""
+    dev = _filled("cuda", size=8, kv_checksum_enabled=True)
+    rows = StagedRows(dev)
+    dd = RowDigest(dev, Keys(SECRET))
+    dd.warm_seal(8, rows)
+    dd.warm()
+    dd.freeze()
+    import gc
+
+    gc.collect()
+    probes = [torch.full((n,), 7, dtype=torch.int64, device="cuda") for n in (1, 2, 4, 8, 16, 64, 256, 4096)]
+    for i in range(12):
+        slots = [i % 8, (i + 3) % 8][: 1 + i % 2]
+        idents = [(0, 100 + i + j) for j in range(len(slots))]
+        rooms = [50 + i + j for j in range(len(slots))]
+        dd.seal(slots, rooms, _pads(idents), idents, rows=rows if i % 3 == 0 else None).result()
+        dd.seal(slots, rooms, _pads(idents), idents, ahead=True).result()
+        dd.read(slots, idents, clear=[(i + 5) % 8])
+    torch.cuda.synchronize()
+    assert all(bool((p == 7).all()) for p in probes)
+
+
 def test_staged_set_buf_lands_the_bytes_sglang_set_buf_does():
     kw = dict(kv_checksum_enabled=True, output_dsa_topk_indices_dim=8, enable_sampling_mask=True)
     ref = MetadataBuffers(16, 7168, torch.bfloat16, 64, device="cuda", **kw)
