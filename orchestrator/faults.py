@@ -46,7 +46,9 @@ class Traits:
     """One fault kind's properties (FAULTS)."""
 
     sites: frozenset[Site] = frozenset()
-    per_request: bool = False  # keyed to request ids (at_request, every): its records name it
+    # alters each request it hits (at_request, every) in a send of its own; their records name it
+    # (status_first hits requests too, but delays the usual sends of one TP rank, unnamed)
+    per_request: bool = False
     engine_only: bool = False  # needs the engine route
     split: bool = False  # may run with role=prefill or role=decode (acts on one side only)
     victim: Optional[str] = None  # a process fault: "prefill" (rank 0) or "decode" (instance 0)
@@ -69,11 +71,12 @@ FAULTS: dict[FaultKind, Traits] = {
     FaultKind.wrong_session: _t(Site.send, per_request=True, engine_only=True, split=True),
     FaultKind.stale_room: _t(Site.send, Site.decode_rows, per_request=True, engine_only=True),
     FaultKind.corrupt_byte: _t(Site.send, per_request=True, split=True),
-    FaultKind.status_first: _t(Site.send),  # keyed to request ids, on one decode TP rank
+    FaultKind.status_first: _t(Site.send),
 }
 
 
 def acts_at(kind: FaultKind, site: Site) -> bool:
+    """Whether a fault of this kind acts at this site (FAULTS)."""
     return site in FAULTS[kind].sites
 
 
@@ -220,8 +223,8 @@ class LoopFaults:
     `label(rid)`: the fault's name for a record a per-request fault hit, else None. A process
     fault's checkpoint, armed on prefill rank 0 when the runner can be asked (`ask` given):
     once `at_request` handoffs are finished (for decode faults: with nothing left in flight),
-    `progress` asks the runner to act and returns when it has; `holds` stops new announcements
-    meanwhile."""
+    `progress` asks the runner to act and returns when it has; until then `holds` stops the
+    announcements of a decode fault's requests from `at_request` on."""
 
     def __init__(self, faults: FaultsConfig, rank: int, ask: Optional[Callable[[str], None]] = None):
         traits = FAULTS[faults.kind]

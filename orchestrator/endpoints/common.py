@@ -98,7 +98,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
     buffers registered and the transport it came up on checked against the plan's."""
     if plan.buffer_device is Device.cuda:
         torch.cuda.set_device(gpu)
-        device = torch.device("cuda", gpu)
+        device = torch.device("cuda") if gpu is None else torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
     buffers = make_buffers(b, layout, device)
@@ -106,6 +106,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
     transport = "zmq-tcp"
     if plan.route is Route.engine:
         mc = t.mooncake
+        assert plan.protocol is not None, "the engine route has a protocol"
         engine = MooncakeEngine(t.host, mc.metadata_server, plan.protocol,
                                 mc.device_name, env=plan.mc_env,
                                 log_path=str(RunFiles(run_dir).mooncake_log(role)))

@@ -47,7 +47,7 @@ from ..plan import Plan, same_process_space_rule
 from ..results import RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..rundir import RunFiles
-from ..transport.engine import EngineError
+from ..transport.engine import EngineError, MooncakeEngine
 from ..workload import RequestPool, arrival_offsets, decode_of, room_of
 from .common import (
     Stop,
@@ -352,11 +352,17 @@ class PrefillEndpoint:
         self.wake = self.ctx.socket(zmq.PAIR)
         self.wake.bind(self.wake_addr)
         self.poller.register(self.wake, zmq.POLLIN)
-        self.sender: Optional[Sender] = None
+        self._sender: Optional[Sender] = None
 
     @property
     def buffers(self):
         return self.side.buffers
+
+    @property
+    def sender(self) -> Sender:
+        """The transfer thread (connect() starts it)."""
+        assert self._sender is not None, "connect() first"
+        return self._sender
 
     @property
     def timeout_s(self) -> float:
@@ -392,14 +398,15 @@ class PrefillEndpoint:
                 self._bootstrap(inst, inst.links[-1], ctl)
                 if t > 0:
                     ctl.close(0)
+            assert inst is not None, "an instance has at least one rank"
             self.instances.append(inst)
         spin = self.cfg.endpoints.poll.spins()
         nap_s = (self.cfg.transport.mooncake.nap_us / 1e6
                  if self.plan.completion is CompletionSetting.nap else 0.0)
-        self.sender = Sender(self.ctx, self.wake_addr, self._log_decisions, nap_s,
+        self._sender = Sender(self.ctx, self.wake_addr, self._log_decisions, nap_s,
                              self.cfg.transport.max_inflight_sends, self.buffers.device, spin)
         self.log.info("prefill_loop", transfer_thread="spin" if spin else "block")
-        self.sender.start()
+        self._sender.start()
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
         me = self.me
@@ -426,7 +433,8 @@ class PrefillEndpoint:
             inst.slots = peer.slots
             inst.auth = session
         inst.same_clock = inst.same_clock and bool(me.boot_id) and peer.boot_id == me.boot_id
-        warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
+        engine = self.side.engine
+        warm_s = self._probe_bounded(engine, link.router) if engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
                       peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
                       slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
@@ -446,14 +454,15 @@ class PrefillEndpoint:
             if msg:
                 return msg
 
-    def _probe_bounded(self, session: str, router) -> float:
+    def _probe_bounded(self, engine: MooncakeEngine, router) -> float:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
         ignores its timeout variables: run it on a watchdog of transport.timeout_s. Then the
         router's warm-up write, on the same watchdog; returns its seconds."""
         result: dict = {}
+        session = router.peer_session()
 
         def probe() -> None:
-            result["ok"] = self.side.engine.probe(session)
+            result["ok"] = engine.probe(session)
             if not result["ok"]:
                 return
             if self.buffers.device.type == "cuda":
@@ -530,10 +539,10 @@ class PrefillEndpoint:
         return _Loop(self, phase, conn, faults or LoopFaults(self.cfg.faults, self.rank)).run()
 
     def close(self) -> None:
-        if self.sender is not None and self.sender.is_alive():
-            self.sender.submit(None)
-            self.sender.join(self.timeout_s)
-            if self.sender.is_alive():  # blocked inside the engine (an unreachable peer)
+        if self._sender is not None and self._sender.is_alive():
+            self._sender.submit(None)
+            self._sender.join(self.timeout_s)
+            if self._sender.is_alive():  # blocked inside the engine (an unreachable peer)
                 self.log.warning("sender_stuck", detail="a write never returned from the engine")
                 self.stuck = True
                 return
@@ -718,22 +727,24 @@ class _Loop:
         if req.done:
             return
         req.done = True
+        assert req.verdict is not None, "finished once judged"
         outcome, detail, t_verified = req.verdict
         self.outstanding.pop(req.rid, None)
-        verified = outcome is Outcome.verified and t_verified is not None
+        t_v = t_verified if outcome is Outcome.verified else None  # a verified handoff's time
         rec = Record(
             req.rid, req.room, req.inst, req.dst_slot, req.route,
             _r(req.set_buf_us), _r(req.send_us),
-            _r((t_verified - req.t_step) * 1e6) if verified and req.t_step else None,
-            _r((t_verified - req.t_arrive) * 1e6) if verified else None,
+            _r((t_v - req.t_step) * 1e6) if t_v is not None and req.t_step else None,
+            _r((t_v - req.t_arrive) * 1e6) if t_v is not None else None,
             outcome, detail, req.content,
             self.faults.label(req.rid),
-            taken_us=_r((req.t_taken - req.t_step) * 1e6) if verified and req.t_taken and req.t_step else None,
+            taken_us=(_r((req.t_taken - req.t_step) * 1e6)
+                      if t_v is not None and req.t_taken and req.t_step else None),
             t_verdict=_clock())
         self.res.add(rec)
-        if verified and req.t_status_in and req.t_step:
+        if t_v is not None and req.t_status_in and req.t_step:
             self.res.add_stages(req.t_step, req.t_ready, req.t_landed, req.t_status_out,
-                                req.t_status_in, t_verified)
+                                req.t_status_in, t_v)
         self.sink.write(rec.line() + "\n")
         self.finished += 1
         if self.finished == self.warm:
