@@ -3,14 +3,16 @@
 The route and its reason come from orchestrator.plan (computed once, applied per step); this
 module only carries them out. A step's requests for one decode process are grouped into
 sends: one per request (SGLang's send_aux: one batch write of one block per field), or, with
-`transport.coalesce`, one per run of consecutive source and destination slots (one block per
-field for the whole run, in SGLang's own field-major layout, so the peer sees nothing new).
+`coalesce` (a phase's transport.coalesce, passed to sends()), one per run of consecutive
+source and destination slots (one block per field for the whole run, in SGLang's own
+field-major layout, so the peer sees nothing new).
 
 A send is started (the batch write submitted; on the tcp route the AUX_DATA frames pushed)
 and later finished (waited for), so the transfer thread can keep several writes in flight
 as SGLang's transfer workers do. After a send finishes, the status of its requests goes out
-on the data socket behind it: SGLang's per-request status message, or, with
-`transport.status=per_step`, one message for the step once all its sends are done.
+on the data socket behind it: SGLang's per-request status message, or, with the phase's
+`status=per_step` (passed to sends(), carried by each Send), one message for the step once
+all its sends are done.
 
 Faults wrap this class (orchestrator.faults); nothing here knows about them or about the
 benchmark.
@@ -80,6 +82,7 @@ class Send:
     t_status: float = 0.0  # when its status went out
     handles: list = field(default_factory=list)  # batch ids of the writes in flight
     fault: Optional[object] = None  # set by a fault wrapper for the sends it alters
+    per_step: bool = False  # its statuses go in one message for the step (status=per_step)
 
 
 def runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
@@ -98,8 +101,7 @@ class AuxRouter:
     """The send path to ONE decode process (a TP rank of a decode instance)."""
 
     def __init__(self, plan: Plan, buffers: MetadataBuffers, auth: Authenticator, prefill_rank: int,
-                 engine: Optional[MooncakeEngine], push: zmq.Socket, *, coalesce: bool = False,
-                 status: StatusMode = StatusMode.per_request, max_blocks_per_batch: int = 1024,
+                 engine: Optional[MooncakeEngine], push: zmq.Socket, *, max_blocks_per_batch: int = 1024,
                  tag_in_status: bool = True):
         self.plan = plan
         self.route = plan.route
@@ -108,8 +110,6 @@ class AuxRouter:
         self.rank = prefill_rank
         self.engine = engine
         self.push = push
-        self.coalesce = coalesce
-        self.status_mode = status
         self.max_blocks = max_blocks_per_batch
         self.tag_in_status = tag_in_status
         self.src_ptrs, _, self.item_lens = buffers.get_buf_infos()
@@ -162,14 +162,14 @@ class AuxRouter:
         asynchronous); a tcp-route send pushes frames, which the socket's own thread must."""
         return self.route is Route.engine
 
-    @property
-    def status_per_step(self) -> bool:
-        return self.status_mode is StatusMode.per_step
-
     # ---- grouping -----------------------------------------------------------------------
-    def sends(self, transfers: Sequence[Transfer]) -> list[Send]:
-        groups = runs(transfers) if self.coalesce else [[t] for t in transfers]
-        return [Send(g) for g in groups]
+    def sends(self, transfers: Sequence[Transfer], coalesce: bool = False,
+              status: StatusMode = StatusMode.per_request) -> list[Send]:
+        """A step's sends: one per request, or with `coalesce` one per run of consecutive
+        slots; each carries the `status` mode its statuses go out in."""
+        groups = runs(transfers) if coalesce else [[t] for t in transfers]
+        per_step = status is StatusMode.per_step
+        return [Send(g, per_step=per_step) for g in groups]
 
     def blocks(self, send: Send) -> tuple[list[int], list[int], list[int]]:
         """Engine-route blocks of a send: per field, src/dst = base + item_len * first slot,
@@ -232,8 +232,8 @@ class AuxRouter:
                 t.status, t.reason = KVPoll.Failed, "sender_error"
 
     # ---- statuses -----------------------------------------------------------------------
-    def status_frames(self, transfers: Sequence[Transfer]) -> list[list[bytes]]:
-        if self.status_per_step and len(transfers) > 1:
+    def status_frames(self, transfers: Sequence[Transfer], per_step: bool) -> list[list[bytes]]:
+        if per_step and len(transfers) > 1:
             entries = np.zeros(len(transfers), dtype=wire.STEP_DTYPE)
             for i, t in enumerate(transfers):
                 entries[i] = (t.rid, t.room, t.dst_slot, int(t.status),
@@ -243,8 +243,8 @@ class AuxRouter:
             t.room, t.status, self.rank, t.rid, t.dst_slot, t.tag if self.tag_in_status else 0,
             t.reason)) for t in transfers]
 
-    def send_status(self, transfers: Sequence[Transfer]) -> None:
-        for frames in self.status_frames(transfers):
+    def send_status(self, transfers: Sequence[Transfer], per_step: bool) -> None:
+        for frames in self.status_frames(transfers, per_step):
             try:
                 self.push.send_multipart(frames, copy=False)
             except zmq.ZMQError:
@@ -252,10 +252,10 @@ class AuxRouter:
 
     def after_send(self, send: Send) -> None:
         """A finished send's statuses (per-request mode)."""
-        if not self.status_per_step:
-            self.send_status(send.transfers)
+        if not send.per_step:
+            self.send_status(send.transfers, False)
 
-    def after_step(self, transfers: Sequence[Transfer]) -> None:
+    def after_step(self, transfers: Sequence[Transfer], per_step: bool) -> None:
         """All of a step's sends to this process finished (per-step mode: one status)."""
-        if self.status_per_step:
-            self.send_status(transfers)
+        if per_step:
+            self.send_status(transfers, True)

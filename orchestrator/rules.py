@@ -22,28 +22,26 @@ from urllib.parse import urlsplit
 
 from .auth import secret_from_env
 from .config import ConfigError, DigestKind, FallbackPolicy, FaultKind, OrchestratorConfig, Role, is_loopback
-from .faults import ENGINE_ONLY
+from .faults import FAULTS
 from .plan import Device, EngineTransport, Plan, Platform, Route, make_plan
-
-SPLIT_FAULTS = {FaultKind.none, FaultKind.corrupt_byte, FaultKind.bad_destination,
-                FaultKind.wrong_session, FaultKind.prefill_killed, FaultKind.prefill_stopped}
 
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     cfg.check()
     plan = make_plan(cfg, platform)
     f = cfg.faults
-    if f.kind in ENGINE_ONLY and plan.route is not Route.engine:
-        allowed = sorted(k.value for k in FaultKind if k not in ENGINE_ONLY)
+    if FAULTS[f.kind].engine_only and plan.route is not Route.engine:
+        allowed = sorted(k.value for k in FaultKind if not FAULTS[k].engine_only)
         raise ConfigError("faults.kind", f.kind.value,
                           f"one of {', '.join(allowed)} with the tcp route (the others need the "
                           "engine route)")
     if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
         raise ConfigError("faults.rank", f.rank,
                           f"a decode TP rank below endpoints.decode_tp={cfg.endpoints.decode_tp}")
-    if cfg.role is not Role.both and f.kind not in SPLIT_FAULTS:
+    if cfg.role is not Role.both and not FAULTS[f.kind].split:
+        split = sorted(k.value for k in FaultKind if FAULTS[k].split)
         raise ConfigError("faults.kind", f.kind.value,
-                          f"one of {', '.join(sorted(k.value for k in SPLIT_FAULTS))} with "
+                          f"one of {', '.join(split)} with "
                           f"role={cfg.role.value} (the other faults act on both sides at once)")
     t = cfg.transport
     if t.secret_env is not None:

@@ -16,7 +16,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,13 +27,13 @@ import structlog
 from . import protocol
 from .auth import run_secret
 from .bootstrap import lookup, serve_bootstrap, start_metadata_server
-from .config import FaultKind, OrchestratorConfig, Role, resolve_seed
+from .config import OrchestratorConfig, Role, resolve_seed
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
-from .faults import silent_listener
+from .faults import divert_control, strike
+from .lifecycle import Interrupted, RunFailed, Signals, spawn
 from .outcomes import Detail
 from .plan import Device, Plan
-from .lifecycle import Interrupted, RunFailed, Signals, spawn
 from .recovery import decode_from_disk, reconstruct
 from .results import RunResult
 from .rundir import RunFiles, proc_name
@@ -137,7 +136,7 @@ class Job:
         self.stopped_at: Optional[float] = None  # the interrupt, as the watch saw it
         self.gone: set[int] = set()  # decode instances whose process the runner saw exit
         self.finished: dict[str, int] = Counter()  # per prefill, its requests done
-        self.silent = None  # the silent_control fault's listener
+        self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
         self.metadata = None  # the metadata server this run started
 
     def run(self, signals: Optional[Signals] = None) -> RunResult:
@@ -185,11 +184,8 @@ class Job:
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
             infos = lookup(cfg, self.secret, self.signals)
-        if cfg.faults.kind is FaultKind.silent_control:
-            self.silent = silent_listener(cfg.transport.host)
-            infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % self.silent.getsockname()}
-            out.faults_applied.append({"fault": "silent_control",
-                                       "control_endpoint": infos[0][0]["control_endpoint"]})
+        self.silent, applied = divert_control(cfg.faults, cfg.transport.host, infos)
+        out.faults_applied.extend(applied)
         for p in self.prefills:
             p.conn.send(protocol.Decodes(infos=infos))
         self._await(self.prefills, cfg.endpoints.startup_timeout_s, "while bootstrapping",
@@ -377,31 +373,14 @@ class Job:
             _send(d, protocol.PrefillGone(rank=p.index))
 
     def _fault(self, p: _Proc, kind: str) -> None:
-        """A prefill reached the fault's checkpoint: act, then let it go on."""
+        """A prefill reached the fault's checkpoint: act (faults.strike), then let it go on."""
         f = self.cfg.faults
-        victim = self.decodes[0]
         fault = {"fault": kind, "after_handoffs": f.at_request, "at": round(time.time(), 3)}
         self.out.faults_applied.append(fault)
         self.log.warning("fault_injected", **fault)
-        if kind == FaultKind.prefill_killed.value:
-            os.kill(p.proc.pid, signal.SIGKILL)
-            return
-        if kind == FaultKind.prefill_stopped.value:  # it reads the answer once it runs again
-            victim = p
-        if kind == FaultKind.decode_killed.value:
-            os.kill(victim.proc.pid, signal.SIGKILL)
-        else:
-            os.kill(victim.proc.pid, signal.SIGSTOP)
-            pid = victim.proc.pid
-
-            def resume():
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-
-            threading.Timer(f.duration_s, resume).start()
-        _send(p, protocol.FaultDone())
+        decode_pid = self.decodes[0].proc.pid if self.decodes else None
+        if strike(kind, p.proc.pid, decode_pid, f.duration_s):
+            _send(p, protocol.FaultDone())
 
     # ---- finish --------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -31,7 +31,7 @@ def test_profile_composes_validates_and_documents_itself(cfg_factory, name):
         assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.nvlink_intra
     from orchestrator.endpoints.common import make_buffers
 
-    rows = make_buffers(cfg, torch.device("cpu")).row_bytes
+    rows = make_buffers(cfg.buffers, cfg.layout, torch.device("cpu")).row_bytes
     if name in ROW_BYTES:
         assert rows == ROW_BYTES[name]
 

@@ -1,6 +1,9 @@
 """Run every configured fault through the real command line and print RELIABILITY.md's table:
 python tools/fault_table.py [outdir]. Timeouts are short (transport.timeout_s=2) so the whole
-table takes about a minute on a 2-core box."""
+table takes about a minute on a 2-core box.
+
+python tools/fault_table.py --kinds prints orchestrator.faults.FAULTS instead (what each kind
+is: where it acts, what it needs), running nothing."""
 
 from __future__ import annotations
 
@@ -41,7 +44,24 @@ CASES = [
 ]
 
 
+def kinds() -> None:
+    """orchestrator.faults.FAULTS as a markdown table."""
+    from orchestrator.faults import FAULTS
+
+    print("| fault | acts at | per request | engine route only | split run | victim | signal |")
+    print("|---|---|---|---|---|---|---|")
+    yes = {True: "yes", False: "no"}
+    for kind, t in FAULTS.items():
+        sites = ", ".join(sorted(s.value for s in t.sites)) or "-"
+        signal = ("SIGKILL" if t.kills else "SIGSTOP") if t.victim else "-"
+        print(f"| {kind.value} | {sites} | {yes[t.per_request]} | {yes[t.engine_only]} | {yes[t.split]} | "
+              f"{t.victim or '-'} | {signal} |")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--kinds"]:
+        kinds()
+        return 0
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/faults")
     print("| fault | requests | verified | corrupted | failed | why (counts) | exit | wall s | traceback |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -15,14 +15,13 @@ import structlog
 import torch
 
 from ..buffers import MetadataBuffers
-from ..config import FallbackPolicy, OrchestratorConfig, is_loopback
+from ..config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
 from ..logs import configure
 from ..plan import Device, Plan, Route
 from ..platform import boot_id, pid_namespace  # noqa: F401 - the endpoints take them from here
 from ..rundir import RunFiles, proc_name  # noqa: F401 - proc_name: the endpoints take it from here
 from ..transport.engine import MooncakeEngine, exposed, listening_sockets
 from ..workload import Shapes
-
 
 SWITCH_INTERVAL_S = float(os.environ.get("ORCH_SWITCH_INTERVAL_S", "0.0002"))
 
@@ -78,34 +77,37 @@ def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
     return gpus[index] if gpus else None
 
 
-def make_buffers(cfg: OrchestratorConfig, device: torch.device) -> MetadataBuffers:
-    b = cfg.buffers
+def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -> MetadataBuffers:
+    """A process's MetadataBuffers, shaped by the buffers and layout sections."""
     return MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
                            b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim,
                            kv_checksum_enabled=b.kv_checksum_enabled,
-                           enable_sampling_mask=b.enable_sampling_mask, layout=cfg.layout,
+                           enable_sampling_mask=b.enable_sampling_mask, layout=layout,
                            device=device)
 
 
-def shapes(cfg: OrchestratorConfig, buffers: MetadataBuffers) -> Shapes:
-    b = cfg.buffers
+def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
+    """The synthetic requests' shapes for these buffers (their buffers section)."""
     return Shapes(b.hidden_size, buffers.sizes.hidden_states_dtype,
                   b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
 
 
-def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
-               log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
+def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan: Plan, role: str,
+               run_dir: Path, log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
+    """A process's buffers on its device and, on the engine route, its engine with the
+    buffers registered and the transport it came up on checked against the plan's."""
     if plan.buffer_device is Device.cuda:
         torch.cuda.set_device(gpu)
-        device = torch.device("cuda", gpu)
+        device = torch.device("cuda") if gpu is None else torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-    buffers = make_buffers(cfg, device)
+    buffers = make_buffers(b, layout, device)
     engine = None
     transport = "zmq-tcp"
     if plan.route is Route.engine:
-        mc = cfg.transport.mooncake
-        engine = MooncakeEngine(cfg.transport.host, mc.metadata_server, plan.protocol,
+        mc = t.mooncake
+        assert plan.protocol is not None, "the engine route has a protocol"
+        engine = MooncakeEngine(t.host, mc.metadata_server, plan.protocol,
                                 mc.device_name, env=plan.mc_env,
                                 log_path=str(RunFiles(run_dir).mooncake_log(role)))
         engine.register(buffers.arena_ptr, buffers.arena_bytes)
@@ -114,7 +116,7 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
         listeners = listening_sockets()
         log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
                  declared=plan.declared_transport, effective=transport, listeners=listeners)
-        if exposed(listeners) and is_loopback(cfg.transport.host):
+        if exposed(listeners) and is_loopback(t.host):
             log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
                      detail="Mooncake binds its handshake and TCP listeners on all "
                             "interfaces; firewall them or run in a network namespace")
@@ -124,8 +126,8 @@ def build_side(cfg: OrchestratorConfig, plan: Plan, role: str, run_dir: Path,
             if plan.fallback is FallbackPolicy.strict:
                 raise TransportMismatch(msg + "; set transport.fallback=degrade to run anyway")
             log.warning("fallback", reason="effective_transport_differs", detail=msg)
-    log.info("buffers_ready", device=str(device), slots=cfg.buffers.size, row_bytes=buffers.row_bytes,
-             item_lens=buffers.item_lens, layout=cfg.layout.name)
+    log.info("buffers_ready", device=str(device), slots=b.size, row_bytes=buffers.row_bytes,
+             item_lens=buffers.item_lens, layout=layout.name)
     return Side(buffers, engine, transport, log)
 
 

@@ -42,9 +42,9 @@ import zmq
 from .. import protocol, wire
 from ..auth import Authenticator, Replayed, Session, new_nonce
 from ..buffers import SlotAllocator
-from ..config import FaultKind, GateRead, OrchestratorConfig, Role
+from ..config import GateRead, OrchestratorConfig, Role
 from ..digest import Keys, RowDigest
-from ..faults import decode_setup, silent_listener
+from ..faults import decode_setup, silent_session
 from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan, same_process_space_rule
@@ -186,7 +186,7 @@ class Sockets:
 
     def __init__(self, cfg: OrchestratorConfig, max_frame_bytes: int):
         host, timeout_s = cfg.transport.host, cfg.transport.timeout_s
-        self.silent = silent_listener(host) if cfg.faults.kind is FaultKind.silent_peer else None
+        self.silent = silent_session(cfg.faults, host)
         self.ctx = zmq.Context()
         self.control = new_socket(self.ctx, zmq.ROUTER, timeout_s)
         self.data = new_socket(self.ctx, zmq.PULL, timeout_s, max_frame_bytes)
@@ -403,7 +403,7 @@ class DecodeEndpoint:
         e = cfg.endpoints
         self.name = proc_name("decode", instance, e.decode_ranks, tp_rank, e.decode_tp)
         self.tp_rank = tp_rank
-        self.side = build_side(cfg, plan, self.name, run_dir, log,
+        self.side = build_side(cfg.buffers, cfg.layout, cfg.transport, plan, self.name, run_dir, log,
                                process_gpu(plan, "decode", instance * e.decode_tp + tp_rank))
         self.buffers = self.side.buffers
         self.layout = describe(self.buffers.specs)

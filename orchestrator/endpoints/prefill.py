@@ -39,18 +39,29 @@ from ..auth import Authenticator, Replayed, new_nonce
 from ..buffers import SlotAllocator, StagedRows
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from ..digest import Keys, RowDigest
-from ..faults import PER_REQUEST, Checkpoint, Injector, wrap
+from ..faults import LoopFaults, wrap
+from ..layout import describe, fingerprint, first_difference
 from ..logs import DecisionLog
 from ..outcomes import Detail, Outcome
 from ..plan import Plan, same_process_space_rule
 from ..results import RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..rundir import RunFiles
-from ..transport.engine import EngineError
+from ..transport.engine import EngineError, MooncakeEngine
 from ..workload import RequestPool, arrival_offsets, decode_of, room_of
-from .common import (report_failure, Stop, boot_id, build_side, new_socket, pid_namespace, proc_name, process_gpu, rss_kb,
-                     shapes, start_process)
-from ..layout import describe, fingerprint, first_difference
+from .common import (
+    Stop,
+    boot_id,
+    build_side,
+    new_socket,
+    pid_namespace,
+    proc_name,
+    process_gpu,
+    report_failure,
+    rss_kb,
+    shapes,
+    start_process,
+)
 
 _clock = time.monotonic
 ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see _Loop.issue)
@@ -261,7 +272,7 @@ class Sender(threading.Thread):
         step.sends.append((link, send))
         step.open -= 1
         if not any(p[0] is step and p[1] is link for p in pending):
-            link.router.after_step(transfers)
+            link.router.after_step(transfers, send.per_step)
         if step.open == 0:
             first = not self.done
             self.done.append(step)
@@ -270,21 +281,41 @@ class Sender(threading.Thread):
             self.log_decisions(step)
 
 
+@dataclass
+class Credentials:
+    """Who this prefill process is, this run: the hello's authenticator (the rest is per
+    session), its nonce (in every session key and pad), the digest keys, its boot id."""
+
+    auth: Authenticator
+    nonce: str
+    keys: Keys
+    boot_id: str
+
+
+@dataclass
+class Dropped:
+    """Control messages refused (bad MAC, undecodable) and replayed (not ours, or again)."""
+
+    rejected: int = 0
+    replayed: int = 0
+
+
 class PrefillEndpoint:
+    # the tag travels in the (authenticated) status even when the row carries it too: the
+    # decode then tells a row written by someone else from one corrupted on the way
+    TAG_IN_STATUS = True
+
     def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path, log, rank: int,
                  secret: bytes):
         self.cfg, self.plan, self.log, self.rank = cfg, plan, log, rank
-        self.run_dir = run_dir
         self.name = proc_name("prefill", rank, cfg.endpoints.prefill_ranks)
-        self.side = build_side(cfg, plan, self.name, run_dir, log, process_gpu(plan, "prefill", rank))
-        self.buffers = self.side.buffers
+        self.side = build_side(cfg.buffers, cfg.layout, cfg.transport, plan, self.name, run_dir, log,
+                               process_gpu(plan, "prefill", rank))
         self.layout = describe(self.buffers.specs)
         self.src = SlotAllocator(cfg.buffers.size)
-        self.timeout_s = cfg.transport.timeout_s
-        self.auth = Authenticator(secret)  # hello and its answer only: the rest is per session
-        self.nonce = new_nonce()  # this process's, this run's: in every session key and pad
-        self.keys = Keys(secret, self.nonce)
-        self.digest = RowDigest(self.buffers, self.keys, cfg.verify.digest)
+        nonce = new_nonce()
+        self.me = Credentials(Authenticator(secret), nonce, Keys(secret, nonce), boot_id())
+        self.digest = RowDigest(self.buffers, self.me.keys, cfg.verify.digest)
         device_rows = self.buffers.device.type == "cuda"
         # buffers.set_buf=staged (a phase's choice): SGLang's set_buf into pinned host rows,
         # one upload a step (device rows; on host rows both modes are SGLang's set_buf)
@@ -301,35 +332,46 @@ class PrefillEndpoint:
             and torch.cuda.current_stream(self.buffers.device).cuda_stream == 0)
         log.info("step_ordering", engine_orders_writes=self.engine_orders_writes,
                  set_buf=cfg.buffers.set_buf.value)
-        self.pool = RequestPool(cfg.workload, shapes(cfg, self.buffers))
-        # the tag travels in the (authenticated) status even when the row carries it too: the
-        # decode then tells a row written by someone else from one corrupted on the way
-        self.tag_in_status = True
-        self.nap_s = (cfg.transport.mooncake.nap_us / 1e6
-                      if plan.completion is CompletionSetting.nap else 0.0)
+        self.pool = RequestPool(cfg.workload, shapes(cfg.buffers, self.buffers))
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         self.instances: list[Instance] = []
-        self.boot_id = boot_id()
-        self.rejected = 0
-        self.replayed = 0
+        self.dropped = Dropped()
         self.memory: dict[str, int] = {}
         self.stuck = False  # a Mooncake call that never returned: exit hard
         files, ranks = RunFiles(run_dir), cfg.endpoints.prefill_ranks
-        self._static = {
+        static = {
             "mem_pool": plan.mem_pool.value, "buffer_device": plan.buffer_device.value,
             "route": plan.route.value, "reason": plan.route_reason.value,
             "transport": self.side.transport, "row_bytes": self.buffers.row_bytes,
             "fallback": plan.events[0].reason.value if plan.events else None,
         }
-        self._decisions = DecisionLog(files.decisions(self.name, ranks), self.name, self._static)
+        self._decisions = DecisionLog(files.decisions(self.name, ranks), self.name, static)
         self.records_path = files.requests(self.name, ranks)
         self.records_path.write_text("")  # this process's records start here (phases append)
-        self.wake_addr = f"inproc://wake-{id(self)}"
         self.wake = self.ctx.socket(zmq.PAIR)
         self.wake.bind(self.wake_addr)
         self.poller.register(self.wake, zmq.POLLIN)
-        self.sender: Optional[Sender] = None
+        self._sender: Optional[Sender] = None
+
+    @property
+    def buffers(self):
+        return self.side.buffers
+
+    @property
+    def sender(self) -> Sender:
+        """The transfer thread (connect() starts it)."""
+        assert self._sender is not None, "connect() first"
+        return self._sender
+
+    @property
+    def timeout_s(self) -> float:
+        return self.cfg.transport.timeout_s
+
+    @property
+    def wake_addr(self) -> str:
+        """The main loop's wake-up socket (the transfer thread connects to it)."""
+        return f"inproc://wake-{id(self)}"
 
     # ---- bootstrap ----------------------------------------------------------------------
     def connect(self, decodes: list[list[dict]]) -> None:
@@ -345,9 +387,9 @@ class PrefillEndpoint:
                 ctl.connect(info["control_endpoint"])
                 push = new_socket(self.ctx, zmq.PUSH, self.timeout_s)
                 push.connect(info["data_endpoint"])
-                router = AuxRouter(self.plan, self.buffers, self.auth, self.rank, self.side.engine, push,
+                router = AuxRouter(self.plan, self.buffers, self.me.auth, self.rank, self.side.engine, push,
                                    max_blocks_per_batch=self.cfg.transport.mooncake.max_blocks_per_batch,
-                                   tag_in_status=self.tag_in_status)
+                                   tag_in_status=self.TAG_IN_STATUS)
                 name = proc_name("decode", i, len(decodes), t, len(ranks))
                 if inst is None:
                     inst = Instance(i, ctl)
@@ -356,17 +398,21 @@ class PrefillEndpoint:
                 self._bootstrap(inst, inst.links[-1], ctl)
                 if t > 0:
                     ctl.close(0)
+            assert inst is not None, "an instance has at least one rank"
             self.instances.append(inst)
-        self.spin = self.cfg.endpoints.poll.spins()
-        self.sender = Sender(self.ctx, self.wake_addr, self._log_decisions, self.nap_s,
-                             self.cfg.transport.max_inflight_sends, self.buffers.device, self.spin)
-        self.log.info("prefill_loop", transfer_thread="spin" if self.spin else "block")
-        self.sender.start()
+        spin = self.cfg.endpoints.poll.spins()
+        nap_s = (self.cfg.transport.mooncake.nap_us / 1e6
+                 if self.plan.completion is CompletionSetting.nap else 0.0)
+        self._sender = Sender(self.ctx, self.wake_addr, self._log_decisions, nap_s,
+                             self.cfg.transport.max_inflight_sends, self.buffers.device, spin)
+        self.log.info("prefill_loop", transfer_thread="spin" if spin else "block")
+        self._sender.start()
 
     def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
-        ctl.send(self.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                             fingerprint=fingerprint(self.layout), nonce=self.nonce,
-                                             pid_ns=pid_namespace(), boot_id=self.boot_id)))
+        me = self.me
+        ctl.send(me.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
+                                           fingerprint=fingerprint(self.layout), nonce=me.nonce,
+                                           pid_ns=pid_namespace(), boot_id=me.boot_id)))
         msg = self._recv_one(ctl, link.name)
         if msg.get("type") == "error":
             raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
@@ -375,19 +421,20 @@ class PrefillEndpoint:
         diff = first_difference(self.layout, msg["layout"])
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
-        why = same_process_space_rule(self.plan.engine_transport, (pid_namespace(), self.boot_id),
+        why = same_process_space_rule(self.plan.engine_transport, (pid_namespace(), me.boot_id),
                                       (msg.get("pid_ns", ""), msg["boot_id"]))
         if why is not None:  # before any byte moves
             raise LayoutMismatch(f"{link.name} refused: {why}")
-        session = self.auth.session(self.rank, self.nonce, msg["nonce"], "prefill")
+        session = me.auth.session(self.rank, me.nonce, msg["nonce"], "prefill")
         peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
                     msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"], auth=session)
         link.router.connect(peer)
         if link.tp_rank == 0:
             inst.slots = peer.slots
             inst.auth = session
-        inst.same_clock = inst.same_clock and bool(self.boot_id) and peer.boot_id == self.boot_id
-        warm_s = self._probe_bounded(peer.session_id, link.router) if self.side.engine is not None else 0.0
+        inst.same_clock = inst.same_clock and bool(me.boot_id) and peer.boot_id == me.boot_id
+        engine = self.side.engine
+        warm_s = self._probe_bounded(engine, link.router) if engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
                       peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
                       slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
@@ -400,21 +447,22 @@ class PrefillEndpoint:
                 raise TimeoutError(f"{name} did not answer hello within "
                                    f"transport.timeout_s={self.timeout_s:g}")
             msg = self._open(ctl.recv_multipart())
-            if msg and msg.get("type") == "bootstrap" and msg["hello_nonce"] != self.nonce:
-                self.replayed += 1  # an answer to another hello (another run's): not ours
+            if msg and msg.get("type") == "bootstrap" and msg["hello_nonce"] != self.me.nonce:
+                self.dropped.replayed += 1  # an answer to another hello (another run's): not ours
                 self.log.warning("bootstrap_replayed", decode=name)
                 continue
             if msg:
                 return msg
 
-    def _probe_bounded(self, session: str, router) -> float:
+    def _probe_bounded(self, engine: MooncakeEngine, router) -> float:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
         ignores its timeout variables: run it on a watchdog of transport.timeout_s. Then the
         router's warm-up write, on the same watchdog; returns its seconds."""
         result: dict = {}
+        session = router.peer_session()
 
         def probe() -> None:
-            result["ok"] = self.side.engine.probe(session)
+            result["ok"] = engine.probe(session)
             if not result["ok"]:
                 return
             if self.buffers.device.type == "cuda":
@@ -444,23 +492,23 @@ class PrefillEndpoint:
 
     # ---- messages -----------------------------------------------------------------------
     def _send(self, inst: Instance, payload: bytes) -> None:
-        inst.control.send((inst.auth or self.auth).seal(payload))
+        inst.control.send((inst.auth or self.me.auth).seal(payload))
 
     def _open(self, frames: list[bytes], auth=None) -> dict:
         try:
-            body = (auth or self.auth).unseal(frames[0]) if len(frames) == 1 else None
+            body = (auth or self.me.auth).unseal(frames[0]) if len(frames) == 1 else None
         except Replayed as exc:
-            self.replayed += 1
+            self.dropped.replayed += 1
             self.log.warning("control_replayed", error=str(exc))
             return {}
         if body is None:
-            self.rejected += 1
+            self.dropped.rejected += 1
             self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
             return {}
         try:
             return wire.decode(body)
         except wire.WireError as exc:
-            self.rejected += 1
+            self.dropped.rejected += 1
             self.log.warning("control_dropped", error=str(exc))
             return {}
 
@@ -485,15 +533,16 @@ class PrefillEndpoint:
         self.buffers.sync()
         self.digest.freeze()
 
-    def run(self, phase: Phase, conn, checkpoint: Optional[Checkpoint] = None) -> RankResult:
-        """Run one phase to the end; returns what it measured."""
-        return _Loop(self, phase, conn, checkpoint).run()
+    def run(self, phase: Phase, conn, faults: Optional[LoopFaults] = None) -> RankResult:
+        """Run one phase to the end; returns what it measured. `faults`: the fault hooks
+        with the runner to ask (default: the configured fault's, its checkpoint unarmed)."""
+        return _Loop(self, phase, conn, faults or LoopFaults(self.cfg.faults, self.rank)).run()
 
     def close(self) -> None:
-        if self.sender is not None and self.sender.is_alive():
-            self.sender.submit(None)
-            self.sender.join(self.timeout_s)
-            if self.sender.is_alive():  # blocked inside the engine (an unreachable peer)
+        if self._sender is not None and self._sender.is_alive():
+            self._sender.submit(None)
+            self._sender.join(self.timeout_s)
+            if self._sender.is_alive():  # blocked inside the engine (an unreachable peer)
                 self.log.warning("sender_stuck", detail="a write never returned from the engine")
                 self.stuck = True
                 return
@@ -513,14 +562,12 @@ class PrefillEndpoint:
 class _Loop:
     """The main loop of one phase (kept apart so the endpoint's set-up is reusable)."""
 
-    def __init__(self, ep: PrefillEndpoint, phase: Phase, conn, checkpoint: Optional[Checkpoint]):
-        self.ep, self.phase, self.conn, self.checkpoint = ep, phase, conn, checkpoint
+    def __init__(self, ep: PrefillEndpoint, phase: Phase, conn, faults: LoopFaults):
+        self.ep, self.phase, self.conn, self.faults = ep, phase, conn, faults
         self.w = w = ep.cfg.workload
         self.total = phase.requests
         self.res = RankResult(ep.rank, phase.requests, row_bytes=ep.buffers.row_bytes)
         self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, ep.rank)
-        self.injector = Injector(ep.cfg.faults)
-        self.faulty = ep.cfg.faults.kind in PER_REQUEST
         self.outstanding: dict[int, Req] = {}
         self.ready: collections.deque[Req] = collections.deque()
         self.next_i = 0
@@ -536,10 +583,6 @@ class _Loop:
         self.staged = ep.staged if phase.set_buf is SetBufMode.staged else None
         if self.staged is not None:
             self.staged.take(ep.buffers)  # earlier phases may have written the device rows
-        for inst in ep.instances:
-            for link in inst.links:
-                link.router.coalesce = phase.coalesce
-                link.router.status_mode = phase.status
 
     # ---- request lifecycle ------------------------------------------------------------------
     def arrive(self, i: int, t_arrive: float) -> None:
@@ -547,7 +590,7 @@ class _Loop:
         rid = self.phase.rid_base + i
         inst = ep.instances[decode_of(rid, len(ep.instances))]
         room = room_of(self.w, rid)
-        req = Req(rid, room, inst.index, t_arrive, ep.keys.pad(ep.rank, rid))
+        req = Req(rid, room, inst.index, t_arrive, ep.me.keys.pad(ep.rank, rid))
         if inst.lost:
             req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
             self.finish(req)
@@ -611,7 +654,9 @@ class _Loop:
             for link in inst.links:
                 per_link.setdefault(id(link), (link, []))[1].append(
                     Transfer(req.rid, req.room, slot, req.dst_slot))
-        work = [(link, transfers, link.router.sends(transfers)) for link, transfers in per_link.values()]
+        ph = self.phase
+        work = [(link, transfers, link.router.sends(transfers, ph.coalesce, ph.status))
+                for link, transfers in per_link.values()]
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
         step = Step(reqs, work, sealed=sealed)
         if sealed.ready:  # host rows: the tags are known now
@@ -682,22 +727,24 @@ class _Loop:
         if req.done:
             return
         req.done = True
+        assert req.verdict is not None, "finished once judged"
         outcome, detail, t_verified = req.verdict
         self.outstanding.pop(req.rid, None)
-        verified = outcome is Outcome.verified and t_verified is not None
+        t_v = t_verified if outcome is Outcome.verified else None  # a verified handoff's time
         rec = Record(
             req.rid, req.room, req.inst, req.dst_slot, req.route,
             _r(req.set_buf_us), _r(req.send_us),
-            _r((t_verified - req.t_step) * 1e6) if verified and req.t_step else None,
-            _r((t_verified - req.t_arrive) * 1e6) if verified else None,
+            _r((t_v - req.t_step) * 1e6) if t_v is not None and req.t_step else None,
+            _r((t_v - req.t_arrive) * 1e6) if t_v is not None else None,
             outcome, detail, req.content,
-            self.ep.cfg.faults.kind.value if self.faulty and self.injector.hits(req.rid) else None,
-            taken_us=_r((req.t_taken - req.t_step) * 1e6) if verified and req.t_taken and req.t_step else None,
+            self.faults.label(req.rid),
+            taken_us=(_r((req.t_taken - req.t_step) * 1e6)
+                      if t_v is not None and req.t_taken and req.t_step else None),
             t_verdict=_clock())
         self.res.add(rec)
-        if verified and req.t_status_in and req.t_step:
+        if t_v is not None and req.t_status_in and req.t_step:
             self.res.add_stages(req.t_step, req.t_ready, req.t_landed, req.t_status_out,
-                                req.t_status_in, t_verified)
+                                req.t_status_in, t_v)
         self.sink.write(rec.line() + "\n")
         self.finished += 1
         if self.finished == self.warm:
@@ -763,8 +810,7 @@ class _Loop:
                     self.stop(Detail.interrupted)
                 now = _clock()
                 self.silent_decodes(now)
-                if self.checkpoint is not None and self.checkpoint.due(self.finished, len(self.outstanding)):
-                    self.checkpoint.fire()
+                self.faults.progress(self.finished, len(self.outstanding))
                 if self.conn is not None and now - last_progress >= 0.25:
                     self.conn.send(protocol.Progress(finished=self.finished))
                     last_progress = now
@@ -773,8 +819,8 @@ class _Loop:
                 ep.poller.unregister(conn_fd)
         ep.memory["rss_kb_end"] = rss_kb()
         self.res.memory = dict(ep.memory)
-        self.res.rejected += ep.rejected
-        self.res.replayed += ep.replayed
+        self.res.rejected += ep.dropped.rejected
+        self.res.replayed += ep.dropped.replayed
         self.sink.close()
         return self.res
 
@@ -801,19 +847,19 @@ class _Loop:
     def issue(self, now: float, t0: float) -> None:
         if self.stopping:
             return
-        cp = self.checkpoint
+        holds = self.faults.holds
         # at most ISSUE_BUDGET arrivals per pass: with a decode lost, each fails at once and the
         # rest of the phase would pass here without the loop reporting progress to the runner
         end = min(self.total, self.next_i + ISSUE_BUDGET)
         if self.offsets is None:
             while (self.next_i < end and len(self.outstanding) < self.phase.concurrency
-                   and not (cp and cp.holds(self.next_i))):
+                   and not holds(self.next_i)):
                 self.arrive(self.next_i, now)
                 self.next_i += 1
             self.more_now = self.next_i == end < self.total
         else:
             while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
-                   and not (cp and cp.holds(self.next_i))):
+                   and not holds(self.next_i)):
                 self.arrive(self.next_i, t0 + float(self.offsets[self.next_i]))
                 self.next_i += 1
         self.flush_arrivals()
@@ -902,8 +948,8 @@ def _r(v: Optional[float]) -> Optional[float]:
 def workload_driver(endpoint: PrefillEndpoint, conn: protocol.Channel) -> RankResult:
     """The default driver: the configured workload, once."""
     cfg = endpoint.cfg
-    checkpoint = Checkpoint(cfg.faults, endpoint.rank, lambda kind: _ask_runner(conn, kind))
-    return endpoint.run(Phase.of(cfg, endpoint.rank), conn, checkpoint)
+    faults = LoopFaults(cfg.faults, endpoint.rank, lambda kind: _ask_runner(conn, kind))
+    return endpoint.run(Phase.of(cfg, endpoint.rank), conn, faults)
 
 
 def _ask_runner(conn: protocol.Channel, kind: str) -> None:
