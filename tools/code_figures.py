@@ -95,8 +95,8 @@ def _attrs(cls: ast.ClassDef) -> set[str]:
             targets = node.targets
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
             targets = [node.target]
-        for t in targets:
-            for e in ast.walk(t):
+        for t in targets:  # self.x = ..., self.x, self.y = ...: not self.x[i] = ... (an item)
+            for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
                 if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
                     names.add(e.attr)
     is_dataclass = any("dataclass" in ast.unparse(d) for d in cls.decorator_list)
