@@ -7,18 +7,19 @@ import json
 import logging
 import sys
 from pathlib import Path
+
 from omegaconf import DictConfig
 
 from . import fingerprint, plots, report
 from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
+from .lifecycle import Signals
 from .logs import configure
 from .platform import detect
 from .progress import Progress
 from .results import NoSpace, NotRun, Results, lock_run_dir, write_atomic
 from .rules import check_profile
-from .lifecycle import Signals
-from .runner import run_handoffs
 from .rundir import RunFiles
+from .runner import run_handoffs
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:

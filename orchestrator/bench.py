@@ -40,8 +40,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import protocol
-from .config import (CONF_DIR, ConfigError, EngineTransportSetting, FillMode, MemPoolType,
-                     OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
+from .config import (
+    CONF_DIR,
+    ConfigError,
+    EngineTransportSetting,
+    FillMode,
+    MemPoolType,
+    OrchestratorConfig,
+    RouteSetting,
+    SetBufMode,
+    StatusMode,
+    register_configs,
+    validate,
+)
 from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
 from .plan import Device, Plan, Route
@@ -480,7 +491,8 @@ def _cell(v):
 
 
 def _phase_rows(paths: list[PathReport]) -> list[str]:
-    rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us | p99 us | set_buf p50 us | requests/send |",
+    rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us"
+            " | p99 us | set_buf p50 us | requests/send |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         if not p.ok:
@@ -543,7 +555,7 @@ def main(cfg: DictConfig) -> None:
         import sys
 
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     run_bench(obj, Path(HydraConfig.get().runtime.output_dir))
 
 

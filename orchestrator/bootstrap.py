@@ -16,9 +16,9 @@ from typing import Optional
 
 from . import protocol
 from .config import ConfigError, OrchestratorConfig
-from .rundir import proc_name
 from .lifecycle import Interrupted, RunFailed
 from .results import RunResult
+from .rundir import proc_name
 
 _clock = time.monotonic
 

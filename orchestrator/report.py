@@ -21,10 +21,37 @@ from typing import Optional
 from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .plan import Plan
-from .results import (EXIT_LOST, EXIT_NOT_VERIFIED, EXIT_OK, EXIT_REFUSED, EXIT_SIGNAL, LATENCIES, STAGES,
-                      Authenticated, DecodeCounts, DecodeGate, DecodeLoad, DecodeSideResults, Ending,
-                      JobResults, LatencyUs, Pair, Percentiles, PlanInfo, RankResult, Results, RunResult,
-                      Timing, Transports, TpGate, TpRank, TpSummary, Workload, counter_dict, write_atomic)
+from .results import (
+    EXIT_LOST,
+    EXIT_NOT_VERIFIED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_SIGNAL,
+    LATENCIES,
+    STAGES,
+    Authenticated,
+    DecodeCounts,
+    DecodeGate,
+    DecodeLoad,
+    DecodeSideResults,
+    Ending,
+    JobResults,
+    LatencyUs,
+    Pair,
+    Percentiles,
+    PlanInfo,
+    RankResult,
+    Results,
+    RunResult,
+    Timing,
+    TpGate,
+    TpRank,
+    TpSummary,
+    Transports,
+    Workload,
+    counter_dict,
+    write_atomic,
+)
 from .rundir import RunFiles, parse_proc_name
 from .stats import LatencyHistogram
 

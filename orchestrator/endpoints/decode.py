@@ -48,11 +48,11 @@ from ..faults import decode_setup, silent_session
 from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan, same_process_space_rule
+from ..platform import boot_id, pid_namespace
 from ..results import DecodeResult
-from ..rundir import RunFiles
+from ..rundir import RunFiles, proc_name
 from ..transport.engine import exposed, listening_sockets
-from .common import (report_failure, Stop, bind_random, boot_id, pid_namespace, build_side, new_socket, proc_name, process_gpu,
-                     rss_kb, start_process)
+from .common import Stop, bind_random, build_side, new_socket, process_gpu, report_failure, rss_kb, start_process
 from .tp import NOT_TAKEN, Group, single
 
 _clock = time.monotonic
