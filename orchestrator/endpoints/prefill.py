@@ -623,7 +623,7 @@ class _Loop:
         if self.phase.coalesce:
             slots = ep.src.alloc_run(k)
         else:
-            slots = [ep.src.alloc() for _ in range(k)]
+            slots = [s for _ in range(k) if (s := ep.src.alloc()) is not None]  # k <= available: all are
         reqs = [self.ready.popleft() for _ in slots]
         t_step = _clock()
         pc = time.perf_counter
