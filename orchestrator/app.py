@@ -7,18 +7,19 @@ import json
 import logging
 import sys
 from pathlib import Path
+
 from omegaconf import DictConfig
 
 from . import fingerprint, plots, report
 from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
+from .lifecycle import Signals
 from .logs import configure
 from .platform import detect
 from .progress import Progress
-from .results import NoSpace, NotRun, Results, lock_run_dir, write_atomic
+from .results import DecodeSideResults, JobResults, NoSpace, NotRun, Results, lock_run_dir, write_atomic
 from .rules import check_profile
-from .lifecycle import Signals
-from .runner import run_handoffs
 from .rundir import RunFiles
+from .runner import run_handoffs
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
@@ -73,9 +74,10 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     return results
 
 
-def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: Results) -> None:
+def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
     report.write(run_dir, results)
     if obj.role is not Role.decode and not results.ending.interrupted:  # an interrupt ends in 2 s
+        assert isinstance(results, JobResults)  # report.build_results
         plan = results.plan
         png = run_dir / plots.LATENCY_PNG
         lat = results.latency_us

@@ -40,8 +40,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import protocol
-from .config import (CONF_DIR, ConfigError, EngineTransportSetting, FillMode, MemPoolType,
-                     OrchestratorConfig, RouteSetting, SetBufMode, StatusMode, register_configs, validate)
+from .config import (
+    CONF_DIR,
+    ConfigError,
+    EngineTransportSetting,
+    FillMode,
+    MemPoolType,
+    OrchestratorConfig,
+    RouteSetting,
+    SetBufMode,
+    StatusMode,
+    register_configs,
+    validate,
+)
 from .endpoints.prefill import Phase, PrefillEndpoint
 from .logs import configure
 from .plan import Device, Plan, Route
@@ -164,11 +175,13 @@ class PathReport:
         rep = cls(res.path, res.error, res.transport, res.row_bytes, res.blocks, plan.buffer_device.value,
                   plan.completion.value, res.phases, bulk=res.bulk)
         if res.ours_us:
-            rep.ours_send_aux, rep.raw_batch_write = SampleStats.of(res.ours_us), SampleStats.of(res.raw_us)
-            rep.ours_over_raw_p50 = round(rep.ours_send_aux.p50 / rep.raw_batch_write.p50, 3)
-            rep.raw_run = SampleStats.of(res.raw_run_us)
-            rep.raw_rows_per_s = rep.raw_batch_write.per_s
-            rep.raw_run_rows_per_s = round(rep.raw_run.per_s * max(1, _batch(res)), 1)
+            rep.ours_send_aux, rep.raw_batch_write = ours, raw = SampleStats.of(res.ours_us), SampleStats.of(res.raw_us)
+            assert ours.p50 is not None and raw.p50 is not None  # a raw write for each send (BenchDriver._raw)
+            rep.ours_over_raw_p50 = round(ours.p50 / raw.p50, 3)
+            rep.raw_run = run = SampleStats.of(res.raw_run_us)
+            rep.raw_rows_per_s = raw.per_s
+            assert run.per_s is not None  # at least one run
+            rep.raw_run_rows_per_s = round(run.per_s * max(1, _batch(res)), 1)
         return rep
 
     @property
@@ -183,6 +196,7 @@ class PathReport:
                              "completion": self.completion,
                              "phases": {k: asdict(v) for k, v in self.phases.items()}}
         if self.ours_send_aux is not None:
+            assert self.raw_batch_write is not None and self.raw_run is not None  # all set together (of)
             d.update(ours_send_aux=self.ours_send_aux.to_json(), raw_batch_write=self.raw_batch_write.to_json(),
                      ours_over_raw_p50=self.ours_over_raw_p50, raw_run=self.raw_run.to_json(),
                      raw_rows_per_s=self.raw_rows_per_s, raw_run_rows_per_s=self.raw_run_rows_per_s)
@@ -261,7 +275,9 @@ class BenchDriver:
         """Our send vs the raw call on the same blocks, then raw rates and the bulk point
         (after the handoff phases: these writes leave rows in decode slots)."""
         router = ep.instances[0].links[0].router
-        raw = ep.side.engine.raw
+        engine = ep.side.engine
+        assert engine is not None  # raw writes run on the engine route only
+        raw = engine.raw
         session = router.peer.session_id
         size = ep.buffers.size
         pc = time.perf_counter
@@ -295,7 +311,7 @@ class BenchDriver:
             import torch
 
             src = torch.ones(self.bulk_bytes, dtype=torch.uint8, device=ep.buffers.device)
-            ep.side.engine.register(src.data_ptr(), self.bulk_bytes)
+            engine.register(src.data_ptr(), self.bulk_bytes)
             raw.transfer_sync_write(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)  # warm-up
             times = []
             for _ in range(20):
@@ -320,6 +336,7 @@ def _label(p: Plan) -> str:
     where = p.buffer_device.value
     if p.route is Route.tcp:
         return f"tcp route (ZMQ), {where}->{where}"
+    assert p.engine_transport is not None  # (the engine route)
     return f"engine {p.engine_transport.value}, {where}->{where}"
 
 
@@ -347,6 +364,7 @@ def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
         out.append(Path_(_label(p), c, p))
 
     if plan.route is Route.engine:
+        assert plan.engine_transport is not None  # (the engine route)
         add(base)
         if plan.engine_transport.value != "tcp":
             add(variant(transport__mooncake__transport=EngineTransportSetting.tcp))
@@ -480,7 +498,8 @@ def _cell(v):
 
 
 def _phase_rows(paths: list[PathReport]) -> list[str]:
-    rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us | p99 us | set_buf p50 us | requests/send |",
+    rows = ["| path | phase | batch | in flight | verified | handoffs/s | taken p50 us | handoff (verdict) p50 us"
+            " | p99 us | set_buf p50 us | requests/send |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         if not p.ok:
@@ -499,6 +518,7 @@ def _raw_rows(paths: list[PathReport], batch: int) -> list[str]:
                f"raw rows/s ({batch}-slot runs) | bulk GB/s |", "|---|---|---|---|---|---|---|"]
     for p in paths:
         if p.ours_send_aux is not None:
+            assert p.raw_batch_write is not None  # set with ours_send_aux (PathReport.of)
             raw.append(f"| {p.path} | {p.ours_send_aux.p50} | {p.raw_batch_write.p50} | "
                        f"{p.ours_over_raw_p50} | {p.raw_rows_per_s} | {p.raw_run_rows_per_s} | "
                        f"{p.bulk.gb_per_s if p.bulk else None} |")
@@ -543,7 +563,7 @@ def main(cfg: DictConfig) -> None:
         import sys
 
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     run_bench(obj, Path(HydraConfig.get().runtime.output_dir))
 
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 from . import protocol
 from .config import ConfigError, OrchestratorConfig
-from .rundir import proc_name
 from .lifecycle import Interrupted, RunFailed
 from .results import RunResult
+from .rundir import proc_name
 
 _clock = time.monotonic
 
@@ -240,6 +240,7 @@ def start_metadata_server(url: str, run_dir: Path):
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
+    assert u.hostname is not None  # config checked it: http://HOST:PORT/metadata
     log = open(run_dir / "metadata_server.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", u.hostname,
                              "--port", str(u.port)], stdout=log, stderr=log, start_new_session=True)

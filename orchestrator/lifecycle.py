@@ -4,9 +4,9 @@ traceback before it installed its own handlers (spawn)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import signal
 import threading
+from multiprocessing.process import BaseProcess
 from typing import Any, Optional
 
 
@@ -22,7 +22,7 @@ class Signals:
     """SIGINT/SIGTERM handlers for a job's duration (main thread only): a signal is noted,
     and the run winds down with what it measured."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.caught: Optional[str] = None
         self._saved: dict[int, Any] = {}
 
@@ -40,7 +40,7 @@ class Signals:
             signal.signal(sig, handler)
 
 
-def spawn(proc: mp.Process) -> None:
+def spawn(proc: BaseProcess) -> None:
     """Start a child that ignores SIGINT and SIGTERM until it installs its own handlers
     (endpoints.common.start_process): a Ctrl-C on the terminal, or a SIGTERM to the whole
     group, reaches every process, and a child still importing torch would die with a

@@ -29,7 +29,7 @@ class ProtocolError(RuntimeError):
 class Up:
     """A prefill's engine is up; `transport` is the effective one it reports."""
 
-    transport: Optional[str]
+    transport: str
 
 
 @dataclass(frozen=True)

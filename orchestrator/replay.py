@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .results import Results, read_jsonl
+from .results import JobResults, Results, read_jsonl
 from .rundir import RunFiles
 
 DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
@@ -69,6 +69,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 def compare(original: Path, replay: Path) -> dict[str, Any]:
     a, b = deterministic(original), deterministic(replay)
     ra, rb = Results.read(original), Results.read(replay)
+    assert isinstance(ra, JobResults) and isinstance(rb, JobResults)  # both runs ran (their latencies are read)
     latency = {}
     for metric in ("send_aux", "handoff"):
         pa, pb = (getattr(r.latency_us, metric) for r in (ra, rb))

@@ -21,10 +21,37 @@ from typing import Optional
 from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .plan import Plan
-from .results import (EXIT_LOST, EXIT_NOT_VERIFIED, EXIT_OK, EXIT_REFUSED, EXIT_SIGNAL, LATENCIES, STAGES,
-                      Authenticated, DecodeCounts, DecodeGate, DecodeLoad, DecodeSideResults, Ending,
-                      JobResults, LatencyUs, Pair, Percentiles, PlanInfo, RankResult, Results, RunResult,
-                      Timing, Transports, TpGate, TpRank, TpSummary, Workload, counter_dict, write_atomic)
+from .results import (
+    EXIT_LOST,
+    EXIT_NOT_VERIFIED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_SIGNAL,
+    LATENCIES,
+    STAGES,
+    Authenticated,
+    DecodeCounts,
+    DecodeGate,
+    DecodeLoad,
+    DecodeSideResults,
+    Ending,
+    JobResults,
+    LatencyUs,
+    Pair,
+    Percentiles,
+    PlanInfo,
+    RankResult,
+    Results,
+    RunResult,
+    Timing,
+    TpGate,
+    TpRank,
+    TpSummary,
+    Transports,
+    Workload,
+    counter_dict,
+    write_atomic,
+)
 from .rundir import RunFiles, parse_proc_name
 from .stats import LatencyHistogram
 
@@ -203,12 +230,13 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
         return None
     ranks = [d for d in out.decodes.values() if d.tp]
     leaders = [d.tp for d in ranks if d.tp.get("rank") == 0]
-    per_step = [d.tp.get("allreduce_mean_us") for d in ranks if d.tp.get("allreduce_mean_us")]
+    per_step: list[float] = [d.tp["allreduce_mean_us"] for d in ranks if d.tp.get("allreduce_mean_us")]
     unready, wrong_room = (sum(d.tp.get(k, 0) for d in ranks) for k in ("taken_unready", "taken_wrong_room"))
+    steps, disagreed, requests_disagreed = (sum(t.get(k, 0) for t in leaders)
+                                            for k in ("steps", "steps_disagreed", "requests_disagreed"))
     return TpSummary(
         cfg.endpoints.decode_tp, TpGate(cfg.gate.readiness, cfg.gate.zero_room_on_free, cfg.gate.settle_ms),
-        *(sum(t.get(k, 0) for t in leaders) for k in ("steps", "steps_disagreed", "requests_disagreed")),
-        unready + wrong_room, unready, wrong_room,
+        steps, disagreed, requests_disagreed, unready + wrong_room, unready, wrong_room,
         sum(d.details.get(Detail.room_never_landed, 0) for d in ranks),
         # the gate saw the right room but the rest of the row had not landed (blocks of one
         # batch write land in any order): only the digest catches these
@@ -224,7 +252,8 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
 
 def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> DecodeSideResults:
     """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
-    outcomes, details = Counter(), Counter()
+    outcomes: Counter[Outcome] = Counter()
+    details: Counter[Detail] = Counter()
     for d in out.decodes.values():
         if _is_leader(d.name):
             outcomes.update(d.outcomes)
@@ -337,7 +366,7 @@ def _tp_line(tp: Optional[TpSummary]) -> list[str]:
             + (f"{tp.allreduce_us_mean} us" if tp.allreduce_us_mean is not None else "not timed")]
 
 
-def summary(results: Results, run_dir: Path) -> str:
+def summary(results: JobResults | DecodeSideResults, run_dir: Path) -> str:
     """At most 8 lines for a default run: what ran, what happened, how fast, where."""
     if isinstance(results, DecodeSideResults):
         return decode_summary(results, run_dir)
@@ -357,9 +386,10 @@ def summary(results: Results, run_dir: Path) -> str:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results.failure_reasons.items()))
     lines = _problems(results) + lines
     lines += [f"warning: {c}" for c in results.ending.warnings]
-    if w.rate is None and w.in_flight_max > w.decode_rows:
-        lines.append(f"{w.in_flight_max} requests in flight (workload.concurrency x prefill ranks) "
-                     f"> {w.decode_rows} decode rows (buffers.size x decode ranks): the rest wait "
+    rows, in_flight = w.decode_rows, w.in_flight_max  # (both set by _workload)
+    if w.rate is None and in_flight is not None and rows is not None and in_flight > rows:
+        lines.append(f"{in_flight} requests in flight (workload.concurrency x prefill ranks) "
+                     f"> {rows} decode rows (buffers.size x decode ranks): the rest wait "
                      "for a row, inside handoff latency")
     lines += _load_line(results.decode_gate) + _tp_line(results.tp)
     pairs = results.pairs
@@ -394,6 +424,7 @@ def merge(a: Results, b: Results) -> tuple[str, bool]:
     if set(sides) != {"prefill", "decode"}:
         raise ValueError("expected the run dirs of one role=prefill and one role=decode run")
     p, d = sides["prefill"], sides["decode"]
+    assert isinstance(p, JobResults) and isinstance(d, DecodeSideResults)  # what from_json reads for each role
     agree = p.verified == d.verified
     lines = [summary(p, Path(p.run_dir or "prefill")).rsplit("\n", 1)[0],
              f"decode side at {d.bootstrap} judged {d.requests}: verified {d.verified}, "

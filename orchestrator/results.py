@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 from .outcomes import Detail, Outcome
 from .rundir import RunFiles
@@ -103,10 +103,10 @@ class PairStats:
     @property
     def rate(self) -> Optional[float]:
         """Verified handoffs per second between this pair's own first and last verdict."""
-        n = self.verified
-        if n < 2 or not self.last_verdict or self.last_verdict <= self.first_verdict:
+        n, first, last = self.verified, self.first_verdict, self.last_verdict
+        if n < 2 or not last or first is None or last <= first:  # (first is set with last)
             return None
-        return (n - 1) / (self.last_verdict - self.first_verdict)
+        return (n - 1) / (last - first)
 
 
 @dataclass
@@ -575,7 +575,21 @@ class Results:
     """What a job's results.json holds: JobResults (a run), DecodeSideResults (role=decode) or
     NotRun (refused, or ended before a run). Written with to_json, read with from_json."""
 
-    ORDER: tuple[str, ...] = ()  # results.json's keys, in order
+    # What every kind has (each subclass is a dataclass and declares them as its own)
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    requests: int
+    verified: int
+    corrupted: int
+    failed: int
+    not_started: int
+    routes: Optional[dict[str, int]]
+    error: Optional[str]
+    if TYPE_CHECKING:  # JobResults and DecodeSideResults: class attribute / field; NotRun: properties
+        @property
+        def ORDER(self) -> tuple[str, ...]: ...  # results.json's keys, in order
+
+        @property
+        def ending(self) -> Ending: ...
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"exit_code": self.exit_code}
@@ -624,7 +638,8 @@ class Results:
         return RunStatus.ok if self.requests and self.verified == self.requests else RunStatus.failed
 
     def headline(self) -> dict[str, Any]:
-        """What the job's "results" log line carries."""
+        """What the job's "results" log line carries (a job that ran)."""
+        assert isinstance(self, (JobResults, DecodeSideResults))
         return {"requests": self.requests, "verified": self.verified, "corrupted": self.corrupted,
                 "failed": self.failed, "routes": self.routes,
                 "effective_transport": self.transports.effective_transport, "exit_code": self.exit_code}
@@ -740,6 +755,7 @@ class NotRun(Results):
     verified: int = 0
     corrupted: int = 0
     failed: int = 0
+    not_started = 0
 
     @property
     def ORDER(self) -> tuple[str, ...]:
@@ -758,7 +774,8 @@ class NotRun(Results):
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "NotRun":
-        return cls(**{f.name: d.get(f.name) for f in fields(cls) if f.name != "code"}, code=d.get("exit_code"))
+        kw: dict[str, Any] = {f.name: d.get(f.name) for f in fields(cls) if f.name != "code"}
+        return cls(**kw, code=d.get("exit_code"))
 
 
 def read_jsonl(path: Path, parse: Callable[[str], Any] = json.loads, strict: bool = False) -> Iterator[Any]:

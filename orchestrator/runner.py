@@ -12,6 +12,7 @@ role=prefill meet through orchestrator.bootstrap.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -19,8 +20,9 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import structlog
 
@@ -52,7 +54,7 @@ class _Done(Exception):
 @dataclass
 class _Proc:
     name: str
-    proc: mp.Process
+    proc: BaseProcess
     conn: protocol.Channel
     kind: str  # "prefill" | "decode"
     index: int  # prefill rank, or decode instance
@@ -79,8 +81,9 @@ def _engine_log_tail(run_dir: Path, name: str) -> Optional[str]:
 
 def _kill(p: _Proc) -> None:
     try:
-        os.kill(p.proc.pid, signal.SIGCONT)
-    except (ProcessLookupError, TypeError):
+        if p.proc.pid is not None:  # (started)
+            os.kill(p.proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
         pass
     if p.proc.is_alive():
         p.proc.kill()
@@ -106,7 +109,16 @@ def _said(msg) -> str:
     return msg.line if isinstance(msg, protocol.Error) else repr(msg)
 
 
-def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[Callable] = None,
+class _Progress(Protocol):
+    """What run_handoffs reports to (orchestrator.progress.Progress, the bench's line; one
+    with a `phase` method is told each phase's label too)."""
+
+    def start(self) -> None: ...
+
+    def __call__(self, done: int) -> None: ...
+
+
+def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
                  driver=None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
                  signals: Optional[Signals] = None) -> RunResult:
     """Start every decode process and every prefill rank; run `driver` in the prefill ranks
@@ -119,7 +131,7 @@ class Job:
     started (each behind a protocol.Channel) and its outcome, `out`."""
 
     def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
-                 progress: Optional[Callable] = None, driver=None, bulk_bytes: int = 0,
+                 progress: Optional[_Progress] = None, driver=None, bulk_bytes: int = 0,
                  secret: Optional[bytes] = None):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
@@ -395,9 +407,10 @@ class Job:
         deadline = _clock() + 1.0
         for p in self.prefills:  # one that never reached its handoff phase has no result to wait for
             if not p.done and (p.running or not out.interrupted):
-                self._last_word(p, deadline, lambda msg, p=p: self._prefill_result(p, msg))
+                self._last_word(p, deadline, functools.partial(self._prefill_result, p))
         for d in self.decodes:
             if d.proc.is_alive():
+                assert d.proc.pid is not None  # (alive)
                 try:
                     os.kill(d.proc.pid, signal.SIGCONT)  # in case a stop fault is still in force
                 except ProcessLookupError:
@@ -407,7 +420,7 @@ class Job:
         deadline = _clock() + ((1.0 if ran else 0.3) if out.interrupted else 10.0)
         own: dict[str, str] = {}  # a decode's own last word: its error
         for d in self.decodes:
-            self._last_word(d, deadline, lambda msg, d=d: self._decode_result(d, msg, own))
+            self._last_word(d, deadline, functools.partial(self._decode_result, d, own=own))
         deadline = _clock() + (0.5 if not out.interrupted else 0.2)
         for p in self.prefills + self.decodes:
             p.proc.join(max(0.0, deadline - _clock()))

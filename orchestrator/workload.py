@@ -165,10 +165,11 @@ class RequestPool:
         return req
 
 
-def arrival_offsets(rate: Optional[float], seed: int, n: int, rank: int = 0) -> Optional[np.ndarray]:
+def arrival_offsets(rate: Optional[float], seed: Optional[int], n: int, rank: int = 0) -> Optional[np.ndarray]:
     """Open loop: seconds from the start at which request i arrives (Poisson at `rate` per
-    second, seeded per rank); None for a closed loop."""
+    second, seeded per rank); None for a closed loop (which needs no seed)."""
     if rate is None:
         return None
+    assert seed is not None  # an open loop runs with its seed resolved (config.resolve_seed)
     rng = np.random.Generator(np.random.Philox(key=[seed & ((1 << 64) - 1), rank]))
     return np.cumsum(rng.exponential(1.0 / rate, size=n))

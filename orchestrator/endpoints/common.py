@@ -18,8 +18,7 @@ from ..buffers import MetadataBuffers
 from ..config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
 from ..logs import configure
 from ..plan import Device, Plan, Route
-from ..platform import boot_id, pid_namespace  # noqa: F401 - the endpoints take them from here
-from ..rundir import RunFiles, proc_name  # noqa: F401 - proc_name: the endpoints take it from here
+from ..rundir import RunFiles
 from ..transport.engine import MooncakeEngine, exposed, listening_sockets
 from ..workload import Shapes
 

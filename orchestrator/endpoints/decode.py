@@ -35,7 +35,7 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import zmq
 
@@ -48,12 +48,12 @@ from ..faults import decode_setup, silent_session
 from ..layout import describe, first_difference
 from ..outcomes import Detail, KVPoll, Outcome
 from ..plan import Device, Plan, same_process_space_rule
+from ..platform import boot_id, pid_namespace
 from ..results import DecodeResult
-from ..rundir import RunFiles
+from ..rundir import RunFiles, proc_name
 from ..transport.engine import exposed, listening_sockets
-from .common import (report_failure, Stop, bind_random, boot_id, pid_namespace, build_side, new_socket, proc_name, process_gpu,
-                     rss_kb, start_process)
-from .tp import NOT_TAKEN, Group, single
+from .common import Stop, bind_random, build_side, new_socket, process_gpu, report_failure, rss_kb, start_process
+from .tp import NOT_TAKEN, Group, TorchGroup, single
 
 _clock = time.monotonic
 _WARM = 1000  # judged requests after which the process's memory is taken as warm (rss_kb_warm)
@@ -166,7 +166,7 @@ class Notices:
     """What the leader tells the runner: prefill ranks that said bye, were refused at hello
     (and why), or went silent holding slots (role=decode only)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.byes: list[int] = []
         self.refused: list[tuple[int, str]] = []
         self.lost: list[tuple[int, str]] = []
@@ -448,6 +448,7 @@ class DecodeEndpoint:
             body = (sess.auth if sess is not None else self.peers.auth).unseal(frames[1]) \
                 if len(frames) == 2 else None
         except Replayed as exc:
+            assert sess is not None  # only a session's unseal raises Replayed
             self._drop("replayed", "control_replayed", prefill=sess.rank, error=str(exc))
             return
         if body is None:
@@ -467,10 +468,10 @@ class DecodeEndpoint:
         elif sess is None:  # authentic under the bare secret, but only hello may be
             self._drop("rejected_auth", "control_rejected", reason=f"{kind} outside a session")
         elif kind == "arrive" and self.leader:
-            self._arrive(prank, msg)
+            self._arrive(sess.rank, msg)
         elif kind == "bye" and self.leader:
-            self.release_prefill(prank, "bye")
-            self.notices.byes.append(prank)
+            self.release_prefill(sess.rank, "bye")
+            self.notices.byes.append(sess.rank)
         else:
             self._drop("dropped_control", "control_dropped", error=f"{kind} is not for this rank")
 
@@ -545,7 +546,9 @@ class DecodeEndpoint:
                 slots = self.slots.alloc_run(n, led.next_slot.get(prank))
                 led.next_slot[prank] = slots[-1] + 1
             else:
-                slots = [self.slots.alloc()]
+                slot = self.slots.alloc()
+                assert slot is not None  # (slots available)
+                slots = [slot]
             for slot in slots:
                 prank, rid, room, _ = led.waiting.popleft()
                 if (prank, rid) in led.grants:
@@ -622,8 +625,9 @@ class DecodeEndpoint:
             if frames[0] == wire.AUX_DATA:
                 slot, field = int(frames[3]), int(frames[2])
                 rows = max(1, len(frames[5]) // self.item_lens[field])
-                gs = [self.ledger.by_slot.get(slot + k) for k in range(min(rows, self.cfg.buffers.size))]
-                if not gs or any(g is None for g in gs):
+                found = [self.ledger.by_slot.get(slot + k) for k in range(min(rows, self.cfg.buffers.size))]
+                gs = [g for g in found if g is not None]
+                if not found or len(gs) != len(found):
                     return None, b""
                 sess = self.peers.ranks.get(gs[0].prank)
                 return (sess.auth if sess else None), b"".join(g.rid.to_bytes(8, "little") for g in gs)
@@ -669,6 +673,7 @@ class DecodeEndpoint:
     def _status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
                 tag: int, reason: str) -> None:
         self.peers.heard[prank] = _clock()
+        g: Optional[Grant]
         if rid is None:  # a bare SGLang status: only its room identifies the request
             found = [g for g in self.ledger.grants.values() if g.prank == prank and g.room == room]
             if len(found) != 1:
@@ -731,6 +736,7 @@ class DecodeEndpoint:
         worst = self.group.agree_verdicts([NOT_TAKEN if v is None else v.code for v in own])
         for g, v, code in zip(cands, own, worst):
             if code != NOT_TAKEN:
+                assert v is not None  # every rank took the same positions (TorchGroup.agree_verdicts)
                 self._finish(g, Outcome.of(code // 256), Detail.of(code % 256), v.t_ns,
                              own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
         taken = [v for v in own if v is not None]
@@ -865,6 +871,7 @@ class DecodeEndpoint:
                 if load is not None:
                     self.res.load = load.summary(self.cfg.endpoints.decode_load.step_ms)
                 if lockstep:
+                    assert isinstance(self.group, TorchGroup)  # (size > 1)
                     self.res.tp = self.group.summary()
                 return
 
@@ -946,7 +953,7 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes
     try:
         group = _join(cfg, plan, chan, run_path, name, instance, tp_rank)
         endpoint = DecodeEndpoint(cfg, plan, run_path, log, secret, instance, tp_rank, group)
-        info = {
+        info: dict[str, Any] = {
             "control_endpoint": endpoint.net.control_endpoint,
             "data_endpoint": endpoint.net.data_endpoint,
             "transport": endpoint.side.transport,

@@ -44,18 +44,16 @@ from ..layout import describe, fingerprint, first_difference
 from ..logs import DecisionLog
 from ..outcomes import Detail, Outcome
 from ..plan import Plan, same_process_space_rule
+from ..platform import boot_id, pid_namespace
 from ..results import RankResult, Record
 from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
-from ..rundir import RunFiles
+from ..rundir import RunFiles, proc_name
 from ..transport.engine import EngineError, MooncakeEngine
 from ..workload import RequestPool, arrival_offsets, decode_of, room_of
 from .common import (
     Stop,
-    boot_id,
     build_side,
     new_socket,
-    pid_namespace,
-    proc_name,
     process_gpu,
     report_failure,
     rss_kb,
@@ -625,7 +623,7 @@ class _Loop:
         if self.phase.coalesce:
             slots = ep.src.alloc_run(k)
         else:
-            slots = [ep.src.alloc() for _ in range(k)]
+            slots = [s for _ in range(k) if (s := ep.src.alloc()) is not None]  # k <= available: all are
         reqs = [self.ready.popleft() for _ in slots]
         t_step = _clock()
         pc = time.perf_counter

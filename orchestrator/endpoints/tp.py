@@ -185,6 +185,7 @@ def join(plan, rendezvous: Rendezvous, tp_rank: int, tp: int, timeout_s: float, 
 
     backend = rendezvous.backend
     if backend == "nccl":
+        assert gpu is not None  # a CUDA plan places every process on a GPU (plan.gpu_placement)
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
     else:
