@@ -8,12 +8,13 @@ from pathlib import Path
 from .config import OrchestratorConfig
 from .outcomes import Detail, Outcome
 from .results import DecodeResult, RankResult, Record, read_jsonl, read_records
-from .rundir import RunFiles
+from .rundir import RunFiles, parse_proc_name
 
 
 def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
     """A decode that sent no stats: its outcomes from its verdicts file."""
-    res = DecodeResult(name, error="no stats: the process ended early; counts from its verdicts file")
+    res = DecodeResult(name, tp_rank=parse_proc_name(name).tp_rank,
+                       error="no stats: the process ended early; counts from its verdicts file")
     for v in read_jsonl(RunFiles(run_dir).verdicts(name)):
         res.outcomes[Outcome(v["outcome"])] += 1
         if v["outcome"] != Outcome.verified.value:

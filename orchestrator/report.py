@@ -52,7 +52,7 @@ from .results import (
     counter_dict,
     write_atomic,
 )
-from .rundir import RunFiles, parse_proc_name
+from .rundir import RunFiles
 from .stats import LatencyHistogram
 
 __all__ = ["EXIT_OK", "EXIT_NOT_VERIFIED", "EXIT_REFUSED", "EXIT_LOST", "EXIT_SIGNAL", "build_results",
@@ -136,11 +136,6 @@ def _authenticated(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Authe
                          sum(d.hijack_refused for d in decodes))
 
 
-def _is_leader(name: str) -> bool:
-    """A decode process that gives its instance's verdicts (a TP group's rank 0)."""
-    return parse_proc_name(name).tp_leader
-
-
 def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobResults:
     m = _Merged()
     for r in out.ranks.values():
@@ -151,7 +146,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     if accounted < requests:  # a rank that left no trace at all (cannot start)
         m.details["run_error" if out.error else "prefill_lost"] += requests - accounted
     ranks = list(out.ranks.values())
-    decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if _is_leader(d.name))
+    decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
         counter_dict(m.routes), counter_dict(m.details), m.latency_us(), ranks[0].clock if ranks else None,
@@ -229,7 +224,7 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
     if cfg.endpoints.decode_tp == 1:
         return None
     ranks = [d for d in out.decodes.values() if d.tp]
-    leaders = [d.tp for d in ranks if d.tp.get("rank") == 0]
+    leaders = [d.tp for d in ranks if d.tp_rank == 0]
     per_step: list[float] = [d.tp["allreduce_mean_us"] for d in ranks if d.tp.get("allreduce_mean_us")]
     unready, wrong_room = (sum(d.tp.get(k, 0) for d in ranks) for k in ("taken_unready", "taken_wrong_room"))
     steps, disagreed, requests_disagreed = (sum(t.get(k, 0) for t in leaders)
@@ -255,7 +250,7 @@ def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> De
     outcomes: Counter[Outcome] = Counter()
     details: Counter[Detail] = Counter()
     for d in out.decodes.values():
-        if _is_leader(d.name):
+        if d.tp_rank == 0:
             outcomes.update(d.outcomes)
             details.update(d.details)
     transports = set(out.transports.values())

@@ -181,6 +181,7 @@ class DecodeResult:
     name: str
     outcomes: Counter = field(default_factory=Counter)
     details: Counter = field(default_factory=Counter)
+    tp_rank: int = 0  # its rank in its decode instance's TP group (0: the one that gives verdicts)
     rejected_auth: int = 0  # messages without a valid MAC
     dropped_data: int = 0  # malformed data-plane messages
     dropped_control: int = 0  # malformed control messages

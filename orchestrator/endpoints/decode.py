@@ -417,7 +417,7 @@ class DecodeEndpoint:
         self.group = group or single()
         self.ledger = Ledger(cfg.buffers.size)
         self.notices = Notices()
-        self.res = DecodeResult(self.name)
+        self.res = DecodeResult(self.name, tp_rank=self.tp_rank)
         self.judge = Judge(cfg, self.buffers, self.digest, self.res)
         self.records = open(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
