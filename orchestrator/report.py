@@ -147,18 +147,21 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
         m.details["run_error" if out.error else "prefill_lost"] += requests - accounted
     ranks = list(out.ranks.values())
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
+    # this module's own sections first, then what lower modules give (the plan's view last)
+    t, workload, auth, tp = _timing(cfg, out, m), _workload(cfg), _authenticated(cfg, out, m), _tp(cfg, out)
+    warnings = (batch_caps(cfg, t.sends, sum(m.routes.values()))
+                + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None))
+    gate = _gate(cfg, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
         counter_dict(m.routes), counter_dict(m.details), m.latency_us(), ranks[0].clock if ranks else None,
-        {k: Percentiles.of(h) for k, h in m.stages.items()}, _timing(cfg, out, m), _workload(cfg),
+        {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
         Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed),
-        m.pairs, _authenticated(cfg, out, m), {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
+        m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
         decode_verified, {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
-        Ending.of(out), PlanInfo(plan.as_dict()), out.error, _tp(cfg, out), _gate(cfg, out))
-    t = res.timing
-    res.ending.warnings = (batch_caps(cfg, t.sends, sum(res.routes.values()))
-                           + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, res.ending.interrupted))
+        Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
+    res.ending.warnings = warnings
     return res
 
 
@@ -255,12 +258,13 @@ def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> De
             details.update(d.details)
     transports = set(out.transports.values())
     effective = transports.pop() if len(transports) == 1 else None
+    tp = _tp(cfg, out)
     return DecodeSideResults(
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),
         {name: DecodeCounts.of(d) for name, d in out.decodes.items()}, Timing(startup_s=out.startup_s),
         Transports(effective, plan.declared_transport, out.transports, out.engine_exposed),
-        Ending.of(out), PlanInfo(plan.as_dict()), out.error, _tp(cfg, out))
+        Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
 
 
 def exit_code(results: Results) -> int:
