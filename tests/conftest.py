@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import zmq
@@ -56,6 +58,39 @@ def typed_cfg(*overrides: str) -> OrchestratorConfig:
 @pytest.fixture
 def cfg_factory():
     return typed_cfg
+
+
+class JobRunner:
+    """One in-process job, as the CLI runs it: the config composed from `overrides`, planned
+    through the rule book (check_profile) on `platform` (default: a bare CPU Platform()), run
+    into `run_dir`, and its typed results (report.build_results) returned. The last run's
+    config, plan, raw RunResult and the wall time of its handoff phase stay on the runner
+    (`cfg`, `plan`, `out`, `wall_s`) for the tests that look at them."""
+
+    def __init__(self) -> None:
+        self.cfg: Optional[OrchestratorConfig] = None
+        self.plan = None
+        self.out = None
+        self.wall_s: Optional[float] = None
+
+    def __call__(self, run_dir: Path, *overrides: str, platform=None):
+        from orchestrator.plan import Platform
+        from orchestrator.report import build_results
+        from orchestrator.rules import check_profile
+        from orchestrator.runner import run_handoffs
+
+        self.cfg = typed_cfg(*overrides)
+        self.plan = check_profile(self.cfg, platform or Platform())
+        t0 = time.monotonic()
+        self.out = run_handoffs(self.cfg, self.plan, run_dir)
+        self.wall_s = time.monotonic() - t0
+        return build_results(self.cfg, self.plan, self.out)
+
+
+@pytest.fixture
+def run_job() -> JobRunner:
+    """`run_job(run_dir, *overrides, platform=None)`: a job's JobResults (see JobRunner)."""
+    return JobRunner()
 
 
 def has_cuda() -> bool:
