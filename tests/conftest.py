@@ -110,7 +110,7 @@ def pytest_collection_modifyitems(config, items):
 
 class DecodeProcess:
     """The real decode endpoint in its own (spawned) process, for tests that play prefill
-    themselves with raw sockets (tests/peers.py). `info` holds its endpoints; stop()
+    themselves with raw sockets (tests/helpers/peers.py). `info` holds its endpoints; stop()
     returns its DecodeResult."""
 
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):

@@ -23,7 +23,7 @@ from orchestrator.runner import run_handoffs
 from orchestrator.transport.engine import EngineError, MooncakeEngine
 
 from .conftest import ROOT
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = pytest.mark.integration
 CPU = Platform(cuda_devices=0)

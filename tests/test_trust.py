@@ -24,7 +24,7 @@ from orchestrator.results import Results, read_records, write_atomic
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, compose_cfg, typed_cfg
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FAST = ("transport.timeout_s=3", "transport.mooncake.tcp_progress_timeout_s=2")

@@ -26,7 +26,7 @@ from orchestrator.results import Results
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, DecodeProcess, typed_cfg
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = pytest.mark.integration
 SECRET = b"one secret shared by every split run"
