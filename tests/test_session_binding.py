@@ -18,7 +18,6 @@ import zmq
 
 from orchestrator import MetadataBuffers, protocol, wire
 from orchestrator.auth import Authenticator, Replayed, new_nonce
-from orchestrator.digest import SIGNATURE
 from orchestrator.layout import describe
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
