@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import pytest
 import zmq
@@ -12,6 +12,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator.config import CONF_DIR, OrchestratorConfig, register_configs, validate
+
+if TYPE_CHECKING:  # (the runner imports torch: a cost only the tests that run a job pay)
+    from orchestrator.plan import Plan, Platform
+    from orchestrator.results import JobResults, RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = CONF_DIR
@@ -69,22 +73,22 @@ class JobRunner:
 
     def __init__(self) -> None:
         self.cfg: Optional[OrchestratorConfig] = None
-        self.plan = None
-        self.out = None
+        self.plan: Optional[Plan] = None
+        self.out: Optional[RunResult] = None
         self.wall_s: Optional[float] = None
 
-    def __call__(self, run_dir: Path, *overrides: str, platform=None):
+    def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
         from orchestrator.plan import Platform
         from orchestrator.report import build_results
         from orchestrator.rules import check_profile
         from orchestrator.runner import run_handoffs
 
-        self.cfg = typed_cfg(*overrides)
-        self.plan = check_profile(self.cfg, platform or Platform())
+        self.cfg = cfg = typed_cfg(*overrides)
+        self.plan = plan = check_profile(cfg, platform or Platform())
         t0 = time.monotonic()
-        self.out = run_handoffs(self.cfg, self.plan, run_dir)
+        self.out = out = run_handoffs(cfg, plan, run_dir)
         self.wall_s = time.monotonic() - t0
-        return build_results(self.cfg, self.plan, self.out)
+        return build_results(cfg, plan, out)
 
 
 @pytest.fixture
