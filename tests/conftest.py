@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 import pytest
 import zmq
@@ -10,6 +12,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator.config import CONF_DIR, OrchestratorConfig, register_configs, validate
+
+if TYPE_CHECKING:  # (the runner imports torch: a cost only the tests that run a job pay)
+    from orchestrator.plan import Plan, Platform
+    from orchestrator.results import JobResults, RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = CONF_DIR
@@ -58,6 +64,39 @@ def cfg_factory():
     return typed_cfg
 
 
+class JobRunner:
+    """One in-process job, as the CLI runs it: the config composed from `overrides`, planned
+    through the rule book (check_profile) on `platform` (default: a bare CPU Platform()), run
+    into `run_dir`, and its typed results (report.build_results) returned. The last run's
+    config, plan, raw RunResult and the wall time of its handoff phase stay on the runner
+    (`cfg`, `plan`, `out`, `wall_s`) for the tests that look at them."""
+
+    def __init__(self) -> None:
+        self.cfg: Optional[OrchestratorConfig] = None
+        self.plan: Optional[Plan] = None
+        self.out: Optional[RunResult] = None
+        self.wall_s: Optional[float] = None
+
+    def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
+        from orchestrator.plan import Platform
+        from orchestrator.report import build_results
+        from orchestrator.rules import check_profile
+        from orchestrator.runner import run_handoffs
+
+        self.cfg = cfg = typed_cfg(*overrides)
+        self.plan = plan = check_profile(cfg, platform or Platform())
+        t0 = time.monotonic()
+        self.out = out = run_handoffs(cfg, plan, run_dir)
+        self.wall_s = time.monotonic() - t0
+        return build_results(cfg, plan, out)
+
+
+@pytest.fixture
+def run_job() -> JobRunner:
+    """`run_job(run_dir, *overrides, platform=None)`: a job's JobResults (see JobRunner)."""
+    return JobRunner()
+
+
 def has_cuda() -> bool:
     import torch
 
@@ -75,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
 
 class DecodeProcess:
     """The real decode endpoint in its own (spawned) process, for tests that play prefill
-    themselves with raw sockets (tests/peers.py). `info` holds its endpoints; stop()
+    themselves with raw sockets (tests/helpers/peers.py). `info` holds its endpoints; stop()
     returns its DecodeResult."""
 
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):

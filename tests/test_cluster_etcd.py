@@ -29,7 +29,7 @@ from orchestrator.results import Results
 from .conftest import ROOT
 from .helpers import etcd as etcd_helper
 from .helpers.etcd import Etcd
-from .netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
+from .helpers.netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow]
 

@@ -5,33 +5,25 @@ injected fault is ever accepted. Real processes, real Mooncake and ZMQ on loopba
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.plan import Platform
-from orchestrator.report import build_results
 from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CPU = Platform()
 FAST = ("transport.timeout_s=2", "transport.mooncake.tcp_progress_timeout_s=2")
 
 
-def _run(cfg_factory, tmp_path: Path, *overrides: str):
-    cfg = cfg_factory(*FAST, *overrides)
-    plan = check_profile(cfg, CPU)
-    t0 = time.monotonic()
-    out = run_handoffs(cfg, plan, tmp_path)
-    wall = time.monotonic() - t0
-    res = build_results(cfg, plan, out)
-    records = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
-    # the invariant behind every fault: a request that carried an injected fault is never verified
+def _checked(res, run_dir: Path) -> list[dict]:
+    """The run's request records, once the invariants behind every fault hold: a request that
+    carried an injected fault is never verified, and every request has a verdict."""
+    records = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
     assert not [r for r in records if r["fault"] and r["outcome"] == "verified"]
     assert res.verified + res.corrupted + res.failed == res.requests
-    return res, records, wall
+    return records
 
 
 def _hits(records):
@@ -39,40 +31,44 @@ def _hits(records):
 
 
 @pytest.mark.parametrize("route", ["engine", "tcp"])
-def test_corrupt_byte_is_caught(cfg_factory, tmp_path, route):
-    res, records, _ = _run(cfg_factory, tmp_path, f"transport.route={route}", "faults=corrupt_byte",
-                           "workload.requests=100")
+def test_corrupt_byte_is_caught(run_job, tmp_path, route):
+    res = run_job(tmp_path, *FAST, f"transport.route={route}", "faults=corrupt_byte",
+                  "workload.requests=100")
+    records = _checked(res, tmp_path)
     hits = _hits(records)
     assert len(hits) == 9 and {r["detail"] for r in hits} == {"checksum_mismatch"}
     assert res.corrupted == 9 and res.verified == 91 and res.failed == 0
 
 
-def test_bad_destination_partial_batch_never_accepted(cfg_factory, tmp_path):
-    res, records, wall = _run(cfg_factory, tmp_path, "faults=bad_destination", "faults.every=20",
-                              "workload.requests=60")
+def test_bad_destination_partial_batch_never_accepted(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=bad_destination", "faults.every=20", "workload.requests=60")
+    records = _checked(res, tmp_path)
     hits = _hits(records)
     assert len(hits) == 3 and {r["detail"] for r in hits} == {"sender_error"}
     assert res.verified == 57 and res.corrupted == 0
 
 
-def test_wrong_session(cfg_factory, tmp_path):
-    res, records, _ = _run(cfg_factory, tmp_path, "faults=wrong_session", "faults.every=20",
-                           "workload.requests=60")
+def test_wrong_session(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=wrong_session", "faults.every=20", "workload.requests=60")
+    records = _checked(res, tmp_path)
     assert {r["detail"] for r in _hits(records)} == {"sender_error"} and res.verified == 57
 
 
-def test_stale_room_in_reused_slot_never_passes_the_gate(cfg_factory, tmp_path):
-    res, records, _ = _run(cfg_factory, tmp_path, "faults=stale_room", "faults.every=15",
-                           "workload.requests=60", "buffers.size=8", "workload.concurrency=4")
+def test_stale_room_in_reused_slot_never_passes_the_gate(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=stale_room", "faults.every=15", "workload.requests=60",
+                  "buffers.size=8", "workload.concurrency=4")
+    records = _checked(res, tmp_path)
     hits = _hits(records)
     assert len(hits) == 4
     assert {r["detail"] for r in hits} == {"room_mismatch"}  # a previous tenant's room was there
     assert res.verified == 56
 
 
-def test_decode_killed_mid_run(cfg_factory, tmp_path):
-    res, records, wall = _run(cfg_factory, tmp_path, "faults=decode_killed", "faults.at_request=50",
-                              "workload.requests=3000", "transport.timeout_s=5")
+def test_decode_killed_mid_run(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=decode_killed", "faults.at_request=50", "workload.requests=3000",
+                  "transport.timeout_s=5")
+    _checked(res, tmp_path)
+    wall = run_job.wall_s
     assert res.ending.faults_applied and res.ending.faults_applied[0]["fault"] == "decode_killed"
     assert res.verified == 50 and res.corrupted == 0  # exactly at its request
     # the runner saw the process exit: the wait ends at once, not after transport.timeout_s
@@ -84,29 +80,36 @@ def test_decode_killed_mid_run(cfg_factory, tmp_path):
     assert res.timing.wall_s < 5  # (a wait for the timeout would be in it)
 
 
-def test_decode_stopped_shorter_than_timeout_is_ridden_out(cfg_factory, tmp_path):
-    res, _, wall = _run(cfg_factory, tmp_path, "faults=decode_stopped", "faults.at_request=50",
-                        "faults.duration_s=0.5", "transport.timeout_s=4", "workload.requests=1500")
+def test_decode_stopped_shorter_than_timeout_is_ridden_out(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=decode_stopped", "faults.at_request=50", "faults.duration_s=0.5",
+                  "transport.timeout_s=4", "workload.requests=1500")
+    _checked(res, tmp_path)
     assert res.ending.faults_applied and res.verified == 1500
 
 
-def test_decode_stopped_longer_than_timeout_is_declared_lost(cfg_factory, tmp_path):
-    res, _, wall = _run(cfg_factory, tmp_path, "faults=decode_stopped", "faults.at_request=50",
-                        "faults.duration_s=6", "workload.requests=3000")
+def test_decode_stopped_longer_than_timeout_is_declared_lost(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=decode_stopped", "faults.at_request=50", "faults.duration_s=6",
+                  "workload.requests=3000")
+    _checked(res, tmp_path)
+    wall = run_job.wall_s
     assert res.ending.faults_applied and res.verified == 50 and res.corrupted == 0
     assert "peer_lost" in res.failure_reasons or "not_sent_peer_lost" in res.failure_reasons
     assert wall < 30
 
 
-def test_silent_control_peer(cfg_factory, tmp_path):
-    res, _, wall = _run(cfg_factory, tmp_path, "faults=silent_control", "workload.requests=50")
+def test_silent_control_peer(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=silent_control", "workload.requests=50")
+    _checked(res, tmp_path)
+    wall = run_job.wall_s
     assert res.verified == 0 and res.failed == 50
     assert "did not answer hello" in res.error + str(res.ending.lost)
     assert wall < 20
 
 
-def test_silent_mooncake_peer_is_bounded_by_our_watchdog(cfg_factory, tmp_path):
-    res, _, wall = _run(cfg_factory, tmp_path, "faults=silent_peer", "workload.requests=50")
+def test_silent_mooncake_peer_is_bounded_by_our_watchdog(run_job, tmp_path):
+    res = run_job(tmp_path, *FAST, "faults=silent_peer", "workload.requests=50")
+    _checked(res, tmp_path)
+    wall = run_job.wall_s
     assert res.verified == 0 and res.failed == 50
     assert "did not finish within transport.timeout_s=2" in res.error + str(res.ending.lost)
     assert wall < 25  # Mooncake's own handshake would block for 60 s

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from orchestrator import MetadataBuffers, wire
 from orchestrator.outcomes import Detail, Outcome
 
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 BUF = MetadataBuffers(4, 16, torch.float32, 8)
 PTRS, _, LENS = BUF.get_buf_infos()

@@ -9,27 +9,17 @@ import json
 
 import pytest
 
-from orchestrator.plan import Platform
 from orchestrator.replay import deterministic
-from orchestrator.report import build_results
-from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
 
 from .conftest import typed_cfg
 
 pytestmark = pytest.mark.integration
 
 
-def _run(run_dir, *overrides):
-    cfg = typed_cfg("workload.requests=200", *overrides)
-    plan = check_profile(cfg, Platform())
-    return build_results(cfg, plan, run_handoffs(cfg, plan, run_dir))
-
-
-def test_the_three_gate_reads_give_the_same_verdicts(tmp_path):
+def test_the_three_gate_reads_give_the_same_verdicts(run_job, tmp_path):
     outs = {}
     for mode in ("sglang", "batched", "side_stream"):
-        res = _run(tmp_path / mode, f"gate.read={mode}", "workload.seed=7")
+        res = run_job(tmp_path / mode, "workload.requests=200", f"gate.read={mode}", "workload.seed=7")
         assert (res.verified, res.corrupted, res.failed) == (200, 0, 0), res.failure_reasons
         gate = res.decode_gate
         assert gate.read == mode and gate.polls > 0 and gate.stall_us_per_poll.p50 is not None
@@ -37,8 +27,9 @@ def test_the_three_gate_reads_give_the_same_verdicts(tmp_path):
     assert outs["sglang"] == outs["batched"] == outs["side_stream"]
 
 
-def test_decode_load_is_off_with_a_warning_on_host_rows(tmp_path):
-    res = _run(tmp_path, "endpoints.decode_load.step_ms=8", "endpoints.decode_load.idle_s=0.2")
+def test_decode_load_is_off_with_a_warning_on_host_rows(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "endpoints.decode_load.step_ms=8",
+                  "endpoints.decode_load.idle_s=0.2")
     assert res.verified == 200 and res.decode_gate.load is None
     lines = [json.loads(x) for x in (tmp_path / "decode.log").read_text().splitlines()]
     assert any(x["event"] == "decode_load_off" and x["level"] == "warning" for x in lines)

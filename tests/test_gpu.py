@@ -15,9 +15,6 @@ from orchestrator.config import MemPoolType, WorkloadConfig
 from orchestrator.digest import Keys, RowDigest
 from orchestrator.plan import EngineTransport
 from orchestrator.platform import detect
-from orchestrator.report import build_results
-from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
 from orchestrator.workload import RequestPool, Shapes
 
 from .test_digest import flipped_byte_sweep
@@ -55,17 +52,16 @@ def test_any_single_flipped_byte_is_caught_on_the_gpu():
     assert flipped_byte_sweep("cuda") > 6 * 1000
 
 
-def _run(cfg_factory, tmp_path, *overrides):
-    cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", *overrides)
-    plan = check_profile(cfg, detect())
-    assert plan.engine_transport is EngineTransport.nvlink_intra
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+def _nvlink_run(run_job, run_dir, *overrides):
+    """An INTRA_NODE_NVLINK job on this machine's GPUs, planned onto the NVLink transport."""
+    res = run_job(run_dir, "mem_pool=INTRA_NODE_NVLINK", *overrides, platform=detect())
+    assert run_job.plan.engine_transport is EngineTransport.nvlink_intra
     print(res.verified, res.failed, res.transports.effective_transport, res.latency_us, res.timing)
     return res
 
 
-def test_intra_node_nvlink_handoffs_verified_over_nvlink(cfg_factory, tmp_path):
-    res = _run(cfg_factory, tmp_path, "workload.requests=300", "buffers.hidden_size=7168",
+def test_intra_node_nvlink_handoffs_verified_over_nvlink(run_job, tmp_path):
+    res = _nvlink_run(run_job, tmp_path, "workload.requests=300", "buffers.hidden_size=7168",
                "buffers.hidden_states_dtype=bfloat16")
     assert (res.verified, res.failed, res.corrupted) == (300, 0, 0), res
     assert res.transports.effective_transport == "mooncake-nvlink_intra"
@@ -78,8 +74,8 @@ def test_intra_node_nvlink_handoffs_verified_over_nvlink(cfg_factory, tmp_path):
     assert boots and all(b["first_write_us"] > 0 for b in boots)
 
 
-def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(cfg_factory, tmp_path):
-    res = _run(cfg_factory, tmp_path, "experiment=deepseek_v3_mtp", "workload.requests=4096",
+def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(run_job, tmp_path):
+    res = _nvlink_run(run_job, tmp_path, "experiment=deepseek_v3_mtp", "workload.requests=4096",
                "workload.batch_size=64", "workload.concurrency=256", "buffers.size=512",
                "transport.coalesce=true", "transport.status=per_step", "buffers.kv_checksum_enabled=true")
     assert (res.verified, res.failed, res.corrupted) == (4096, 0, 0), res
@@ -110,12 +106,10 @@ def test_presence_trap_is_detected_as_effective_transport():
     assert effective != "nvlink_intra"
 
 
-def test_all_pairs_four_by_four_over_nvlink(cfg_factory, tmp_path):
+def test_all_pairs_four_by_four_over_nvlink(run_job, tmp_path):
     """experiment=pd_8gpu_nvlink (4 prefill x 4 decode ranks, all pairs) on the GPUs there
     are: GPUs 0-3 -> 4-7 on eight, ranks alternating between GPU 0 and 1 on two."""
-    cfg = cfg_factory("experiment=pd_8gpu_nvlink", "workload.requests=200")
-    plan = check_profile(cfg, detect())
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+    res = run_job(tmp_path, "experiment=pd_8gpu_nvlink", "workload.requests=200", platform=detect())
     print(res.pairs, res.transports.effective_transport)
     assert (res.verified, res.failed, res.corrupted) == (800, 0, 0), res
     assert res.transports.effective_transport == "mooncake-nvlink_intra"

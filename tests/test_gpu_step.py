@@ -164,22 +164,16 @@ def test_the_engine_never_reads_a_row_before_the_steps_writes_landed():
         proc.join(20)
 
 
-def test_reused_slots_are_zeroed_before_they_are_granted_again(cfg_factory, tmp_path):
+def test_reused_slots_are_zeroed_before_they_are_granted_again(run_job, tmp_path):
     """Four decode rows for thousands of requests: every slot is freed and granted again all
     the time. A zeroing that landed after the next tenant's write would leave its room 0
     (the gate holds it until transport.timeout_s, then room_never_landed) or a torn row."""
     from orchestrator.platform import detect
-    from orchestrator.report import build_results
-    from orchestrator.rules import check_profile
-    from orchestrator.runner import run_handoffs
 
     for fill in ("inline", "ahead"):
-        cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", "buffers.size=4", "workload.concurrency=4",
-                          "workload.requests=3000", "buffers.kv_checksum_enabled=true",
-                          f"workload.fill={fill}", "transport.timeout_s=5")
-        plan = check_profile(cfg, detect())
-        run_dir = tmp_path / fill
-        res = build_results(cfg, plan, run_handoffs(cfg, plan, run_dir))
+        res = run_job(tmp_path / fill, "mem_pool=INTRA_NODE_NVLINK", "buffers.size=4", "workload.concurrency=4",
+                      "workload.requests=3000", "buffers.kv_checksum_enabled=true", f"workload.fill={fill}",
+                      "transport.timeout_s=5", platform=detect())
         print(fill, res.verified, res.failure_reasons, res.timing.handoffs_per_s,
               "gate waits", res.decode["decode"].gate_waits)
         assert (res.verified, res.failed, res.corrupted) == (3000, 0, 0), res.failure_reasons
@@ -201,23 +195,19 @@ def test_steps_sealed_back_to_back_without_a_wait_each_keep_their_own_tags():
 
 
 @pytest.mark.parametrize("mode", ["sglang", "batched", "side_stream"])
-def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(cfg_factory, tmp_path, mode):
+def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(run_job, tmp_path, mode):
     """CUDA rows, decode loaded with a 2 ms forward: each gate.read verifies every handoff with
     the verdicts of an unloaded batched run; the forward loop's steps/s with and without
     handoffs are reported."""
     from orchestrator.platform import detect
     from orchestrator.replay import deterministic
-    from orchestrator.report import build_results
-    from orchestrator.rules import check_profile
-    from orchestrator.runner import run_handoffs
 
     outs = {}
     for name, extra in (("reference", ["gate.read=batched"]),
                         (mode, [f"gate.read={mode}", "endpoints.decode_load.step_ms=2",
                                 "endpoints.decode_load.idle_s=0.3"])):
-        cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK", "workload.requests=300", "workload.seed=5", *extra)
-        plan = check_profile(cfg, detect())
-        res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / name))
+        res = run_job(tmp_path / name, "mem_pool=INTRA_NODE_NVLINK", "workload.requests=300", "workload.seed=5",
+                      *extra, platform=detect())
         print(name, res.latency_us.taken, res.decode_gate)
         assert res.verified == 300, res.failure_reasons
         outs[name] = deterministic(tmp_path / name)

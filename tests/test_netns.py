@@ -33,7 +33,7 @@ import pytest
 from orchestrator.results import Results
 
 from .conftest import ROOT
-from .netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
+from .helpers.netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

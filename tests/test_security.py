@@ -12,11 +12,7 @@ import zmq
 from orchestrator import wire
 from orchestrator.auth import Authenticator, run_secret, secret_from_env
 from orchestrator.config import ConfigError, validate
-from orchestrator.outcomes import Outcome
 from orchestrator.plan import Platform
-from orchestrator.report import build_results
-from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
 
 from .conftest import DecodeProcess, compose_cfg
 
@@ -44,11 +40,10 @@ def test_no_code_executing_decoders_in_the_package():
 
 
 @pytest.mark.integration
-def test_authenticated_run_verifies_everything(cfg_factory, tmp_path, monkeypatch):
+def test_authenticated_run_verifies_everything(run_job, tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_SECRET_RUN", "correct horse battery staple")
-    cfg = cfg_factory("transport.secret_env=ORCH_SECRET_RUN", "workload.requests=100")
-    plan = check_profile(cfg, Platform(env={"ORCH_SECRET_RUN": "correct horse battery staple"}))
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+    res = run_job(tmp_path, "transport.secret_env=ORCH_SECRET_RUN", "workload.requests=100",
+                  platform=Platform(env={"ORCH_SECRET_RUN": "correct horse battery staple"}))
     assert res.verified == 100 and res.authenticated.rejected == 0
     assert not any("correct horse" in f.read_text(errors="replace") for f in tmp_path.glob("*.log"))
 

@@ -1,6 +1,6 @@
 """This project's SGLang-compatible code held against SGLang 0.5.23's OWN released code.
 
-The oracle (tests/sglang_oracle.py) compiles SGLang's MetadataBuffers, AuxDataCodec, KVPoll,
+The oracle (tests/helpers/sglang_oracle.py) compiles SGLang's MetadataBuffers, AuxDataCodec, KVPoll,
 status encoder/parser and Mooncake's aux send/receive methods (with its decode-thread
 dispatch loop) from the installed sglang==0.5.23 wheel's source, unchanged. These tests
 compare, over a grid of buffer configurations:
@@ -39,7 +39,7 @@ from orchestrator.layout import describe, first_difference, load_layout
 from orchestrator.outcomes import KVPoll as OurKVPoll
 from orchestrator.workload import AuxRequest, Logprob, SamplingMaskChunk, SamplingMaskRows, Shapes, make_request
 
-from .sglang_oracle import load_or_skip
+from .helpers.sglang_oracle import load_or_skip
 
 pytestmark = pytest.mark.integration
 
@@ -585,7 +585,7 @@ def test_sglang_sender_into_our_real_decode_is_refused(env, zctx, tmp_path):
     from orchestrator.outcomes import Detail, Outcome
 
     from .conftest import typed_cfg
-    from .peers import PrefillPeer
+    from .helpers.peers import PrefillPeer
 
     cfg = typed_cfg("mem_pool=NVLINK", "transport.timeout_s=1")
     peer = PrefillPeer(cfg, tmp_path)

@@ -9,28 +9,17 @@ import json
 
 import pytest
 
-from orchestrator.plan import Platform
 from orchestrator.replay import deterministic
-from orchestrator.report import build_results
-from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
-
-from .conftest import typed_cfg
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+TIMEOUT = "transport.timeout_s=5"
 RACE = ("endpoints.decode_tp=2", "faults=status_first", "faults.every=3")
 
 
-def _run(run_dir, *overrides):
-    cfg = typed_cfg("transport.timeout_s=5", *overrides)
-    plan = check_profile(cfg, Platform())
-    return build_results(cfg, plan, run_handoffs(cfg, plan, run_dir))
-
-
 @pytest.mark.parametrize("route", ["engine", "tcp"])
-def test_decode_tp2_verifies_end_to_end(tmp_path, route):
-    res = _run(tmp_path, "endpoints.decode_tp=2", f"transport.route={route}", "workload.requests=300",
-               "workload.batch_size=4", "workload.concurrency=16")
+def test_decode_tp2_verifies_end_to_end(run_job, tmp_path, route):
+    res = run_job(tmp_path, TIMEOUT, "endpoints.decode_tp=2", f"transport.route={route}",
+                  "workload.requests=300", "workload.batch_size=4", "workload.concurrency=16")
     assert (res.verified, res.failed, res.corrupted) == (300, 0, 0), res
     tp = res.tp
     assert tp.ranks == 2 and tp.silent_corruptions == 0 and tp.hung == 0
@@ -41,11 +30,11 @@ def test_decode_tp2_verifies_end_to_end(tmp_path, route):
     assert steps and {"seen", "agreed", "took", "disagreed"} <= set(steps[0])
 
 
-def test_gate_off_lets_the_race_through_reproducibly(tmp_path):
+def test_gate_off_lets_the_race_through_reproducibly(run_job, tmp_path):
     runs = []
     for i in range(2):
-        res = _run(tmp_path / str(i), *RACE, "gate.readiness=false", "workload.requests=150",
-                   "workload.concurrency=1", "workload.seed=0")  # two runs, one seed: same rooms
+        res = run_job(tmp_path / str(i), TIMEOUT, *RACE, "gate.readiness=false", "workload.requests=150",
+                      "workload.concurrency=1", "workload.seed=0")  # two runs, one seed: same rooms
         runs.append(res)
         assert res.corrupted == 50 and res.verified == 100  # every third request
         tp = res.tp
@@ -54,19 +43,20 @@ def test_gate_off_lets_the_race_through_reproducibly(tmp_path):
     assert deterministic(tmp_path / "0") == deterministic(tmp_path / "1")  # replays IDENTICAL
 
 
-def test_gate_on_same_race_verifies_everything(tmp_path):
-    res = _run(tmp_path, *RACE, "workload.requests=300", "workload.batch_size=4", "workload.concurrency=16")
+def test_gate_on_same_race_verifies_everything(run_job, tmp_path):
+    res = run_job(tmp_path, TIMEOUT, *RACE, "workload.requests=300",
+                  "workload.batch_size=4", "workload.concurrency=16")
     assert (res.verified, res.corrupted, res.failed) == (300, 0, 0), res
     assert res.tp.silent_corruptions == 0 and res.tp.hung == 0
     assert res.tp.steps_disagreed > 0  # the ranks disagreed, and the gate held the request back
 
 
-def test_stale_room_is_caught_only_with_zeroing_on(tmp_path):
+def test_stale_room_is_caught_only_with_zeroing_on(run_job, tmp_path):
     common = (*RACE, "faults.every=1", "workload.requests=200", "workload.batch_size=4",
               "workload.concurrency=16", "buffers.size=16")
-    off = _run(tmp_path / "off", *common, "gate.zero_room_on_free=false")
+    off = run_job(tmp_path / "off", TIMEOUT, *common, "gate.zero_room_on_free=false")
     assert off.failure_reasons.get("room_mismatch", 0) > 0  # the previous tenant's room passed the gate
-    on = _run(tmp_path / "on", *common)
+    on = run_job(tmp_path / "on", TIMEOUT, *common)
     assert (on.verified, on.corrupted) == (200, 0), on.failure_reasons
 
 

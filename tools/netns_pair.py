@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.netns import DECODE_IP, PREFILL_IP, NetnsPair  # noqa: E402
+from tests.helpers.netns import DECODE_IP, PREFILL_IP, NetnsPair  # noqa: E402
 
 SECRET_ENV = "PD_AUX_NETNS_PAIR_SECRET"
 

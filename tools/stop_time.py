@@ -2,7 +2,7 @@
 handoffs run, send SIGINT or SIGTERM to the main process or to its whole process group (what
 a terminal's Ctrl-C, `timeout`, systemd, Slurm and Kubernetes send), and time the exit. The
 goal (README, exit codes): 130 / 143 within 2 s, failed <= what was in flight, no `None`.
-tests/test_trust.py asserts the behaviour with a bound that holds on a loaded box; this
+tests/test_honest_verdicts.py asserts the behaviour with a bound that holds on a loaded box; this
 measures the speed.
 
     python tools/stop_time.py [--signal SIGTERM] [--group] [--runs 5] [OVERRIDES ...]

@@ -4,7 +4,6 @@ send what a well-behaved prefill never would."""
 
 from __future__ import annotations
 
-import torch
 import zmq
 
 from orchestrator import MetadataBuffers, wire
@@ -14,7 +13,7 @@ from orchestrator.layout import describe, fingerprint
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.workload import RequestPool, Shapes
 
-from .conftest import DecodeProcess
+from ..conftest import DecodeProcess
 
 
 class PrefillPeer:

@@ -18,7 +18,6 @@ import zmq
 
 from orchestrator import MetadataBuffers, protocol, wire
 from orchestrator.auth import Authenticator, Replayed, new_nonce
-from orchestrator.digest import SIGNATURE
 from orchestrator.layout import describe
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
@@ -26,7 +25,7 @@ from orchestrator.results import Results
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, DecodeProcess, typed_cfg
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = pytest.mark.integration
 SECRET = b"one secret shared by every split run"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .helpers.procs import kill_namespace
+from .procs import kill_namespace
 
 PREFILL_IP = "192.0.2.1"
 DECODE_IP = "192.0.2.2"

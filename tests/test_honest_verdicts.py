@@ -20,26 +20,18 @@ from orchestrator.auth import Authenticator
 from orchestrator.config import ConfigError
 from orchestrator.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.outcomes import Detail, KVPoll, Outcome
-from orchestrator.plan import Platform
-from orchestrator.report import build_results
 from orchestrator.results import Results, read_records, write_atomic
-from orchestrator.rules import check_profile
-from orchestrator.runner import run_handoffs
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, compose_cfg, typed_cfg
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-CPU = Platform()
+FAST = ("transport.timeout_s=3", "transport.mooncake.tcp_progress_timeout_s=2")
 
 
-def _run(tmp_path: Path, *overrides: str):
-    cfg = typed_cfg("transport.timeout_s=3", "transport.mooncake.tcp_progress_timeout_s=2", *overrides)
-    plan = check_profile(cfg, CPU)
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
-    records = [r for f in sorted(tmp_path.glob("requests*.jsonl")) for r in read_records(f)]
-    return res, records
+def _records(run_dir: Path) -> list:
+    return [r for f in sorted(run_dir.glob("requests*.jsonl")) for r in read_records(f)]
 
 
 # ---- forged statuses, rows and frames --------------------------------------------------------
@@ -120,9 +112,10 @@ def test_forged_row_written_through_another_mooncake_engine_is_refused(tmp_path)
 
 # ---- identity: duplicate rooms ---------------------------------------------------------------
 @pytest.mark.parametrize("route,group", [("engine", 2), ("engine", 4), ("tcp", 2), ("tcp", 4)])
-def test_duplicate_rooms_each_get_their_own_slot_and_verdict(tmp_path, route, group):
-    res, records = _run(tmp_path, f"transport.route={route}", f"workload.duplicate_rooms={group}",
-                        "workload.requests=200", "workload.concurrency=16", "buffers.size=16")
+def test_duplicate_rooms_each_get_their_own_slot_and_verdict(run_job, tmp_path, route, group):
+    res = run_job(tmp_path, *FAST, f"transport.route={route}", f"workload.duplicate_rooms={group}",
+                  "workload.requests=200", "workload.concurrency=16", "buffers.size=16")
+    records = _records(tmp_path)
     assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
     assert sorted(r.rid for r in records) == list(range(200))  # one record per request
     rooms = {}
@@ -135,9 +128,10 @@ def test_duplicate_rooms_each_get_their_own_slot_and_verdict(tmp_path, route, gr
 
 # ---- honest counts ---------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["engine", "tcp"])
-def test_prefill_killed_report_matches_requests_file_and_decode(tmp_path, route):
-    res, records = _run(tmp_path, f"transport.route={route}", "faults=prefill_killed",
-                        "faults.at_request=300", "workload.requests=2000", "workload.concurrency=16")
+def test_prefill_killed_report_matches_requests_file_and_decode(run_job, tmp_path, route):
+    res = run_job(tmp_path, *FAST, f"transport.route={route}", "faults=prefill_killed",
+                  "faults.at_request=300", "workload.requests=2000", "workload.concurrency=16")
+    records = _records(tmp_path)
     assert res.ending.lost and "prefill" in res.ending.lost and res.exit_code == 3
     verdicts = [json.loads(x) for x in (tmp_path / "verdicts-decode.jsonl").read_text().splitlines()]
     decode_verified = sum(v["outcome"] == "verified" for v in verdicts)
@@ -148,10 +142,10 @@ def test_prefill_killed_report_matches_requests_file_and_decode(tmp_path, route)
     assert set(res.failure_reasons) == {"prefill_lost"}
 
 
-def test_stalled_prefill_resumes_without_dropping_a_healthy_decode(tmp_path):
+def test_stalled_prefill_resumes_without_dropping_a_healthy_decode(run_job, tmp_path):
     t0 = time.monotonic()
-    res, records = _run(tmp_path, "endpoints.prefill_ranks=2", "faults=prefill_stopped",
-                        "faults.at_request=100", "faults.duration_s=5", "workload.requests=1500")
+    res = run_job(tmp_path, *FAST, "endpoints.prefill_ranks=2", "faults=prefill_stopped",
+                  "faults.at_request=100", "faults.duration_s=5", "workload.requests=1500")
     assert res.ending.faults_applied and res.ending.faults_applied[0]["fault"] == "prefill_stopped"
     assert (res.verified, res.failed) == (3000, 0), res.failure_reasons
     assert time.monotonic() - t0 > 5

@@ -23,17 +23,10 @@ from orchestrator.runner import run_handoffs
 from orchestrator.transport.engine import EngineError, MooncakeEngine
 
 from .conftest import ROOT
-from .peers import PrefillPeer
+from .helpers.peers import PrefillPeer
 
 pytestmark = pytest.mark.integration
 CPU = Platform(cuda_devices=0)
-
-
-def _run(cfg_factory, tmp_path, *overrides, requests=200):
-    cfg = cfg_factory(f"workload.requests={requests}", *overrides)
-    plan = make_plan(cfg, CPU)
-    out = run_handoffs(cfg, plan, tmp_path)
-    return build_results(cfg, plan, out), tmp_path
 
 
 def _decisions(run_dir: Path) -> list[dict]:
@@ -46,14 +39,14 @@ def _records(run_dir: Path) -> list[dict]:
             for line in f.read_text().splitlines()]
 
 
-def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
-    res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=NONE")
+def test_engine_route_over_mooncake_tcp(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "mem_pool=NONE")
     assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
     assert res.routes == {"engine": 200} and res.exit_code == 0
     assert res.transports.effective_transport == "mooncake-tcp"
     assert res.timing.startup_s > 0 and res.timing.wall_s > 0 and res.timing.handoffs_per_s > 0
     assert res.latency_us.handoff.p50 > 0 and res.latency_clock == "one_way"
-    decisions = _decisions(run_dir)
+    decisions = _decisions(tmp_path)
     assert len(decisions) == 200
     required = {"event", "room", "rid", "slot", "dst_slot", "mem_pool", "buffer_device", "route",
                 "reason", "transport", "send", "row_bytes", "latency_us", "outcome"}
@@ -62,45 +55,45 @@ def test_engine_route_over_mooncake_tcp(cfg_factory, tmp_path):
         assert (d["event"], d["route"], d["transport"], d["row_bytes"], d["outcome"]) == \
             ("route_decision", "engine", "mooncake-tcp", 1600, "ok")
         assert d["send"] == {"requests": 1, "blocks": 10, "bytes": 1600}
-    assert "MC_FORCE_TCP is set" in (run_dir / "decode.mooncake.log").read_text()
-    records = _records(run_dir)
+    assert "MC_FORCE_TCP is set" in (tmp_path / "decode.mooncake.log").read_text()
+    records = _records(tmp_path)
     assert sorted(r["rid"] for r in records) == list(range(200))
     assert all(r["set_buf_us"] > 0 and r["handoff_us"] > 0 for r in records)
     # the engine's first write to the decode (its connection) was paid at start-up
-    boots = [json.loads(line) for line in (run_dir / "prefill.log").read_text().splitlines()
+    boots = [json.loads(line) for line in (tmp_path / "prefill.log").read_text().splitlines()
              if '"bootstrapped"' in line]
     assert len(boots) == 1 and boots[0]["first_write_us"] > 0
 
 
-def test_nvlink_pool_goes_over_zmq(cfg_factory, tmp_path):
-    res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=NVLINK")
+def test_nvlink_pool_goes_over_zmq(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "mem_pool=NVLINK")
     assert (res.verified, res.failed) == (200, 0), res
     assert res.routes == {"tcp": 200} and res.transports.effective_transport == "zmq-tcp"
-    assert {d["reason"] for d in _decisions(run_dir)} == {"pool_nvlink_sends_over_tcp"}
+    assert {d["reason"] for d in _decisions(tmp_path)} == {"pool_nvlink_sends_over_tcp"}
 
 
-def test_forced_tcp_route_deepseek_rows(cfg_factory, tmp_path):
-    res, run_dir = _run(cfg_factory, tmp_path, "transport.route=tcp", "buffers.hidden_size=7168",
-                        "buffers.hidden_states_dtype=bfloat16", "workload.concurrency=32")
+def test_forced_tcp_route_deepseek_rows(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "transport.route=tcp", "buffers.hidden_size=7168",
+                  "buffers.hidden_states_dtype=bfloat16", "workload.concurrency=32")
     assert (res.verified, res.failed) == (200, 0), res
-    assert {d["reason"] for d in _decisions(run_dir)} == {"route_forced_tcp"}
+    assert {d["reason"] for d in _decisions(tmp_path)} == {"route_forced_tcp"}
     assert res.timing.bytes_per_request == 15872  # DeepSeek-V3-class hidden 7168 bf16 (the notes)
 
 
 @pytest.mark.parametrize("route", ["engine", "tcp"])
-def test_steps_coalesced_sends_and_step_statuses(cfg_factory, tmp_path, route):
-    res, run_dir = _run(cfg_factory, tmp_path, f"transport.route={route}", "workload.batch_size=16",
-                        "workload.concurrency=64", "buffers.size=128", "transport.coalesce=true",
-                        "transport.status=per_step", "workload.fill=ahead", requests=640)
+def test_steps_coalesced_sends_and_step_statuses(run_job, tmp_path, route):
+    res = run_job(tmp_path, "workload.requests=640", f"transport.route={route}", "workload.batch_size=16",
+                  "workload.concurrency=64", "buffers.size=128", "transport.coalesce=true",
+                  "transport.status=per_step", "workload.fill=ahead")
     assert (res.verified, res.failed, res.corrupted) == (640, 0, 0), res
-    sends = {(d["rank"], d["dst_slot"]): d["send"]["requests"] for d in _decisions(run_dir)}
+    sends = {(d["rank"], d["dst_slot"]): d["send"]["requests"] for d in _decisions(tmp_path)}
     assert max(sends.values()) > 1 and res.timing.sends < 640  # runs of slots went as one send
-    assert all(d["send"]["blocks"] == 10 for d in _decisions(run_dir))  # one block per field
+    assert all(d["send"]["blocks"] == 10 for d in _decisions(tmp_path))  # one block per field
 
 
 @pytest.mark.slow
-def test_open_loop_arrivals_measure_from_arrival(cfg_factory, tmp_path):
-    res, run_dir = _run(cfg_factory, tmp_path, "workload.rate=400", requests=200)
+def test_open_loop_arrivals_measure_from_arrival(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "workload.rate=400")
     assert res.verified == 200, res
     e2e, hand = res.latency_us.e2e, res.latency_us.handoff
     assert e2e.p50 >= hand.p50  # from arrival: includes the wait for a grant and a step
@@ -108,11 +101,12 @@ def test_open_loop_arrivals_measure_from_arrival(cfg_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_degraded_intra_node_nvlink_runs_on_host_over_engine_tcp(cfg_factory, tmp_path):
-    res, run_dir = _run(cfg_factory, tmp_path, "mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade")
+def test_degraded_intra_node_nvlink_runs_on_host_over_engine_tcp(run_job, tmp_path):
+    res = run_job(tmp_path, "workload.requests=200", "mem_pool=INTRA_NODE_NVLINK",
+                  "transport.fallback=degrade")
     assert res.verified == 200 and res.transports.effective_transport == "mooncake-tcp"
     assert res.plan.events[0]["event"] == "fallback"
-    assert {(d["mem_pool"], d["buffer_device"], d["fallback"]) for d in _decisions(run_dir)} == {
+    assert {(d["mem_pool"], d["buffer_device"], d["fallback"]) for d in _decisions(tmp_path)} == {
         ("INTRA_NODE_NVLINK", "cpu", "degraded_no_cuda")}
 
 
@@ -265,10 +259,8 @@ def test_cli_run_writes_run_dir(tmp_path):
 
 
 @pytest.mark.slow
-def test_all_pairs_two_prefill_two_decode_ranks(cfg_factory, tmp_path):
-    cfg = cfg_factory("endpoints.prefill_ranks=2", "endpoints.decode_ranks=2", "workload.requests=100")
-    plan = make_plan(cfg, CPU)
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path))
+def test_all_pairs_two_prefill_two_decode_ranks(run_job, tmp_path):
+    res = run_job(tmp_path, "endpoints.prefill_ranks=2", "endpoints.decode_ranks=2", "workload.requests=100")
     assert (res.verified, res.failed, res.corrupted) == (200, 0, 0), res
     assert set(res.pairs) == {"p0->d0", "p0->d1", "p1->d0", "p1->d1"}
     assert all(p.verified == 50 for p in res.pairs.values())
