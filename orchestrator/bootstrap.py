@@ -36,8 +36,8 @@ def secret_mismatch(cfg: OrchestratorConfig) -> str:
 
 def _unauthentic_lookup(frame: bytes) -> bool:
     """A frame that reads as our lookup message but whose MAC failed (read, never acted on)."""
-    from . import wire
-    from .auth import MAC_BYTES
+    from .transport import wire
+    from .transport.auth import MAC_BYTES
 
     try:
         return wire.decode(frame[:-MAC_BYTES])["type"] == "lookup"
@@ -58,8 +58,8 @@ class _Bootstrap:
     """The bootstrap socket of one role=decode run and what the decodes told the runner."""
 
     def __init__(self, cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log):
-        from . import wire
-        from .auth import Authenticator
+        from .transport import wire
+        from .transport.auth import Authenticator
 
         self.cfg, self.out, self.log, self.decodes = cfg, out, log, decodes
         self.auth = Authenticator(secret)
@@ -75,7 +75,7 @@ class _Bootstrap:
     def serve(self, signals) -> None:
         import zmq
 
-        from . import wire
+        from .transport import wire
 
         zctx = zmq.Context()
         self.sock = zctx.socket(zmq.ROUTER)
@@ -133,7 +133,7 @@ class _Bootstrap:
 
     def _answer(self, frames: list[bytes]) -> None:
         """One request on the bootstrap socket: an authentic lookup gets the endpoints."""
-        from . import wire
+        from .transport import wire
 
         auth, sock = self.auth, self.sock
         body = auth.unseal(frames[1]) if len(frames) == 2 else None
@@ -189,9 +189,9 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
     again every second until endpoints.startup_timeout_s: that side may start later)."""
     import zmq
 
-    from . import wire
-    from .auth import Authenticator
     from .config import peer_address
+    from .transport import wire
+    from .transport.auth import Authenticator
 
     auth = Authenticator(secret)
     deadline = _clock() + cfg.endpoints.startup_timeout_s

@@ -214,7 +214,7 @@ class RowCheck:
 
 class Keys:
     """The secret-derived parts of the digest (weights seed, pad key). `nonce`, the prefill
-    process's per-run nonce (orchestrator.auth), goes into the pad key: a row and tag from
+    process's per-run nonce (orchestrator.transport.auth), goes into the pad key: a row and tag from
     another run, even under the same secret, carries the wrong pad."""
 
     def __init__(self, secret: bytes, nonce: str = ""):

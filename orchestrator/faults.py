@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 from .buffers import MetadataBuffers
 from .config import FaultKind, FaultsConfig, StatusMode
-from .router import AuxRouter, Send, Transfer
+from .transport.router import AuxRouter, Send, Transfer
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration

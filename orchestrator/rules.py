@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from .auth import secret_from_env
 from .config import ConfigError, DigestKind, FallbackPolicy, FaultKind, OrchestratorConfig, Role, is_loopback
 from .faults import FAULTS
 from .plan import Device, EngineTransport, Plan, Platform, Route, make_plan
+from .transport.auth import secret_from_env
 
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:

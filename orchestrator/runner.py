@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional, Protocol
 import structlog
 
 from . import protocol
-from .auth import run_secret
 from .bootstrap import lookup, serve_bootstrap, start_metadata_server
 from .config import OrchestratorConfig, Role, resolve_seed
 from .endpoints.decode import decode_main
@@ -39,6 +38,7 @@ from .plan import Device, Plan
 from .recovery import decode_from_disk, reconstruct
 from .results import RunResult
 from .rundir import RunFiles, proc_name
+from .transport.auth import run_secret
 
 _clock = time.monotonic
 

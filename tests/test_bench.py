@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from orchestrator.bench import BenchResults
+from orchestrator.cli.bench import BenchResults
 
 from .conftest import ROOT
 

@@ -20,7 +20,6 @@ Needs root, iproute2 and Debian's slurm-wlm and munge (`make cluster-deps`); ski
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import shlex

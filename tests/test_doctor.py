@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from orchestrator import doctor, profile
-from orchestrator.config import ConfigError
-from orchestrator.doctor import (
+from orchestrator import profile
+from orchestrator.cli import doctor
+from orchestrator.cli.doctor import (
     Check,
     CudaProbe,
     MooncakeProbe,
@@ -30,6 +30,7 @@ from orchestrator.doctor import (
     port_is_free,
     rpc_port_range,
 )
+from orchestrator.config import ConfigError
 from orchestrator.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
 from orchestrator.profile import one_line
 

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from orchestrator.cli.export_env import render_json, render_sh
 from orchestrator.config import ConfigError, MemPoolType, RouteSetting
-from orchestrator.export_env import render_json, render_sh
 from orchestrator.plan import MANAGED_MC_VARS, Platform, make_plan
 from orchestrator.serving import serving_env
 

@@ -15,8 +15,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator import MetadataBuffers, wire
+from orchestrator import MetadataBuffers
 from orchestrator.outcomes import Detail, Outcome
+from orchestrator.transport import wire
 
 from .helpers.peers import PrefillPeer
 

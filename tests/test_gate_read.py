@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from orchestrator.replay import deterministic
+from orchestrator.cli.replay import deterministic
 
 from .conftest import typed_cfg
 

@@ -199,8 +199,8 @@ def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(run_job, 
     """CUDA rows, decode loaded with a 2 ms forward: each gate.read verifies every handoff with
     the verdicts of an unloaded batched run; the forward loop's steps/s with and without
     handoffs are reported."""
+    from orchestrator.cli.replay import deterministic
     from orchestrator.platform import detect
-    from orchestrator.replay import deterministic
 
     outs = {}
     for name, extra in (("reference", ["gate.read=batched"]),

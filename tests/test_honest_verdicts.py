@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import MetadataBuffers, wire
-from orchestrator.auth import Authenticator
+from orchestrator import MetadataBuffers
 from orchestrator.config import ConfigError
 from orchestrator.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results import Results, read_records, write_atomic
+from orchestrator.transport import wire
+from orchestrator.transport.auth import Authenticator
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, compose_cfg, typed_cfg

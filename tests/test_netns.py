@@ -517,7 +517,7 @@ def test_non_loopback_host_without_allow_remote_is_refused(netns, tmp_path):
     finally:
         for _, side in sides:
             side.kill()
-    for (ns, side), rc in zip(sides, rcs):
+    for (_, side), rc in zip(sides, rcs):
         assert rc == 2, side.tail()
         errors = [ln for ln in side.stderr.splitlines() if ln.startswith("error:")]
         assert len(errors) == 1, side.tail()

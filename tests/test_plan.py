@@ -190,7 +190,7 @@ def _other_pid_namespace() -> str:
 
 def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory):
     """Two containers on one node without --pid=host: the rule fires on the plan (no GPU)."""
-    from orchestrator.doctor import Status, check_process_space
+    from orchestrator.cli.doctor import Status, check_process_space
     from orchestrator.plan import same_process_space_rule
     from orchestrator.platform import boot_id, pid_namespace
 
@@ -214,7 +214,7 @@ def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory)
 
 
 def test_bootstrap_messages_carry_the_process_space():
-    from orchestrator import wire
+    from orchestrator.transport import wire
 
     nonce = "ab" * 16  # a session nonce (Trust II): every hello carries one
     hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce,

@@ -18,8 +18,9 @@ def test_run_latencies_split_by_route_and_keep_only_verified_handoffs(tmp_path):
         + _line(2, "tcp", 30.0, None, "failed") + '{"rid": 3, "route": "tc')  # a torn last line
     (tmp_path / "requests-prefill1.jsonl").write_text(_line(4, "engine", 11.0, 110.0))
     data = run_latencies(tmp_path)
-    assert {m: {r: sorted(v) for r, v in routes.items()} for m, routes in data.items()} == {"send_aux": {"engine": [10.0, 11.0], "tcp": [20.0, 30.0]},
-                    "handoff": {"engine": [100.0, 110.0], "tcp": [200.0]}}
+    assert {m: {r: sorted(v) for r, v in routes.items()} for m, routes in data.items()} == {
+        "send_aux": {"engine": [10.0, 11.0], "tcp": [20.0, 30.0]},
+        "handoff": {"engine": [100.0, 110.0], "tcp": [200.0]}}
     path = latency_cdf(tmp_path / "latency.png", data, "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -30,10 +31,10 @@ def test_nothing_measured_draws_nothing(tmp_path):
 
 
 def test_plots_mark_the_summarys_percentiles_and_numbers_keep_their_digits():
+    from orchestrator.outcomes import Detail, Outcome
     from orchestrator.plots import percentiles
     from orchestrator.report import _num
     from orchestrator.results import RankResult, Record
-    from orchestrator.outcomes import Detail, Outcome
 
     values = [100.0 + 7.3 * i for i in range(997)] + [8273.0, 9000.0, 12000.0]
     rank = RankResult(0, len(values))

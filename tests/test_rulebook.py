@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from orchestrator import doctor, export_env
+from orchestrator.cli import doctor, export_env
 from orchestrator.profile import precheck
 
 from .conftest import ROOT

@@ -16,12 +16,13 @@ import pytest
 import torch
 import zmq
 
-from orchestrator import MetadataBuffers, protocol, wire
-from orchestrator.auth import Authenticator, Replayed, new_nonce
+from orchestrator import MetadataBuffers, protocol
 from orchestrator.layout import describe
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
 from orchestrator.results import Results
+from orchestrator.transport import wire
+from orchestrator.transport.auth import Authenticator, Replayed, new_nonce
 from orchestrator.transport.engine import MooncakeEngine
 
 from .conftest import ROOT, DecodeProcess, typed_cfg

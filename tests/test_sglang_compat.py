@@ -31,12 +31,12 @@ import pytest
 import torch
 import zmq
 
-from orchestrator import wire
-from orchestrator.auth import Authenticator
 from orchestrator.buffers import MetadataBuffers as OurBuffers
 from orchestrator.config import WorkloadConfig
 from orchestrator.layout import describe, first_difference, load_layout
 from orchestrator.outcomes import KVPoll as OurKVPoll
+from orchestrator.transport import wire
+from orchestrator.transport.auth import Authenticator
 from orchestrator.workload import AuxRequest, Logprob, SamplingMaskChunk, SamplingMaskRows, Shapes, make_request
 
 from .helpers.sglang_oracle import load_or_skip
@@ -88,7 +88,7 @@ def _pairwise(axes: dict[str, list]) -> list[Cfg]:
     combos = list(itertools.product(*(range(len(axes[n])) for n in names)))
     chosen = []
     while todo:
-        def gain(c):
+        def gain(c, todo=todo):
             return sum((a, c[names.index(a)], b, c[names.index(b)]) in todo
                        for a, b in itertools.combinations(names, 2))
         best = max(combos, key=gain)
@@ -382,8 +382,8 @@ def test_64bit_room_and_checksum_values_behave_alike(env, value):
         req = request(cfg, 0, 1, hidden_states=False)
         req.bootstrap_room = value
         result = []
-        for call in (lambda: b.set_buf(req),
-                     lambda: b.set_kv_checksum(req, value, value)):
+        for call in (lambda b=b, req=req: b.set_buf(req),
+                     lambda b=b, req=req: b.set_kv_checksum(req, value, value)):
             try:
                 call()
                 result.append("ok")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from orchestrator.replay import deterministic
+from orchestrator.cli.replay import deterministic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TIMEOUT = "transport.timeout_s=5"

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import wire
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
 from orchestrator.report import build_results
 from orchestrator.runner import run_handoffs
+from orchestrator.transport import wire
 from orchestrator.transport.engine import EngineError, MooncakeEngine
 
 from .conftest import ROOT

@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from orchestrator import wire
-from orchestrator.auth import Authenticator
 from orchestrator.outcomes import KVPoll
+from orchestrator.transport import wire
+from orchestrator.transport.auth import Authenticator
 
 LENS = [64, 64, 512]
 

@@ -142,7 +142,7 @@ def new_socket(ctx, kind: int, timeout_s: float, max_bytes: Optional[int] = None
     peer announcing a longer one before it buffers a byte of it."""
     import zmq
 
-    from ..wire import CONTROL_FRAME_BYTES
+    from ..transport.wire import CONTROL_FRAME_BYTES
 
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

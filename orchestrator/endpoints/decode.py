@@ -20,7 +20,7 @@ Requests are identified by (prefill rank, request id), never by room alone.
 
 Control identity is a session, not a message: the first authentic hello for a prefill rank
 binds that rank to its connection (the ROUTER identity) and opens a Session keyed with both
-processes' per-run nonces (orchestrator.auth). Another hello for a bound rank, from any
+processes' per-run nonces (orchestrator.transport.auth). Another hello for a bound rank, from any
 connection, is refused and counted (`hijack_refused`); every later message of that rank,
 control or data, must open under its session's keys. Replays inside the session (a control
 message seen before, a status for a request already judged or with a status) are counted
@@ -39,8 +39,7 @@ from typing import Any, Optional
 
 import zmq
 
-from .. import protocol, wire
-from ..auth import Authenticator, Replayed, Session, new_nonce
+from .. import protocol
 from ..buffers import SlotAllocator
 from ..config import GateRead, OrchestratorConfig, Role
 from ..digest import Keys, RowDigest
@@ -51,6 +50,8 @@ from ..plan import Device, Plan, same_process_space_rule
 from ..platform import boot_id, pid_namespace
 from ..results import DecodeResult
 from ..rundir import RunFiles, proc_name
+from ..transport import wire
+from ..transport.auth import Authenticator, Replayed, Session, new_nonce
 from ..transport.engine import exposed, listening_sockets
 from .common import Stop, bind_random, build_side, new_socket, process_gpu, report_failure, rss_kb, start_process
 from .tp import NOT_TAKEN, Group, TorchGroup, single

@@ -11,7 +11,7 @@ at a time by a forward step, which
      and writes each tag into the row's kv_checksum field where the layout has one,
   3. hands the step to the transfer thread and goes on with the next step.
 
-The transfer thread runs the sends (orchestrator.router: one batch write per request, or per
+The transfer thread runs the sends (orchestrator.transport.router: one batch write per request, or per
 run of consecutive slots) and the status messages, overlapping with the next step's fill as
 SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
 instance silent for `transport.timeout_s` while it owes us something is declared lost; its
@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import zmq
 
-from .. import protocol, wire
-from ..auth import Authenticator, Replayed, new_nonce
+from .. import protocol
 from ..buffers import SlotAllocator, StagedRows
 from ..config import CompletionSetting, FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from ..digest import Keys, RowDigest
@@ -46,9 +45,11 @@ from ..outcomes import Detail, Outcome
 from ..plan import Plan, same_process_space_rule
 from ..platform import boot_id, pid_namespace
 from ..results import RankResult, Record
-from ..router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..rundir import RunFiles, proc_name
+from ..transport import wire
+from ..transport.auth import Authenticator, Replayed, new_nonce
 from ..transport.engine import EngineError, MooncakeEngine
+from ..transport.router import AuxRouter, LayoutMismatch, Peer, Send, Transfer
 from ..workload import RequestPool, arrival_offsets, decode_of, room_of
 from .common import (
     Stop,
@@ -138,7 +139,7 @@ class Instance:
     backlog: collections.deque = field(default_factory=collections.deque)  # arrived, not announced
     announce: list[list[int]] = field(default_factory=list)
     same_clock: bool = True
-    auth: Any = None  # the session with its leader (orchestrator.auth.Session)
+    auth: Any = None  # the session with its leader (orchestrator.transport.auth.Session)
 
 
 @dataclass

@@ -146,7 +146,7 @@ class Cluster:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(fd)
-                    raise ClusterUnavailable(f"another test cluster holds {LOCK} for over {wait_s:g} s")
+                    raise ClusterUnavailable(f"another test cluster holds {LOCK} for over {wait_s:g} s") from None
                 time.sleep(0.5)
 
     def _network(self) -> None:

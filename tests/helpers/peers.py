@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import zmq
 
-from orchestrator import MetadataBuffers, wire
-from orchestrator.auth import Authenticator, new_nonce
+from orchestrator import MetadataBuffers
 from orchestrator.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.layout import describe, fingerprint
 from orchestrator.outcomes import Detail, KVPoll, Outcome
+from orchestrator.transport import wire
+from orchestrator.transport.auth import Authenticator, new_nonce
 from orchestrator.workload import RequestPool, Shapes
 
 from ..conftest import DecodeProcess

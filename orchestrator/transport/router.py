@@ -27,13 +27,13 @@ from typing import Optional, Sequence
 import numpy as np
 import zmq
 
+from ..buffers import WARM_BYTES, MetadataBuffers
+from ..config import StatusMode
+from ..outcomes import KVPoll
+from ..plan import Plan, Route
 from . import wire
 from .auth import Authenticator
-from .buffers import WARM_BYTES, MetadataBuffers
-from .config import StatusMode
-from .outcomes import KVPoll
-from .plan import Plan, Route
-from .transport.engine import EngineError, MooncakeEngine
+from .engine import EngineError, MooncakeEngine
 
 _now = time.monotonic
 
@@ -53,7 +53,7 @@ class Peer:
     tp_rank: int = 0
     boot_id: str = ""
     scratch_ptr: int = 0  # the decode's warm-up target (0: none advertised)
-    auth: Optional[Authenticator] = None  # the session's keys (orchestrator.auth.Session)
+    auth: Optional[Authenticator] = None  # the session's keys (orchestrator.transport.auth.Session)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ Data plane (ZMQ PUSH -> PULL), SGLang's formats first:
               identity and, when the layout has no kv_checksum field, the row's digest tag
     step      [b"ORCH_STEP", prefill rank, entries]: one status for a whole step (our own
               framing), entries packed as STEP_DTYPE
-With a secret every message carries one more frame, its MAC (orchestrator.auth); after
+With a secret every message carries one more frame, its MAC (orchestrator.transport.auth); after
 hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the session's.
 Receipt is strict: anything malformed raises WireError and writes nothing. Every socket is
 opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a connection that announces a
@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .outcomes import KVPoll
+from ..outcomes import KVPoll
 
 AUX_DATA = b"AUX_DATA"
 STEP = b"ORCH_STEP"

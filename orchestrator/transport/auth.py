@@ -32,7 +32,7 @@ import os
 import secrets
 from typing import Mapping, Optional, Sequence, cast
 
-from .config import ConfigError
+from ..config import ConfigError
 
 MAC_BYTES = 16
 NONCE_BYTES = 16
