@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from . import fingerprint, plots, report
+from . import fingerprint, plots, reporting
 from .config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
 from .lifecycle import Signals
 from .logs import configure
@@ -55,8 +55,8 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     finally:
         if progress is not None:
             progress.close()
-    results = (report.build_decode_side(obj, plan, out) if obj.role is Role.decode
-               else report.build_results(obj, plan, out))
+    results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
+               else reporting.build_results(obj, plan, out))
     results.role, results.run_dir = obj.role.value, str(run_dir)
     try:
         _write_outputs(obj, run_dir, results)
@@ -64,20 +64,20 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
         results.failed_writing(str(exc))
         if exc.path.name != RunFiles.RESULTS:  # it was written: say how the run ended
             try:
-                report.write(run_dir, results)
+                reporting.write(run_dir, results)
             except OSError:
                 pass
-        print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+        print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
         return results
     log.info("results", **results.headline())
-    print(report.summary(results, run_dir), flush=True)
+    print(reporting.summary(results, run_dir), flush=True)
     return results
 
 
 def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
-    report.write(run_dir, results)
+    reporting.write(run_dir, results)
     if obj.role is not Role.decode and not results.ending.interrupted:  # an interrupt ends in 2 s
-        assert isinstance(results, JobResults)  # report.build_results
+        assert isinstance(results, JobResults)  # reporting.build_results
         plan = results.plan
         png = run_dir / plots.LATENCY_PNG
         lat = results.latency_us
@@ -98,8 +98,8 @@ def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults |
 def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:
     """A profile refused before start: the run dir keeps the one line in results.json, and
     the line goes to stderr."""
-    results = NotRun(report.EXIT_REFUSED, str(exc), refused=str(exc), key=exc.key)
-    report.write(run_dir, results)
+    results = NotRun(reporting.EXIT_REFUSED, str(exc), refused=str(exc), key=exc.key)
+    reporting.write(run_dir, results)
     if announce:
         print(f"error: {exc}", file=sys.stderr, flush=True)
     return results
@@ -107,11 +107,11 @@ def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:
 
 def no_space(run_dir: Path, exc: NoSpace) -> NotRun:
     """The disk filled after start: one line, exit 3, and results.json when it still fits."""
-    results = NotRun(report.EXIT_LOST, str(exc))
-    print(f"error: no space left writing {report.rel(exc.path)}", file=sys.stderr, flush=True)
+    results = NotRun(reporting.EXIT_LOST, str(exc))
+    print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
     if exc.path.name != RunFiles.RESULTS:
         try:
-            report.write(run_dir, results)
+            reporting.write(run_dir, results)
         except OSError:
             pass
     return results
@@ -119,7 +119,7 @@ def no_space(run_dir: Path, exc: NoSpace) -> NotRun:
 
 def failed_job(run_dir: Path, error: str) -> NotRun:
     """results.json for a sweep job that raised (the sweep records it as a failed row)."""
-    results = NotRun(report.EXIT_LOST, error, routes={})
-    report.write(run_dir, results)
+    results = NotRun(reporting.EXIT_LOST, error, routes={})
+    reporting.write(run_dir, results)
     print(f"job failed: {error}", file=sys.stderr, flush=True)
     return results

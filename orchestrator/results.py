@@ -1,7 +1,7 @@
 """Typed results: what a prefill rank measured (RankResult), what a decode process judged
 (DecodeResult), and one run (RunResult: both, keyed by process name, the same shape for one
 rank or many; a driver's own result, the bench's, apart). Endpoints fill them in; the
-runner merges them; orchestrator.report turns a RunResult into a job's results (JobResults,
+runner merges them; orchestrator.reporting turns a RunResult into a job's results (JobResults,
 or DecodeSideResults for role=decode, or NotRun for a job that did not run), which are
 written to and read from results.json here only (`to_json`, `Results.from_json`,
 `Results.read`); everyone else reads their attributes. Times are CLOCK_MONOTONIC seconds of
@@ -620,7 +620,7 @@ class Results:
 
     @property
     def exit_code(self) -> int:
-        """orchestrator.report's exit codes: the signal's, lost (3), not verified (1) or 0."""
+        """orchestrator.reporting's exit codes: the signal's, lost (3), not verified (1) or 0."""
         e = self.ending
         if e.recorded_exit is not None:
             return e.recorded_exit

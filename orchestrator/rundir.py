@@ -84,7 +84,7 @@ class RunFiles:
 
     @property
     def results(self) -> Path:
-        """The run's results (orchestrator.report), written once at its end."""
+        """The run's results (orchestrator.reporting), written once at its end."""
         return self.root / self.RESULTS
 
     def log(self, role: str) -> Path:

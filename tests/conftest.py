@@ -79,7 +79,7 @@ class JobRunner:
 
     def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
         from orchestrator.plan import Platform
-        from orchestrator.report import build_results
+        from orchestrator.reporting import build_results
         from orchestrator.rules import check_profile
         from orchestrator.runner import run_handoffs
 

@@ -227,7 +227,7 @@ def test_bootstrap_messages_carry_the_process_space():
 
 
 def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
-    from orchestrator.report import _open_loop_warnings, batch_caps
+    from orchestrator.reporting import _open_loop_warnings, batch_caps
 
     cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
     (line,) = batch_caps(cfg, sends=297, routed=1000)

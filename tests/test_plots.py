@@ -33,7 +33,7 @@ def test_nothing_measured_draws_nothing(tmp_path):
 def test_plots_mark_the_summarys_percentiles_and_numbers_keep_their_digits():
     from orchestrator.outcomes import Detail, Outcome
     from orchestrator.plots import percentiles
-    from orchestrator.report import _num
+    from orchestrator.reporting import _num
     from orchestrator.results import RankResult, Record
 
     values = [100.0 + 7.3 * i for i in range(997)] + [8273.0, 9000.0, 12000.0]

@@ -17,7 +17,7 @@ import torch
 
 from orchestrator.outcomes import Detail, KVPoll, Outcome
 from orchestrator.plan import Platform, make_plan
-from orchestrator.report import build_results
+from orchestrator.reporting import build_results
 from orchestrator.runner import run_handoffs
 from orchestrator.transport import wire
 from orchestrator.transport.engine import EngineError, MooncakeEngine

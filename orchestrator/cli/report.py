@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..report import merge, rel
+from ..reporting import merge, rel
 from ..results import Results
 from ..sweep import SweepError, summarize
 
