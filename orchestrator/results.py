@@ -499,25 +499,11 @@ class PlanInfo:
     def to_json(self) -> dict:
         return self.data
 
-    @property
-    def mem_pool(self) -> Optional[str]:
-        return self.data.get("mem_pool")
-
-    @property
-    def buffer_device(self) -> Optional[str]:
-        return self.data.get("buffer_device")
-
-    @property
-    def route(self) -> Optional[str]:
-        return self.data.get("route")
-
-    @property
-    def route_reason(self) -> Optional[str]:
-        return self.data.get("route_reason")
-
-    @property
-    def declared_transport(self) -> Optional[str]:
-        return self.data.get("declared_transport")
+    mem_pool = property(lambda self: self.data.get("mem_pool"))
+    buffer_device = property(lambda self: self.data.get("buffer_device"))
+    route = property(lambda self: self.data.get("route"))
+    route_reason = property(lambda self: self.data.get("route_reason"))
+    declared_transport = property(lambda self: self.data.get("declared_transport"))
 
     @property
     def events(self) -> list[dict]:

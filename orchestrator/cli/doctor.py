@@ -23,7 +23,6 @@ input that cannot be read (one ``error: ...`` line).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import ipaddress
 import json
@@ -52,6 +51,7 @@ from ..plan import (
 from ..profile import ProfileError, error_exit, load_profile, overrides_dict, profile_label
 from ..rules import check_profile
 from ..transport.ports import port_is_free, rpc_port_range
+from .common import profile_parser
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -720,12 +720,10 @@ def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optio
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.doctor",
-        description="Check whether this machine can run a profile as declared. Exit 0: no FAIL; "
-                    "1: at least one FAIL; 2: the profile itself is broken.")
-    parser.add_argument("overrides", nargs="*",
-                        help="Hydra overrides selecting the profile, e.g. mem_pool=INTRA_NODE_NVLINK")
+    parser = profile_parser(
+        "python -m orchestrator.doctor",
+        "Check whether this machine can run a profile as declared. Exit 0: no FAIL; "
+        "1: at least one FAIL; 2: the profile itself is broken.")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--peer", metavar="OVERRIDES", default=None,
                         help="the other side's profile, one quoted string (e.g. --peer "

@@ -28,6 +28,7 @@ from ..plan import Plan, Platform
 from ..profile import ProfileError, error_exit, load_profile, profile_label
 from ..rules import check_profile
 from ..serving import serving_env
+from .common import profile_parser
 
 
 def assumed_platform(gpus: int) -> Platform:
@@ -98,12 +99,10 @@ def _gpus(text: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m orchestrator.export_env",
-        description="Print the environment a serving engine (SGLang on Mooncake) needs to reproduce "
-                    "a profile. Exit 2 when the profile cannot be composed, validated or planned.")
-    parser.add_argument("overrides", nargs="*",
-                        help="Hydra overrides selecting the profile, e.g. mem_pool=INTRA_NODE_NVLINK")
+    parser = profile_parser(
+        "python -m orchestrator.export_env",
+        "Print the environment a serving engine (SGLang on Mooncake) needs to reproduce "
+        "a profile. Exit 2 when the profile cannot be composed, validated or planned.")
     parser.add_argument("--format", choices=("sh", "json"), default="sh",
                         help="sh: export/unset lines (default); json: {\"set\": {...}, \"unset\": [...]}")
     parser.add_argument("--assume-gpus", type=_gpus, metavar="N", default=None,

@@ -878,18 +878,13 @@ class DecodeEndpoint:
 
     def _take(self, events: dict) -> None:
         """What arrived: up to 1024 control messages, then up to 4096 data frames."""
-        if self.net.control in events:
-            for _ in range(1024):
-                try:
-                    self.on_control(self.net.control.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        if self.net.data in events:
-            for _ in range(4096):
-                try:
-                    self.on_data(self.net.data.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
+        for sock, handle, most in ((self.net.control, self.on_control, 1024), (self.net.data, self.on_data, 4096)):
+            if sock in events:
+                for _ in range(most):
+                    try:
+                        handle(sock.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
 
     def _on_pipe(self, msg) -> bool:
         """A message from the runner; True for Stop."""
