@@ -8,14 +8,29 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from .results import Percentiles
+from types import SimpleNamespace
+from typing import Optional, Protocol
 
 from .rundir import RunFiles
 
 LATENCY_PNG = "latency.png"
+
+
+class Percentiles(Protocol):
+    """What a latency mark gives (orchestrator.results.Percentiles has it)."""
+
+    @property
+    def measured(self) -> bool: ...
+
+    @property
+    def p50(self) -> Optional[float]: ...
+
+    @property
+    def p99(self) -> Optional[float]: ...
+
+    @property
+    def p999(self) -> Optional[float]: ...
+
 QUANTILES = ((0.5, "p50"), (0.99, "p99"), (0.999, "p999"))
 
 
@@ -81,8 +96,6 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     plt = pyplot()
     from matplotlib import ticker
 
-    from .results import Percentiles
-
     fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 5.2), squeeze=False)
     for ax, (metric, routes) in zip(axes[0], panels):
         drawn = [(r, v) for r, v in sorted(routes.items()) if v]
@@ -92,7 +105,7 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
             ys = [(i + 1) / n for i in range(n)]
             step = max(1, n // 4000)  # the curve needs no more points than pixels
             given = (marks or {}).get(metric) if len(drawn) == 1 else None
-            pcts = given if given and given.measured else Percentiles(**percentiles(xs))
+            pcts = given if given and given.measured else SimpleNamespace(**percentiles(xs))
             shown = [(name, getattr(pcts, name), q) for q, name in QUANTILES
                      if getattr(pcts, name) is not None and n * (1 - q) >= 1]
             label = f"{route} (n={n:,}): " + ", ".join(f"{name} {x:,.0f}" for name, x, _ in shown) + " us"

@@ -27,6 +27,9 @@ from .transport.auth import secret_from_env
 
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+    t = cfg.transport
+    if t.secret_env is not None:  # the variable it names holds a usable secret
+        secret_from_env(t.secret_env, platform.env)
     cfg.check()
     plan = make_plan(cfg, platform)
     f = cfg.faults
@@ -43,9 +46,6 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         raise ConfigError("faults.kind", f.kind.value,
                           f"one of {', '.join(split)} with "
                           f"role={cfg.role.value} (the other faults act on both sides at once)")
-    t = cfg.transport
-    if t.secret_env is not None:
-        secret_from_env(t.secret_env, platform.env)
     remote = not is_loopback(t.host)  # auto too: an address on the default route
     if (remote or cfg.role is not Role.both) and t.secret_env is None:
         why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
