@@ -16,8 +16,8 @@ from .rundir import RunFiles
 LATENCY_PNG = "latency.png"
 
 
-class Percentiles(Protocol):
-    """What a latency mark gives (orchestrator.results.Percentiles has it)."""
+class LatencyMarks(Protocol):
+    """A metric's measured percentiles, as results.Percentiles gives them."""
 
     @property
     def measured(self) -> bool: ...
@@ -83,10 +83,10 @@ def percentiles(values) -> dict[str, Optional[float]]:
 
 
 def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
-                marks: Optional[dict[str, Percentiles]] = None) -> Optional[Path]:
+                marks: Optional[dict[str, LatencyMarks]] = None) -> Optional[Path]:
     """One panel per metric: the CDF of each route's latencies on a log x axis, its p50, p99
     and p999 marked and labelled beside their lines, below the curve (where a CDF leaves
-    room), the legend under the panel. `marks` ({metric: Percentiles}, the job's
+    room), the legend under the panel. `marks` ({metric: LatencyMarks}, the job's
     latency_us) are the summary's own percentiles: a panel of one route marks those; several
     routes get theirs from the same computation. Returns the path, or None when nothing was
     measured."""
@@ -139,7 +139,7 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     return path
 
 
-def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, Percentiles]] = None,
+def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, LatencyMarks]] = None,
                     arrival: bool = False) -> Optional[Path]:
     return latency_cdf(Path(run_dir) / LATENCY_PNG, run_latencies(run_dir, arrival), title, marks)
 

@@ -56,7 +56,7 @@ from .rundir import RunFiles
 from .stats import LatencyHistogram
 
 __all__ = ["EXIT_OK", "EXIT_NOT_VERIFIED", "EXIT_REFUSED", "EXIT_LOST", "EXIT_SIGNAL", "build_results",
-           "build_decode_side", "batch_caps", "exit_code", "summary", "decode_summary", "merge", "write", "rel"]
+           "build_decode_side", "batch_caps", "summary", "decode_summary", "merge", "write", "rel"]
 
 
 @dataclass
@@ -264,10 +264,6 @@ def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> De
         {name: DecodeCounts.of(d) for name, d in out.decodes.items()}, Timing(startup_s=out.startup_s),
         Transports(effective, plan.declared_transport, out.transports, out.engine_exposed),
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
-
-
-def exit_code(results: Results) -> int:
-    return results.exit_code
 
 
 def write(run_dir: Path, results: Results) -> None:
