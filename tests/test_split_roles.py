@@ -80,7 +80,8 @@ def test_decode_side_ends_when_its_prefill_dies(tmp_path):
     decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}")
     prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=200000")
     deadline = time.monotonic() + 60
-    while not (tmp_path / "p" / "requests.jsonl").exists() and time.monotonic() < deadline:
+    records = tmp_path / "p" / "requests.jsonl"  # opened at start-up: wait for a first record
+    while not (records.exists() and records.stat().st_size) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)
     for pid in _tree(prefill.pid):  # the whole prefill side at once: no bye can reach the decode
