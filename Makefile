@@ -1,6 +1,7 @@
 # Two entry points for a bare machine:
 #   make run    set up, then run the embedded default job (python -m orchestrator)
 #   make test   set up, then run the linter and type checker (make lint), then the test suite
+#               (JOBS=3 parallel workers; JOBS=0 for one process)
 # Set-up: a venv in .venv, libibverbs1 (the Mooncake wheels link it) when missing, torch
 # (CPU boxes: torch==2.13.0, the CPU build on disk), and this package with the Mooncake
 # wheel for the machine (extra cpu, cuda12 or cuda13; override with `make MOONCAKE=cuda13`).
@@ -59,8 +60,13 @@ lint: setup
 	$(PY) -m ruff check --no-cache orchestrator tests tools
 	$(PY) -m mypy orchestrator
 
+# The suite runs in JOBS pytest-xdist workers, a test file per worker at a time (module
+# fixtures such as the Slurm cluster are built once; tests/helpers/cluster.py locks it across
+# workers). 3 on the 2-core CI box: most tests wait on processes and timeouts, not on a core.
+# JOBS=0: one process, as plain pytest.
+JOBS ?= 3
 test: setup lint
-	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(ARGS)
+	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -75,15 +75,19 @@ def test_wrong_secret_ends_both_sides_with_one_line_each(tmp_path):
     assert rejected <= 1
 
 
-def test_decode_side_ends_when_its_prefill_dies(tmp_path):
+@pytest.mark.parametrize("load", ["workload.requests=200000", "workload.rate=4"], ids=["busy", "idle"])
+def test_decode_side_ends_when_its_prefill_dies(tmp_path, load):
+    """Killed mid-run, the prefill sends no bye. Busy (closed loop): the decode holds its
+    slots when it dies. Idle (4 arrivals/s): it mostly holds nothing, and its keepalives
+    stopping is all the decode can go by."""
     port = _port()
     decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}")
-    prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=200000")
+    prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=200000", load)
     deadline = time.monotonic() + 60
-    records = tmp_path / "p" / "requests.jsonl"  # opened at start-up: wait for a first record
-    while not (records.exists() and records.stat().st_size) and time.monotonic() < deadline:
+    log = tmp_path / "p" / "prefill.log"  # its loop has started: then 2 s of handoffs (8 expected, idle)
+    while not (log.exists() and "prefill_loop" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)
+    time.sleep(2.0)
     for pid in _tree(prefill.pid):  # the whole prefill side at once: no bye can reach the decode
         os.kill(pid, signal.SIGKILL)
     prefill.communicate(timeout=30)

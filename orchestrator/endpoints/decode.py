@@ -119,6 +119,9 @@ class Peers:
         self.sessions: dict[bytes, PrefillSession] = {}  # control identity -> session
         self.ranks: dict[int, PrefillSession] = {}  # prefill rank -> its session (bound at hello)
         self.heard: dict[int, float] = {}  # prefill rank -> last authentic message from it
+        self.started: set[int] = set()  # ranks whose loop runs (an arrive came, maybe empty)
+        self.done: set[int] = set()  # ranks that said bye or were declared lost
+        self.watched_at = _clock()  # the last liveness check (role=decode)
         self.heartbeat_s = max(0.05, min(1.0, timeout_s / 4))  # well inside the prefill's timeout
 
     def pad(self, prank: int, rid: int) -> tuple[int, int]:
@@ -165,7 +168,7 @@ class Ledger:
 
 class Notices:
     """What the leader tells the runner: prefill ranks that said bye, were refused at hello
-    (and why), or went silent holding slots (role=decode only)."""
+    (and why), or went silent (role=decode only)."""
 
     def __init__(self) -> None:
         self.byes: list[int] = []
@@ -469,8 +472,10 @@ class DecodeEndpoint:
         elif sess is None:  # authentic under the bare secret, but only hello may be
             self._drop("rejected_auth", "control_rejected", reason=f"{kind} outside a session")
         elif kind == "arrive" and self.leader:
+            self.peers.started.add(sess.rank)
             self._arrive(sess.rank, msg)
         elif kind == "bye" and self.leader:
+            self.peers.done.add(sess.rank)
             self.release_prefill(sess.rank, "bye")
             self.notices.byes.append(sess.rank)
         else:
@@ -898,16 +903,26 @@ class DecodeEndpoint:
                 raise protocol.ProtocolError(f"a decode does not take {type(msg).__name__}")
 
     def _watch_prefills(self) -> None:
-        """role=decode: a prefill rank that holds granted slots and has sent nothing for
-        transport.timeout_s is lost (the runner on this host cannot see its process)."""
+        """role=decode: a prefill rank whose loop runs (or that holds granted slots) and has
+        sent nothing for transport.timeout_s is lost, and so is one bound at hello whose loop
+        never started within endpoints.startup_timeout_s (the runner on this host cannot see
+        its process; a live loop says something at least every min(1 s, timeout_s/4))."""
         now = _clock()
-        owing = {g.prank for g in self.ledger.grants.values()}
-        for prank in owing:
-            last = self.peers.heard.get(prank)
-            if last is not None and now - last > self.timeout_s:
-                why = f"prefill rank {prank} silent for transport.timeout_s={self.timeout_s:g} holding slots"
+        peers = self.peers
+        if now - peers.watched_at > self.timeout_s / 2:  # WE were stalled: nobody could be heard
+            peers.heard = {rank: now for rank in peers.heard}
+        peers.watched_at = now
+        running = {g.prank for g in self.ledger.grants.values()} | peers.started
+        for prank, last in list(peers.heard.items()):
+            if prank in peers.done:
+                continue
+            limit, what = ((self.timeout_s, "transport.timeout_s") if prank in running else
+                           (self.cfg.endpoints.startup_timeout_s, "endpoints.startup_timeout_s"))
+            if now - last > limit:
+                why = (f"prefill rank {prank} silent for {what}={limit:g}" if prank in running else
+                       f"prefill rank {prank} bound at hello, its loop not started within {what}={limit:g}")
                 self.log.error("prefill_lost", prefill=prank, detail=why)
-                self.peers.heard.pop(prank)
+                peers.done.add(prank)
                 self.release_prefill(prank, why)
                 self.notices.lost.append((prank, why))
 

@@ -15,7 +15,10 @@ The transfer thread runs the sends (orchestrator.transport.router: one batch wri
 run of consecutive slots) and the status messages, overlapping with the next step's fill as
 SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
 instance silent for `transport.timeout_s` while it owes us something is declared lost; its
-requests fail with a reason, and the run goes on with the others.
+requests fail with a reason, and the run goes on with the others. The other way round, the
+loop tells every live instance something (an empty arrive when nothing else is due) at least
+every min(1 s, timeout_s/4): a role=decode side, which cannot see this process, declares a
+prefill rank silent for timeout_s lost even when it holds nothing of it.
 
 Requests are identified by (prefill rank, request id) everywhere, never by room: duplicate
 rooms (retries, n>1 sampling) each get their own slot and verdict.
@@ -132,6 +135,7 @@ class Instance:
     control: zmq.Socket
     links: list[Link] = field(default_factory=list)
     last_heard: float = 0.0
+    told: float = 0.0  # when this process last sent its leader anything (the keepalive's clock)
     lost: bool = False
     owed: int = 0  # requests announced to it and not yet judged
     ungranted: int = 0  # announced, no slot yet: at most `slots` (backpressure)
@@ -492,6 +496,7 @@ class PrefillEndpoint:
     # ---- messages -----------------------------------------------------------------------
     def _send(self, inst: Instance, payload: bytes) -> None:
         inst.control.send((inst.auth or self.me.auth).seal(payload))
+        inst.told = _clock()
 
     def _open(self, frames: list[bytes], auth=None) -> dict:
         try:
@@ -809,6 +814,7 @@ class _Loop:
                     self.stop(Detail.interrupted)
                 now = _clock()
                 self.silent_decodes(now)
+                self.keepalive(now)
                 self.faults.progress(self.finished, len(self.outstanding))
                 if self.conn is not None and now - last_progress >= 0.25:
                     self.conn.send(protocol.Progress(finished=self.finished))
@@ -842,6 +848,14 @@ class _Loop:
                 if inst.owed > 0 and now - inst.last_heard > ep.timeout_s:
                     self.lose(inst, Detail.peer_lost,
                               f"decode silent for transport.timeout_s={ep.timeout_s:g}")
+
+    def keepalive(self, now: float) -> None:
+        """An empty arrive to every live instance told nothing for a heartbeat interval."""
+        ep = self.ep
+        every = max(0.05, min(1.0, ep.timeout_s / 4))
+        for inst in ep.instances:
+            if not inst.lost and now - inst.told >= every:
+                ep._send(inst, wire.encode("arrive", reqs=[], contiguous=self.phase.coalesce))
 
     def issue(self, now: float, t0: float) -> None:
         if self.stopping:

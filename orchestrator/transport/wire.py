@@ -3,7 +3,7 @@
 Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with json only
 (no code-executing decoder) and checked against SCHEMA:
     prefill -> decode: hello {rank, layout, fingerprint, nonce, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
-                       contiguous}, bye {}
+                       contiguous} (an empty one is the prefill's keepalive), bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
     lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
     transport, session_id}, ...], ...], prefill_ranks}
