@@ -234,9 +234,14 @@ def test_scancel_mid_run_gives_143_and_honest_counts(cluster, tmp_path, recipe_e
     assert "Traceback" not in out + err
 
     decode, prefill = results(sweep / "0"), results(sweep / "1")
-    for side in (decode, prefill):
-        assert side.ending.interrupted is True and side.ending.signal == "SIGTERM", side
-        assert side.exit_code == 143 and side.corrupted == 0
+    assert prefill.ending.interrupted is True and prefill.ending.signal == "SIGTERM", prefill
+    assert prefill.exit_code == 143 and prefill.corrupted == 0
+    # The decode side's SIGTERM comes from slurmd on its own node: on a loaded box the prefill
+    # can stop and say bye first, and the decode side then ends on that bye (exit 0, nothing lost)
+    if decode.ending.interrupted:
+        assert decode.ending.signal == "SIGTERM" and decode.exit_code == 143, decode
+    else:
+        assert decode.exit_code == 0 and decode.ending.lost == {}, decode
     n = prefill.verified
     assert 200 <= n < requests
     assert prefill.requests == requests
