@@ -60,13 +60,13 @@ lint: setup
 	$(PY) -m ruff check --no-cache orchestrator tests tools
 	$(PY) -m mypy orchestrator
 
-# The suite runs in JOBS pytest-xdist workers, a test file per worker at a time (module
-# fixtures such as the Slurm cluster are built once; tests/helpers/cluster.py locks it across
-# workers). 3 on the 2-core CI box: most tests wait on processes and timeouts, not on a core.
-# JOBS=0: one process, as plain pytest.
+# The suite runs in JOBS pytest-xdist workers, test by test, but a module whose fixture is
+# costly (the Slurm cluster, the netns pairs, the real sweep) marks itself xdist_group and
+# runs on one worker, its fixture built once. 3 on the 2-core CI box: most tests wait on
+# processes and timeouts, not on a core. JOBS=0: one process, as plain pytest.
 JOBS ?= 3
 test: setup lint
-	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(ARGS)
+	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup) $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -35,7 +35,8 @@ from orchestrator.results import Results
 from .conftest import ROOT
 from .helpers import cluster as cl
 
-pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.xdist_group("cluster")]  # one worker: the cluster is built once
 
 DOC = ROOT / "docs" / "slurm.md"
 RUN_TIMEOUT_S = 300  # no command here may run longer; the ones that pass take seconds

@@ -35,7 +35,8 @@ from orchestrator.results import Results
 from .conftest import ROOT
 from .helpers.netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.xdist_group("netns")]  # one worker: the module's pairs and cut runs are built once
 
 SECRET_ENV = "PD_AUX_NETNS_TEST_SECRET"
 SECRET = "netns-test-shared-secret-4f1c"
@@ -432,7 +433,7 @@ def cut_run(request, pair, tmp_path_factory):
         prc = prefill.wait(PROC_TIMEOUT_S)
         t_exit = time.time()
         # no bye can reach the decode side: it ends on its own once the prefill has been
-        # silent for transport.timeout_s while holding its slots
+        # silent for transport.timeout_s (held slots or not: its keepalives stop too)
         drc = decode.wait(TIMEOUT_S + LOST_MARGIN_S + 10.0)
     finally:
         for s in (prefill, decode):

@@ -15,6 +15,8 @@ from orchestrator.sweep import RESULT_COLUMNS, SweepError, summarize
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.xdist_group("sweep")  # one worker: the real sweep is run once
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
