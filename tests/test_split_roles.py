@@ -28,11 +28,33 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    """Whatever a test started and left running (a bound that failed) is killed, tree and all."""
+    yield
+    for proc in STARTED:
+        if proc.poll() is None:
+            for pid in _tree(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.communicate()
+    STARTED.clear()
+
+
+def _popen(argv: list[str], env=ENV) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(proc)
+    return proc
+
+
 def _side(role: str, run_dir, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", f"role={role}",
-                             "transport.secret_env=PD_SPLIT_TEST_SECRET", "transport.timeout_s=2",
-                             *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _popen([sys.executable, "-m", "orchestrator", f"role={role}", "transport.secret_env=PD_SPLIT_TEST_SECRET",
+                   "transport.timeout_s=2", *overrides, f"hydra.run.dir={run_dir}"])
 
 
 def test_layout_mismatch_ends_both_sides_with_one_line(tmp_path):
@@ -58,10 +80,9 @@ def test_wrong_secret_ends_both_sides_with_one_line_each(tmp_path):
     decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}",
                    "endpoints.startup_timeout_s=120")
     env = {**ENV, "PD_SPLIT_TEST_SECRET": "another-secret"}
-    prefill = subprocess.Popen([sys.executable, "-m", "orchestrator", "role=prefill", f"peer=127.0.0.1:{port}",
-                                "transport.secret_env=PD_SPLIT_TEST_SECRET", "endpoints.startup_timeout_s=120",
-                                f"hydra.run.dir={tmp_path / 'p'}"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefill = _popen([sys.executable, "-m", "orchestrator", "role=prefill", f"peer=127.0.0.1:{port}",
+                      "transport.secret_env=PD_SPLIT_TEST_SECRET", "endpoints.startup_timeout_s=120",
+                      f"hydra.run.dir={tmp_path / 'p'}"], env=env)
     p_out, p_err = prefill.communicate(timeout=100)  # far inside the 120 s window
     d_out, d_err = decode.communicate(timeout=100)
     assert prefill.returncode == 3 and decode.returncode == 3, (p_out, p_err, d_out, d_err)
@@ -114,10 +135,9 @@ def test_each_side_sends_its_pid_namespace_at_bootstrap(tmp_path):
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1)")
     port = _port()
-    decode = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-m", "orchestrator", "role=decode",
-                               "transport.secret_env=PD_SPLIT_TEST_SECRET", "transport.timeout_s=2",
-                               f"transport.bootstrap_port={port}", f"hydra.run.dir={tmp_path / 'd'}"],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    decode = _popen(["unshare", "--pid", "--fork", sys.executable, "-m", "orchestrator", "role=decode",
+                     "transport.secret_env=PD_SPLIT_TEST_SECRET", "transport.timeout_s=2",
+                     f"transport.bootstrap_port={port}", f"hydra.run.dir={tmp_path / 'd'}"])
     prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=50")
     p_out, p_err = prefill.communicate(timeout=120)
     d_out, d_err = decode.communicate(timeout=60)
