@@ -1,6 +1,8 @@
 """A run split into role=decode and role=prefill on one host (loopback): a layout mismatch
 ends both sides with one line naming the field, and a decode side whose prefill dies mid-run
-ends on its own (the runner on its host cannot see the prefill's process)."""
+ends on its own (the runner on its host cannot see the prefill's process), busy or idle. With a
+hand-written prefill: the decode's watch loses a silent prefill that holds nothing of it, and
+never one that keeps alive."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import time
 
 import pytest
 
+from orchestrator import protocol
 from orchestrator.results import Results
+from orchestrator.transport import wire
 
-from .conftest import ROOT
+from .conftest import ROOT, typed_cfg
+from .helpers.peers import PrefillPeer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ENV = {**os.environ, "PD_SPLIT_TEST_SECRET": "split-test-secret-7c1e", "PYTHONUNBUFFERED": "1"}
@@ -146,3 +151,56 @@ def test_each_side_sends_its_pid_namespace_at_bootstrap(tmp_path):
                 if '"bootstrapped"' in x)
     mine = os.readlink("/proc/self/ns/pid")
     assert line["pid_ns"] == mine and line["peer_pid_ns"].startswith("pid:[") and line["peer_pid_ns"] != mine
+
+
+# ---- the decode side's watch of its prefills, with a hand-written prefill ----------------------
+def _lost_within(decode, seconds: float):
+    """The first PrefillLost the decode tells its runner within `seconds`, else None."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if decode.conn.poll(left):
+            msg = decode.conn.recv()
+            if isinstance(msg, protocol.PrefillLost):
+                return msg
+    return None
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["bound_only", "loop_started"])
+def test_a_silent_prefill_is_lost_holding_nothing(tmp_path, started):
+    """role=decode, a prefill bound at hello that holds no slot: silent past
+    endpoints.startup_timeout_s before its loop starts, or past transport.timeout_s after
+    its first (empty) arrive, it is lost, and the decode tells its runner why."""
+    cfg = typed_cfg("role=decode", "transport.timeout_s=1", "endpoints.startup_timeout_s=3")
+    peer = PrefillPeer(cfg, tmp_path)
+    try:
+        t0 = time.monotonic()
+        if started:
+            peer.send_control(wire.encode("arrive", reqs=[], contiguous=False))  # a keepalive
+        lost = _lost_within(peer.decode, 30)
+        waited = time.monotonic() - t0
+        assert lost is not None and lost.rank == 0
+        if started:
+            assert lost.why == "prefill rank 0 silent for transport.timeout_s=1", lost
+            assert waited >= 1 - 0.5, waited
+        else:
+            assert lost.why == ("prefill rank 0 bound at hello, its loop not started within "
+                                "endpoints.startup_timeout_s=3"), lost
+            assert waited >= 3 - 0.5, waited
+    finally:
+        peer.close()  # (stops the decode too)
+
+
+def test_a_prefill_that_keeps_alive_is_never_lost(tmp_path):
+    """Empty arrives every 0.25 s for three times transport.timeout_s: never lost; silent
+    after them, it is."""
+    cfg = typed_cfg("role=decode", "transport.timeout_s=1", "endpoints.startup_timeout_s=3")
+    peer = PrefillPeer(cfg, tmp_path)
+    try:
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            peer.send_control(wire.encode("arrive", reqs=[], contiguous=False))
+            assert _lost_within(peer.decode, 0.25) is None
+        lost = _lost_within(peer.decode, 10)
+        assert lost is not None and lost.why == "prefill rank 0 silent for transport.timeout_s=1", lost
+    finally:
+        peer.close()  # (stops the decode too)
