@@ -130,6 +130,12 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
     return Side(buffers, engine, transport, log)
 
 
+def heartbeat_s(timeout_s: float) -> float:
+    """How often a side with nothing else to send says something to its peer: well inside the
+    peer's transport.timeout_s (the decode's empty update, the prefill's empty arrive)."""
+    return max(0.05, min(1.0, timeout_s / 4))
+
+
 def rss_kb() -> int:
     """Resident set size of this process in KiB (Linux /proc)."""
     with open("/proc/self/statm") as fh:

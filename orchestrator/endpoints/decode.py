@@ -53,7 +53,17 @@ from ..rundir import RunFiles, proc_name
 from ..transport import wire
 from ..transport.auth import Authenticator, Replayed, Session, new_nonce
 from ..transport.engine import exposed, listening_sockets
-from .common import Stop, bind_random, build_side, new_socket, process_gpu, report_failure, rss_kb, start_process
+from .common import (
+    Stop,
+    bind_random,
+    build_side,
+    heartbeat_s,
+    new_socket,
+    process_gpu,
+    report_failure,
+    rss_kb,
+    start_process,
+)
 from .tp import NOT_TAKEN, Group, TorchGroup, single
 
 _clock = time.monotonic
@@ -83,7 +93,6 @@ class Grant:
     reason: str = ""
     tag: int = 0  # from the status, when the row has no kv_checksum field
     t_status: float = 0.0
-    identity: bytes = b""  # the prefill's control identity (leader only)
     shared: bool = True  # a TP leader's grant goes out only once every rank knows it
     settling: bool = False  # the gate held it: right room, digest not yet (gate.settle_ms)
 
@@ -122,7 +131,7 @@ class Peers:
         self.started: set[int] = set()  # ranks whose loop runs (an arrive came, maybe empty)
         self.done: set[int] = set()  # ranks that said bye or were declared lost
         self.watched_at = _clock()  # the last liveness check (role=decode)
-        self.heartbeat_s = max(0.05, min(1.0, timeout_s / 4))  # well inside the prefill's timeout
+        self.heartbeat_s = heartbeat_s(timeout_s)
 
     def pad(self, prank: int, rid: int) -> tuple[int, int]:
         sess = self.ranks.get(prank)
@@ -562,9 +571,10 @@ class DecodeEndpoint:
                     self._drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
                 g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), _clock(),
-                          identity=self.peers.ranks[prank].identity, shared=self.group.size == 1)
+                          shared=self.group.size == 1)
                 self._add(g)
-                led.new_grants.append(g)
+                if self.group.size > 1:  # one rank has no one to share it with
+                    led.new_grants.append(g)
                 led.granted[prank].append(g)
 
     def _add(self, g: Grant) -> None:
@@ -745,12 +755,13 @@ class DecodeEndpoint:
                 assert v is not None  # every rank took the same positions (TorchGroup.agree_verdicts)
                 self._finish(g, Outcome.of(code // 256), Detail.of(code % 256), v.t_ns,
                              own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
-        taken = [v for v in own if v is not None]
-        self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
-                         unready=sum(v.detail is Detail.taken_unready for v in taken),
-                         wrong_room=0 if self.judge.readiness else
-                         sum(v.detail is Detail.room_mismatch for v in taken))
-        if not lockstep:
+        if lockstep:  # the TP log's counts (one rank keeps none)
+            taken = [v for v in own if v is not None]
+            self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
+                             unready=sum(v.detail is Detail.taken_unready for v in taken),
+                             wrong_room=0 if self.judge.readiness else
+                             sum(v.detail is Detail.room_mismatch for v in taken))
+        else:
             self.res.gate_waits += waits
             self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
             self.res.batch.add(len(cands))
@@ -783,6 +794,8 @@ class DecodeEndpoint:
     def _share(self) -> None:
         """The leader's grants and releases since the last step, on every rank (a TP group's
         ranks then hold the same grants, in the same order)."""
+        if self.group.size == 1:  # its grants are shared when made, its releases done at once
+            return
         led = self.ledger
         grants, releases = self.group.share([(g.prank, g.rid, g.slot, g.room) for g in led.new_grants],
                                             list(led.pending_releases))
@@ -909,6 +922,8 @@ class DecodeEndpoint:
         its process; a live loop says something at least every min(1 s, timeout_s/4))."""
         now = _clock()
         peers = self.peers
+        if now - peers.watched_at < peers.heartbeat_s:  # nobody can have gone silent since
+            return
         if now - peers.watched_at > self.timeout_s / 2:  # WE were stalled: nobody could be heard
             peers.heard = {rank: now for rank in peers.heard}
         peers.watched_at = now

@@ -57,6 +57,7 @@ from ..workload import RequestPool, arrival_offsets, decode_of, room_of
 from .common import (
     Stop,
     build_side,
+    heartbeat_s,
     new_socket,
     process_gpu,
     report_failure,
@@ -852,7 +853,7 @@ class _Loop:
     def keepalive(self, now: float) -> None:
         """An empty arrive to every live instance told nothing for a heartbeat interval."""
         ep = self.ep
-        every = max(0.05, min(1.0, ep.timeout_s / 4))
+        every = heartbeat_s(ep.timeout_s)
         for inst in ep.instances:
             if not inst.lost and now - inst.told >= every:
                 ep._send(inst, wire.encode("arrive", reqs=[], contiguous=self.phase.coalesce))
