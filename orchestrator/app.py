@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from omegaconf import DictConfig
 
@@ -20,6 +21,8 @@ from .results import DecodeSideResults, JobResults, NoSpace, NotRun, Results, lo
 from .rules import check_profile
 from .rundir import RunFiles
 from .runner import run_handoffs
+
+R = TypeVar("R", bound=Results)
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
@@ -62,13 +65,7 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
         _write_outputs(obj, run_dir, results)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
         results.failed_writing(str(exc))
-        if exc.path.name != RunFiles.RESULTS:  # it was written: say how the run ended
-            try:
-                reporting.write(run_dir, results)
-            except OSError:
-                pass
-        print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
-        return results
+        return _no_space(run_dir, results, exc)
     log.info("results", **results.headline())
     print(reporting.summary(results, run_dir), flush=True)
     return results
@@ -107,13 +104,17 @@ def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:
 
 def no_space(run_dir: Path, exc: NoSpace) -> NotRun:
     """The disk filled after start: one line, exit 3, and results.json when it still fits."""
-    results = NotRun(reporting.EXIT_LOST, str(exc))
-    print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
+    return _no_space(run_dir, NotRun(reporting.EXIT_LOST, str(exc)), exc)
+
+
+def _no_space(run_dir: Path, results: R, exc: NoSpace) -> R:
+    """results.json says how the run ended unless it is the file that did not fit; one line."""
     if exc.path.name != RunFiles.RESULTS:
         try:
             reporting.write(run_dir, results)
         except OSError:
             pass
+    print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
     return results
 
 

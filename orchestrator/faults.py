@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 
 from .buffers import MetadataBuffers
 from .config import FaultKind, FaultsConfig, StatusMode
+from .lifecycle import resume
 from .transport.router import AuxRouter, Send, Transfer
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
@@ -82,7 +83,6 @@ def acts_at(kind: FaultKind, site: Site) -> bool:
 
 class Injector:
     def __init__(self, faults: FaultsConfig):
-        self.kind = faults.kind
         self.at, self.every = faults.at_request, faults.every
 
     def hits(self, rid: int) -> bool:
@@ -302,12 +302,5 @@ def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], dur
         os.kill(pid, signal.SIGKILL)
         return pid != prefill_pid
     os.kill(pid, signal.SIGSTOP)
-
-    def resume():
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-    threading.Timer(duration_s, resume).start()
+    threading.Timer(duration_s, resume, (pid,)).start()
     return True

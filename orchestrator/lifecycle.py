@@ -4,6 +4,7 @@ traceback before it installed its own handlers (spawn)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from multiprocessing.process import BaseProcess
@@ -25,9 +26,11 @@ class Signals:
     def __init__(self) -> None:
         self.caught: Optional[str] = None
         self._saved: dict[int, Any] = {}
+        self._depth = 0  # entered again (the CLI's job, then its runner): one install, one restore
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        self._depth += 1
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._saved[sig] = signal.signal(sig, self._on)
         return self
@@ -36,8 +39,19 @@ class Signals:
         self.caught = signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
+        self._depth -= 1
+        if self._depth == 0:
+            for sig, handler in self._saved.items():
+                signal.signal(sig, handler)
+            self._saved.clear()
+
+
+def resume(pid: int) -> None:
+    """SIGCONT a process a stop fault may still hold; one already gone is fine."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def spawn(proc: BaseProcess) -> None:

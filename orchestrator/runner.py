@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
 from collections import Counter
@@ -32,7 +31,7 @@ from .config import OrchestratorConfig, Role, resolve_seed
 from .endpoints.decode import decode_main
 from .endpoints.prefill import prefill_main
 from .faults import divert_control, strike
-from .lifecycle import Interrupted, RunFailed, Signals, spawn
+from .lifecycle import Interrupted, RunFailed, Signals, resume, spawn
 from .outcomes import Detail
 from .plan import Device, Plan
 from .recovery import decode_from_disk, reconstruct
@@ -80,11 +79,8 @@ def _engine_log_tail(run_dir: Path, name: str) -> Optional[str]:
 
 
 def _kill(p: _Proc) -> None:
-    try:
-        if p.proc.pid is not None:  # (started)
-            os.kill(p.proc.pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
+    if p.proc.pid is not None:  # (started)
+        resume(p.proc.pid)
     if p.proc.is_alive():
         p.proc.kill()
     p.proc.join(2)
@@ -411,10 +407,7 @@ class Job:
         for d in self.decodes:
             if d.proc.is_alive():
                 assert d.proc.pid is not None  # (alive)
-                try:
-                    os.kill(d.proc.pid, signal.SIGCONT)  # in case a stop fault is still in force
-                except ProcessLookupError:
-                    pass
+                resume(d.proc.pid)  # in case a stop fault is still in force
                 _send(d, protocol.Stop())
         ran = any(p.running for p in self.prefills) or not self.prefills
         deadline = _clock() + ((1.0 if ran else 0.3) if out.interrupted else 10.0)
