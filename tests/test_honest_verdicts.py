@@ -221,6 +221,17 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert res.timing.handoffs_per_s is not None
 
 
+def test_a_job_gives_back_the_signal_handlers_it_found(tmp_path):
+    """The CLI's job holds SIGINT/SIGTERM and its runner enters the same handlers again: once
+    the job ends, the handlers before it are back (a Ctrl-C between sweep jobs interrupts)."""
+    from orchestrator.app import run_job as cli_job
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    res = cli_job(compose_cfg("workload.requests=20"), tmp_path / "run")
+    assert res.exit_code == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
     import os
 
