@@ -33,9 +33,10 @@ try:
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from .app import failed_job, no_space, refused, run_job
-    from .config import CONF_DIR, ConfigError, register_configs
-    from .results import EXIT_REFUSED, NoSpace, NotRun, RunDirBusy
+    from orchestrator.handoff.app import failed_job, no_space, refused, run_job
+    from orchestrator.profile.config import CONF_DIR, ConfigError, register_configs
+    from orchestrator.results.rundir import NoSpace, RunDirBusy
+    from orchestrator.results.schema import EXIT_REFUSED, NotRun
 
     register_configs()
 except _EarlyStop as _exc:
@@ -100,7 +101,7 @@ def entry() -> None:
         _entry()
     except _SweepStopped as exc:
         code, sweep_dir = exc.args
-        from .sweep import SweepError, summarize
+        from orchestrator.sweep.sweep import SweepError, summarize
 
         try:
             for path in summarize(Path(sweep_dir), png=False):
@@ -115,7 +116,7 @@ def entry() -> None:
 
 
 def _entry() -> None:
-    from .profile import precheck
+    from orchestrator.preflight.compose import precheck
 
     problem = precheck(sys.argv[1:])
     if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
@@ -127,7 +128,7 @@ def _entry() -> None:
         if exc.code == 1 and not _EXIT:  # Hydra refused before any job ran
             sys.exit(2)
         raise
-    from .sweep import SWEEP_EXIT
+    from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
     if codes and max(codes) in (130, 143):

@@ -1,6 +1,6 @@
-"""`python -m orchestrator.bench`: the tool is orchestrator.cli.bench."""
+"""`python -m orchestrator.bench`: the tool is orchestrator.sweep.bench."""
 
-from .cli.bench import main
+from orchestrator.sweep.bench import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
-"""`python -m orchestrator.doctor`: the tool is orchestrator.cli.doctor."""
+"""`python -m orchestrator.doctor`: the tool is orchestrator.preflight.doctor."""
 
-from .cli.doctor import main
+from orchestrator.preflight.doctor import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

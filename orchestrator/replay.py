@@ -1,6 +1,6 @@
-"""`python -m orchestrator.replay`: the tool is orchestrator.cli.replay."""
+"""`python -m orchestrator.replay`: the tool is orchestrator.sweep.replay."""
 
-from .cli.replay import main
+from orchestrator.sweep.replay import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,11 +11,12 @@ import zmq
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator.config import CONF_DIR, OrchestratorConfig, register_configs, validate
+from orchestrator.profile.config import CONF_DIR, OrchestratorConfig, register_configs, validate
 
 if TYPE_CHECKING:  # (the runner imports torch: a cost only the tests that run a job pay)
-    from orchestrator.plan import Plan, Platform
-    from orchestrator.results import JobResults, RunResult
+    from orchestrator.profile.plan import Plan, Platform
+    from orchestrator.results.records import RunResult
+    from orchestrator.results.schema import JobResults
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = CONF_DIR
@@ -78,10 +79,10 @@ class JobRunner:
         self.wall_s: Optional[float] = None
 
     def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
-        from orchestrator.plan import Platform
-        from orchestrator.reporting import build_results
-        from orchestrator.rules import check_profile
-        from orchestrator.runner import run_handoffs
+        from orchestrator.handoff.runner import run_handoffs
+        from orchestrator.profile.plan import Platform
+        from orchestrator.profile.rules import check_profile
+        from orchestrator.results.reporting import build_results
 
         self.cfg = cfg = typed_cfg(*overrides)
         self.plan = plan = check_profile(cfg, platform or Platform())
@@ -120,9 +121,9 @@ class DecodeProcess:
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):
         import multiprocessing as mp
 
-        from orchestrator import protocol
-        from orchestrator.endpoints.decode import decode_main
-        from orchestrator.plan import Platform, make_plan
+        from orchestrator.handoff import protocol
+        from orchestrator.handoff.endpoints.decode import decode_main
+        from orchestrator.profile.plan import Platform, make_plan
 
         self.plan = make_plan(cfg, platform or Platform())
         self.secret = secret
@@ -139,7 +140,7 @@ class DecodeProcess:
 
     def stop(self):
         """Stop the decode side; skips its notices to the runner, returns its final stats."""
-        from orchestrator import protocol
+        from orchestrator.handoff import protocol
 
         self.conn.send(protocol.Stop())
         while True:

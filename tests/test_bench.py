@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli.bench import BenchResults
+from orchestrator.sweep.bench import BenchResults
 
 from .conftest import ROOT
 

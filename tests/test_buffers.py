@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.buffers import SlotAllocator
-from orchestrator.config import MemPoolType, WorkloadConfig
-from orchestrator.layout import load_layout
-from orchestrator.workload import Shapes, make_request, room_for, room_of
+from orchestrator.handoff.buffers import SlotAllocator
+from orchestrator.handoff.workload import Shapes, make_request, room_for, room_of
+from orchestrator.profile.config import MemPoolType, WorkloadConfig
+from orchestrator.profile.layout import load_layout
 
 SGLANG_FIELDS = [
     ("output_ids", 16, torch.int32), ("cached_tokens", 16, torch.int32),
@@ -195,7 +195,7 @@ def test_workload_is_deterministic():
 def test_latency_histogram_percentiles_within_a_quarter_percent():
     import random
 
-    from orchestrator.stats import LatencyHistogram, percentile
+    from orchestrator.results.stats import LatencyHistogram, percentile
 
     rng = random.Random(3)
     values = [rng.lognormvariate(5, 1.2) for _ in range(20000)] + [0.01, 3e7]
@@ -210,7 +210,7 @@ def test_latency_histogram_percentiles_within_a_quarter_percent():
 
 
 def test_warm_up_scratch_lies_inside_the_registration_and_outside_every_field():
-    from orchestrator.buffers import WARM_BYTES
+    from orchestrator.handoff.buffers import WARM_BYTES
 
     b = MetadataBuffers(8, 16, torch.float32, 256)
     ptrs, lens, _ = b.get_buf_infos()
@@ -221,7 +221,7 @@ def test_warm_up_scratch_lies_inside_the_registration_and_outside_every_field():
 
 
 def test_staged_rows_pack_the_rows_set_buf_wrote_and_words_address_rooms():
-    from orchestrator.buffers import StagedRows
+    from orchestrator.handoff.buffers import StagedRows
 
     b = MetadataBuffers(8, 16, torch.float32, 16, output_dsa_topk_indices_dim=4, kv_checksum_enabled=True)
     staged = StagedRows(b)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.results import Results
+from orchestrator.results.schema import Results
 
 from .conftest import ROOT
 from .helpers import cluster as cl

@@ -1,4 +1,4 @@
-"""The checks made before a sweep goes to Slurm (orchestrator/slurm.py), on sinfo text as
+"""The checks made before a sweep goes to Slurm (orchestrator/sweep/slurm.py), on sinfo text as
 Slurm prints it, and the metadata-server reason of a failed engine start; no cluster needed.
 The same checks against a real cluster: tests/test_cluster.py."""
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator import slurm
-from orchestrator.transport.engine import _metadata_failure
+from orchestrator.handoff.transport.engine import _metadata_failure
+from orchestrator.sweep import slurm
 
 SINFO = "pdnode1|debug*|2|2048\npdnode2|debug*|2|2048\nbig1|gpu|64|515000\n"
 

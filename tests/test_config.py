@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from orchestrator.config import ConfigError, MemPoolType, RouteSetting, validate
+from orchestrator.profile.config import ConfigError, MemPoolType, RouteSetting, validate
 
 from .conftest import CONF, ROOT, compose_cfg
 

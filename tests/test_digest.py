@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.config import DigestKind
-from orchestrator.digest import MARK, Keys, RowDigest
+from orchestrator.handoff.digest import MARK, Keys, RowDigest
+from orchestrator.profile.config import DigestKind
 
 SECRET = b"k" * 32
 

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from orchestrator import profile
-from orchestrator.cli import doctor
-from orchestrator.cli.doctor import (
+from orchestrator.preflight import compose as profile
+from orchestrator.preflight import doctor
+from orchestrator.preflight.compose import one_line
+from orchestrator.preflight.doctor import (
     Check,
     CudaProbe,
     MooncakeProbe,
@@ -30,9 +31,8 @@ from orchestrator.cli.doctor import (
     port_is_free,
     rpc_port_range,
 )
-from orchestrator.config import ConfigError
-from orchestrator.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
-from orchestrator.profile import one_line
+from orchestrator.profile.config import ConfigError
+from orchestrator.profile.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
 
 from .conftest import ROOT, has_cuda
 

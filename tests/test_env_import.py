@@ -1,5 +1,5 @@
 """Reading a deployment's environment: serving.profile_from_env (the reverse of serving_env),
-orchestrator.deployment (dotenv, `env` output, Kubernetes manifests, the traps, prefill against
+orchestrator.preflight.deployment (dotenv, `env` output, Kubernetes manifests, the traps, prefill against
 decode) and `python -m orchestrator.doctor --env-file / --manifest / --run`. All on CPU."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import sys
 import pytest
 import yaml
 
-from orchestrator import deployment as dep
-from orchestrator.config import ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType, RouteSetting
-from orchestrator.deployment import Level, Role, Wheel
-from orchestrator.plan import Platform
-from orchestrator.profile import load_profile
-from orchestrator.results import Results
-from orchestrator.rules import check_profile
-from orchestrator.serving import profile_from_env, serving_env
+from orchestrator.preflight import deployment as dep
+from orchestrator.preflight.compose import load_profile
+from orchestrator.preflight.deployment import Level, Role, Wheel
+from orchestrator.preflight.serving import profile_from_env, serving_env
+from orchestrator.profile.config import ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType, RouteSetting
+from orchestrator.profile.plan import Platform
+from orchestrator.profile.rules import check_profile
+from orchestrator.results.schema import Results
 
 from .conftest import CONF, ROOT, typed_cfg
 from .test_doctor import clean_env
@@ -387,7 +387,7 @@ def test_cli_env_output_on_stdin_exit_0():
 
 def test_cli_manifest_names_the_installed_wheel(tmp_path):
     """The wheel where the doctor runs: on this project's CPU boxes the non-cuda one."""
-    from orchestrator.platform import mooncake_distribution
+    from orchestrator.profile.platform import mooncake_distribution
 
     dist = mooncake_distribution()
     if dist is None or not dist[0].endswith("-non-cuda"):
@@ -456,7 +456,7 @@ def test_cli_run_runs_the_implied_profile_here(tmp_path):
 ])
 def test_documented_examples_are_what_the_doctor_prints(doc, command):
     """The examples in the README and docs/preflight.md, run again: same output, same exit."""
-    from orchestrator.platform import mooncake_distribution
+    from orchestrator.profile.platform import mooncake_distribution
 
     dist = mooncake_distribution()
     if dist is None or " ".join(dist) != "mooncake-transfer-engine-non-cuda 0.3.13.post1":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import ConfigError, MemPoolType
-from orchestrator.plan import Device, EngineTransport, Platform, make_plan
+from orchestrator.profile.config import ConfigError, MemPoolType
+from orchestrator.profile.plan import Device, EngineTransport, Platform, make_plan
 
 from .conftest import CONF
 
@@ -29,7 +29,7 @@ def test_profile_composes_validates_and_documents_itself(cfg_factory, name):
     plan = make_plan(cfg, TWO_GPU)
     if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
         assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.nvlink_intra
-    from orchestrator.endpoints.common import make_buffers
+    from orchestrator.handoff.endpoints.common import make_buffers
 
     rows = make_buffers(cfg.buffers, cfg.layout, torch.device("cpu")).row_bytes
     if name in ROW_BYTES:

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from orchestrator.cli.export_env import render_json, render_sh
-from orchestrator.config import ConfigError, MemPoolType, RouteSetting
-from orchestrator.plan import MANAGED_MC_VARS, Platform, make_plan
-from orchestrator.serving import serving_env
+from orchestrator.preflight.export_env import render_json, render_sh
+from orchestrator.preflight.serving import serving_env
+from orchestrator.profile.config import ConfigError, MemPoolType, RouteSetting
+from orchestrator.profile.plan import MANAGED_MC_VARS, Platform, make_plan
 
 from .conftest import ROOT, has_cuda
 from .test_doctor import clean_env, run_cli

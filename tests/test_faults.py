@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.plan import Platform
-from orchestrator.rules import check_profile
+from orchestrator.profile.plan import Platform
+from orchestrator.profile.rules import check_profile
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CPU = Platform()
@@ -116,7 +116,7 @@ def test_silent_mooncake_peer_is_bounded_by_our_watchdog(run_job, tmp_path):
 
 
 def test_engine_only_fault_refused_on_tcp_route(cfg_factory):
-    from orchestrator.config import ConfigError
+    from orchestrator.profile.config import ConfigError
 
     cfg = cfg_factory("faults=bad_destination", "mem_pool=NVLINK")
     with pytest.raises(ConfigError, match="faults.kind"):
@@ -127,10 +127,10 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     """reconstruct() after an interrupt: what the prefill recorded counts, what a decode judged
     keeps its verdict (and its route), the requests in flight fail as interrupted, and those
     past the last trace never arrived: not_started, with no line."""
-    from orchestrator.outcomes import Detail, Outcome
-    from orchestrator.results import Record, read_records
-    from orchestrator.runner import reconstruct
-    from orchestrator.workload import room_of
+    from orchestrator.handoff.runner import reconstruct
+    from orchestrator.handoff.workload import room_of
+    from orchestrator.results.outcomes import Detail, Outcome
+    from orchestrator.results.records import Record, read_records
 
     cfg = cfg_factory("workload.requests=1000")
     w = cfg.workload

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator import MetadataBuffers
-from orchestrator.outcomes import Detail, Outcome
-from orchestrator.transport import wire
+from orchestrator.handoff.transport import wire
+from orchestrator.results.outcomes import Detail, Outcome
 
 from .helpers.peers import PrefillPeer
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from orchestrator.cli.replay import deterministic
+from orchestrator.sweep.replay import deterministic
 
 from .conftest import typed_cfg
 
@@ -38,7 +38,7 @@ def test_decode_load_is_off_with_a_warning_on_host_rows(run_job, tmp_path):
 @pytest.mark.parametrize("bad", ["endpoints.decode_load.step_ms=-1", "endpoints.decode_load.step_ms=inf",
                                  "endpoints.decode_load.idle_s=100"])
 def test_decode_load_refuses_bad_values(bad):
-    from orchestrator.config import ConfigError
+    from orchestrator.profile.config import ConfigError
 
     with pytest.raises(ConfigError):
         typed_cfg(bad)

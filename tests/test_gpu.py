@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.config import MemPoolType, WorkloadConfig
-from orchestrator.digest import Keys, RowDigest
-from orchestrator.plan import EngineTransport
-from orchestrator.platform import detect
-from orchestrator.workload import RequestPool, Shapes
+from orchestrator.handoff.digest import Keys, RowDigest
+from orchestrator.handoff.workload import RequestPool, Shapes
+from orchestrator.profile.config import MemPoolType, WorkloadConfig
+from orchestrator.profile.plan import EngineTransport
+from orchestrator.profile.platform import detect
 
 from .test_digest import flipped_byte_sweep
 
@@ -84,7 +84,7 @@ def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(run_job, tmp
 
 def _trap(conn):
     """nvlink_intra protocol WITHOUT MC_INTRANODE_NVLINK: Mooncake silently runs TCP."""
-    from orchestrator.transport.engine import MooncakeEngine
+    from orchestrator.handoff.transport.engine import MooncakeEngine
 
     try:
         eng = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "nvlink_intra",

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.buffers import StagedRows
-from orchestrator.config import WorkloadConfig
-from orchestrator.digest import SIGNATURE, Keys, RowDigest
-from orchestrator.workload import RequestPool, Shapes
+from orchestrator.handoff.buffers import StagedRows
+from orchestrator.handoff.digest import SIGNATURE, Keys, RowDigest
+from orchestrator.handoff.workload import RequestPool, Shapes
+from orchestrator.profile.config import WorkloadConfig
 
 from .test_digest import SECRET, _filled
 
@@ -124,7 +124,7 @@ def test_staged_set_buf_lands_the_bytes_sglang_set_buf_does():
 
 
 def _decode_side(conn):
-    from orchestrator.transport.engine import MooncakeEngine
+    from orchestrator.handoff.transport.engine import MooncakeEngine
 
     torch.cuda.set_device(0)
     eng = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "nvlink_intra", env={"MC_INTRANODE_NVLINK": "1"})
@@ -139,7 +139,7 @@ def _decode_side(conn):
 def test_the_engine_never_reads_a_row_before_the_steps_writes_landed():
     """The prefill's row writes are queued behind ~50 ms of device work and the NVLink write
     is submitted with no wait of ours (engine_orders_writes): what lands is the new row."""
-    from orchestrator.transport.engine import MooncakeEngine
+    from orchestrator.handoff.transport.engine import MooncakeEngine
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -168,7 +168,7 @@ def test_reused_slots_are_zeroed_before_they_are_granted_again(run_job, tmp_path
     """Four decode rows for thousands of requests: every slot is freed and granted again all
     the time. A zeroing that landed after the next tenant's write would leave its room 0
     (the gate holds it until transport.timeout_s, then room_never_landed) or a torn row."""
-    from orchestrator.platform import detect
+    from orchestrator.profile.platform import detect
 
     for fill in ("inline", "ahead"):
         res = run_job(tmp_path / fill, "mem_pool=INTRA_NODE_NVLINK", "buffers.size=4", "workload.concurrency=4",
@@ -199,8 +199,8 @@ def test_gate_reads_agree_and_a_loaded_decode_reports_its_forward_rate(run_job, 
     """CUDA rows, decode loaded with a 2 ms forward: each gate.read verifies every handoff with
     the verdicts of an unloaded batched run; the forward loop's steps/s with and without
     handoffs are reported."""
-    from orchestrator.cli.replay import deterministic
-    from orchestrator.platform import detect
+    from orchestrator.profile.platform import detect
+    from orchestrator.sweep.replay import deterministic
 
     outs = {}
     for name, extra in (("reference", ["gate.read=batched"]),

@@ -16,13 +16,15 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.config import ConfigError
-from orchestrator.digest import SIGNATURE, Keys, RowDigest
-from orchestrator.outcomes import Detail, KVPoll, Outcome
-from orchestrator.results import Results, read_records, write_atomic
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator
-from orchestrator.transport.engine import MooncakeEngine
+from orchestrator.handoff.digest import SIGNATURE, Keys, RowDigest
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.handoff.transport.engine import MooncakeEngine
+from orchestrator.profile.config import ConfigError
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
+from orchestrator.results.records import read_records
+from orchestrator.results.rundir import write_atomic
+from orchestrator.results.schema import Results
 
 from .conftest import ROOT, compose_cfg, typed_cfg
 from .helpers.peers import PrefillPeer
@@ -224,7 +226,7 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
 def test_a_job_gives_back_the_signal_handlers_it_found(tmp_path):
     """The CLI's job holds SIGINT/SIGTERM and its runner enters the same handlers again: once
     the job ends, the handlers before it are back (a Ctrl-C between sweep jobs interrupts)."""
-    from orchestrator.app import run_job as cli_job
+    from orchestrator.handoff.app import run_job as cli_job
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     res = cli_job(compose_cfg("workload.requests=20"), tmp_path / "run")
@@ -279,7 +281,7 @@ def test_interrupt_during_start_up_prints_no_traceback(tmp_path, delay):
     ("workload.duplicate_rooms=0", "workload.duplicate_rooms"),
 ])
 def test_seeds_rooms_and_metadata_servers_are_checked(override, key):
-    from orchestrator.config import validate
+    from orchestrator.profile.config import validate
 
     with pytest.raises(ConfigError) as info:
         validate(compose_cfg(override))

@@ -30,7 +30,7 @@ from typing import Optional
 
 import pytest
 
-from orchestrator.results import Results
+from orchestrator.results.schema import Results
 
 from .conftest import ROOT
 from .helpers.netns import DECODE_IP, PREFILL_IP, NetnsPair, NetnsUnavailable

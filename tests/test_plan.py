@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from orchestrator.config import ConfigError, FallbackPolicy, MemPoolType, RouteSetting
-from orchestrator.plan import (
+from orchestrator.profile.config import ConfigError, FallbackPolicy, MemPoolType, RouteSetting
+from orchestrator.profile.plan import (
     MANAGED_MC_VARS,
     Device,
     EngineTransport,
@@ -190,9 +190,9 @@ def _other_pid_namespace() -> str:
 
 def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory):
     """Two containers on one node without --pid=host: the rule fires on the plan (no GPU)."""
-    from orchestrator.cli.doctor import Status, check_process_space
-    from orchestrator.plan import same_process_space_rule
-    from orchestrator.platform import boot_id, pid_namespace
+    from orchestrator.preflight.doctor import Status, check_process_space
+    from orchestrator.profile.plan import same_process_space_rule
+    from orchestrator.profile.platform import boot_id, pid_namespace
 
     other = _other_pid_namespace()
     mine = (pid_namespace(), boot_id())
@@ -214,7 +214,7 @@ def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory)
 
 
 def test_bootstrap_messages_carry_the_process_space():
-    from orchestrator.transport import wire
+    from orchestrator.handoff.transport import wire
 
     nonce = "ab" * 16  # a session nonce (Trust II): every hello carries one
     hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce,
@@ -227,7 +227,7 @@ def test_bootstrap_messages_carry_the_process_space():
 
 
 def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
-    from orchestrator.reporting import _open_loop_warnings, batch_caps
+    from orchestrator.results.reporting import _open_loop_warnings, batch_caps
 
     cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
     (line,) = batch_caps(cfg, sends=297, routed=1000)

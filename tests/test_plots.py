@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.plots import latency_cdf, run_latencies
+from orchestrator.results.plots import latency_cdf, run_latencies
 
 
 def _line(rid, route, send, handoff, outcome="verified"):
@@ -31,10 +31,10 @@ def test_nothing_measured_draws_nothing(tmp_path):
 
 
 def test_plots_mark_the_summarys_percentiles_and_numbers_keep_their_digits():
-    from orchestrator.outcomes import Detail, Outcome
-    from orchestrator.plots import percentiles
-    from orchestrator.reporting import _num
-    from orchestrator.results import RankResult, Record
+    from orchestrator.results.outcomes import Detail, Outcome
+    from orchestrator.results.plots import percentiles
+    from orchestrator.results.records import RankResult, Record
+    from orchestrator.results.reporting import _num
 
     values = [100.0 + 7.3 * i for i in range(997)] + [8273.0, 9000.0, 12000.0]
     rank = RankResult(0, len(values))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from orchestrator.cli.replay import compare
+from orchestrator.sweep.replay import compare
 
 from .conftest import ROOT
 

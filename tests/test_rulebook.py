@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from orchestrator.cli import doctor, export_env
-from orchestrator.profile import precheck
+from orchestrator.preflight import doctor, export_env
+from orchestrator.preflight.compose import precheck
 
 from .conftest import ROOT
 
@@ -78,9 +78,9 @@ def test_the_real_command_line_refuses_the_same_way(tmp_path):
 def test_nvlink_stays_on_one_host(cfg_factory):
     """A split run (role=prefill/decode) over a non-loopback host cannot use NVLink: refused
     naming the transport; the same split over loopback (two commands, one host) may."""
-    from orchestrator.config import ConfigError
-    from orchestrator.plan import Platform
-    from orchestrator.rules import check_profile
+    from orchestrator.profile.config import ConfigError
+    from orchestrator.profile.plan import Platform
+    from orchestrator.profile.rules import check_profile
 
     gpu = Platform(cuda_devices=2, mooncake_cuda=True, env={"S": "x" * 32})
     split = ["mem_pool=INTRA_NODE_NVLINK", "role=decode", "transport.secret_env=S"]
@@ -94,9 +94,9 @@ def test_nvlink_stays_on_one_host(cfg_factory):
 
 
 def test_rdma_needs_a_device(cfg_factory):
-    from orchestrator.config import ConfigError
-    from orchestrator.plan import Platform
-    from orchestrator.rules import check_profile
+    from orchestrator.profile.config import ConfigError
+    from orchestrator.profile.plan import Platform
+    from orchestrator.profile.rules import check_profile
 
     with pytest.raises(ConfigError) as err:
         check_profile(cfg_factory("transport.mooncake.transport=rdma"), Platform())

@@ -1,5 +1,5 @@
 """The run directory's names: process names decode back to what named them, and each file
-name is spelled in one place (orchestrator.rundir)."""
+name is spelled in one place (orchestrator.results.rundir)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.rundir import ProcName, RunFiles, parse_proc_name, proc_name
+from orchestrator.results.rundir import ProcName, RunFiles, parse_proc_name, proc_name
 
 
 @pytest.mark.parametrize("kind,index,count,tp_rank,tp", [

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from orchestrator.config import ConfigError, validate
-from orchestrator.plan import Platform
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator, run_secret, secret_from_env
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator, run_secret, secret_from_env
+from orchestrator.profile.config import ConfigError, validate
+from orchestrator.profile.plan import Platform
 
 from .conftest import DecodeProcess, compose_cfg
 

@@ -16,14 +16,15 @@ import pytest
 import torch
 import zmq
 
-from orchestrator import MetadataBuffers, protocol
-from orchestrator.layout import describe
-from orchestrator.outcomes import Detail, KVPoll, Outcome
-from orchestrator.plan import Platform, make_plan
-from orchestrator.results import Results
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator, Replayed, new_nonce
-from orchestrator.transport.engine import MooncakeEngine
+from orchestrator import MetadataBuffers
+from orchestrator.handoff import protocol
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator, Replayed, new_nonce
+from orchestrator.handoff.transport.engine import MooncakeEngine
+from orchestrator.profile.layout import describe
+from orchestrator.profile.plan import Platform, make_plan
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
+from orchestrator.results.schema import Results
 
 from .conftest import ROOT, DecodeProcess, typed_cfg
 from .helpers.peers import PrefillPeer
@@ -173,7 +174,7 @@ def test_replays_inside_a_run_are_counted_and_change_nothing(tmp_path):
 def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     """A decode side played by the test (tcp route): a real prefill process bootstraps with
     it; `on_arrive(rid, slot)` returns the extra updates to send right after the grant."""
-    from orchestrator.endpoints.prefill import prefill_main
+    from orchestrator.handoff.endpoints.prefill import prefill_main
 
     b = cfg.buffers
     bufs = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
@@ -434,7 +435,7 @@ def _decode_that_fails(conn) -> None:
 def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     """Job._finish reads a decode's pipe after it died, so its error is reported (it was
     dropped while the runner read the pipe only of a living decode)."""
-    from orchestrator.runner import Job, _Proc
+    from orchestrator.handoff.runner import Job, _Proc
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -467,8 +468,8 @@ def test_refused_before_start_with_one_line(tmp_path, override, expect):
 
 
 def test_buffers_beyond_memory_name_the_bytes_needed():
-    from orchestrator.config import ConfigError
-    from orchestrator.rules import buffer_bytes, check_profile
+    from orchestrator.profile.config import ConfigError
+    from orchestrator.profile.rules import buffer_bytes, check_profile
 
     cfg = typed_cfg("buffers.size=1000000", "buffers.hidden_size=7168", "buffers.hidden_states_dtype=bfloat16")
     need = 2 * buffer_bytes(cfg)
@@ -515,7 +516,7 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     transport.timeout_s and its one line names the listener."""
     import socket
 
-    from orchestrator.endpoints.prefill import prefill_main
+    from orchestrator.handoff.endpoints.prefill import prefill_main
 
     cfg = typed_cfg("mem_pool=NONE", "transport.timeout_s=3")
     decode = DecodeProcess(cfg, tmp_path, secret=SECRET)

@@ -31,13 +31,20 @@ import pytest
 import torch
 import zmq
 
-from orchestrator.buffers import MetadataBuffers as OurBuffers
-from orchestrator.config import WorkloadConfig
-from orchestrator.layout import describe, first_difference, load_layout
-from orchestrator.outcomes import KVPoll as OurKVPoll
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator
-from orchestrator.workload import AuxRequest, Logprob, SamplingMaskChunk, SamplingMaskRows, Shapes, make_request
+from orchestrator.handoff.buffers import MetadataBuffers as OurBuffers
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.handoff.workload import (
+    AuxRequest,
+    Logprob,
+    SamplingMaskChunk,
+    SamplingMaskRows,
+    Shapes,
+    make_request,
+)
+from orchestrator.profile.config import WorkloadConfig
+from orchestrator.profile.layout import describe, first_difference, load_layout
+from orchestrator.results.outcomes import KVPoll as OurKVPoll
 
 from .helpers.sglang_oracle import load_or_skip
 
@@ -582,7 +589,7 @@ def test_sglang_sender_into_our_real_decode_is_refused(env, zctx, tmp_path):
     every one of them (rejected_auth) and nothing lands: the row stays empty, and the
     request's authentic status then finds no room (room_never_landed). Our parser takes
     SGLang's frames (test_sglang_sender_to_ours); our decode, in a run, does not."""
-    from orchestrator.outcomes import Detail, Outcome
+    from orchestrator.results.outcomes import Detail, Outcome
 
     from .conftest import typed_cfg
     from .helpers.peers import PrefillPeer

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from orchestrator import protocol
-from orchestrator.results import Results
-from orchestrator.transport import wire
+from orchestrator.handoff import protocol
+from orchestrator.handoff.transport import wire
+from orchestrator.results.schema import Results
 
 from .conftest import ROOT, typed_cfg
 from .helpers.peers import PrefillPeer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sweep import RESULT_COLUMNS, SweepError, summarize
+from orchestrator.sweep.sweep import RESULT_COLUMNS, SweepError, summarize
 
 from .conftest import ROOT
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from orchestrator.cli.replay import deterministic
+from orchestrator.sweep.replay import deterministic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TIMEOUT = "transport.timeout_s=5"
@@ -68,8 +68,8 @@ def test_gate_holds_a_torn_row_until_it_settles():
     it; settle_ms=0 is SGLang's room-only gate; readiness off holds nothing."""
     from types import SimpleNamespace
 
-    from orchestrator.endpoints.decode import Grant, Judge
-    from orchestrator.results import DecodeResult
+    from orchestrator.handoff.endpoints.decode import Grant, Judge
+    from orchestrator.results.records import DecodeResult
 
     def endpoint(settle_s, readiness=True, digest_ok=False):
         return SimpleNamespace(readiness=readiness, settle_s=settle_s, res=DecodeResult("decode"),

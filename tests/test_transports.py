@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.outcomes import Detail, KVPoll, Outcome
-from orchestrator.plan import Platform, make_plan
-from orchestrator.reporting import build_results
-from orchestrator.runner import run_handoffs
-from orchestrator.transport import wire
-from orchestrator.transport.engine import EngineError, MooncakeEngine
+from orchestrator.handoff.runner import run_handoffs
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
+from orchestrator.profile.plan import Platform, make_plan
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
+from orchestrator.results.reporting import build_results
 
 from .conftest import ROOT
 from .helpers.peers import PrefillPeer

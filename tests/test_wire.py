@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
-from orchestrator.outcomes import KVPoll
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.results.outcomes import KVPoll
 
 LENS = [64, 64, 512]
 

@@ -2,7 +2,7 @@
 python tools/fault_table.py [outdir]. Timeouts are short (transport.timeout_s=2) so the whole
 table takes about a minute on a 2-core box.
 
-python tools/fault_table.py --kinds prints orchestrator.faults.FAULTS instead (what each kind
+python tools/fault_table.py --kinds prints orchestrator.handoff.faults.FAULTS instead (what each kind
 is: where it acts, what it needs), running nothing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.results import Results  # noqa: E402
+from orchestrator.results.schema import Results  # noqa: E402
 
 FAST = ["transport.timeout_s=2", "transport.mooncake.tcp_progress_timeout_s=2"]
 CASES = [
@@ -45,8 +45,8 @@ CASES = [
 
 
 def kinds() -> None:
-    """orchestrator.faults.FAULTS as a markdown table."""
-    from orchestrator.faults import FAULTS
+    """orchestrator.handoff.faults.FAULTS as a markdown table."""
+    from orchestrator.handoff.faults import FAULTS
 
     print("| fault | acts at | per request | engine route only | split run | victim | signal |")
     print("|---|---|---|---|---|---|---|")

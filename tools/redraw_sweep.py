@@ -1,5 +1,5 @@
 """Redraw a sweep picture (docs/*-rate-sweep.png, docs/sweep-example.png) from the table a
-doc quotes for it, with the plot code of this checkout (orchestrator.sweep): the measured numbers stay
+doc quotes for it, with the plot code of this checkout (orchestrator.sweep.sweep): the measured numbers stay
 the table's, only the drawing changes. A sweep run itself draws the same picture from its
 job dirs (summary.png).
 
@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import sweep  # noqa: E402
-from orchestrator.results import RunStatus  # noqa: E402
+from orchestrator.results.schema import RunStatus  # noqa: E402
+from orchestrator.sweep import sweep  # noqa: E402
 
 
 def table(text: str, heading: str) -> list[dict[str, str]]:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             "e2e_p50_us": float(r["e2e p50 us"].replace(",", "")),
             "e2e_p99_us": float(r["e2e p99 us"].replace(",", "")) if r.get("e2e p99 us") else None,
         })
-    # a one-part path: the title names it as given (orchestrator.plots.short_dir)
+    # a one-part path: the title names it as given (orchestrator.results.plots.short_dir)
     sweep._write_png(args.out, Path(args.title), [sweep.RATE_KEY, "override:mem_pool"], out_rows)
     print(json.dumps({"rows": len(out_rows), "out": str(args.out)}))
     return 0

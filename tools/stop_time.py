@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.results import Results  # noqa: E402
+from orchestrator.results.schema import Results  # noqa: E402
 
 
 def once(sig: signal.Signals, group: bool, overrides: list[str], wait_s: float) -> dict:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import zmq
 
 from orchestrator import MetadataBuffers
-from orchestrator.digest import SIGNATURE, Keys, RowDigest
-from orchestrator.layout import describe, fingerprint
-from orchestrator.outcomes import Detail, KVPoll, Outcome
-from orchestrator.transport import wire
-from orchestrator.transport.auth import Authenticator, new_nonce
-from orchestrator.workload import RequestPool, Shapes
+from orchestrator.handoff.digest import SIGNATURE, Keys, RowDigest
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Authenticator, new_nonce
+from orchestrator.handoff.workload import RequestPool, Shapes
+from orchestrator.profile.layout import describe, fingerprint
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 
 from ..conftest import DecodeProcess
 

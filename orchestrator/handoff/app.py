@@ -1,0 +1,126 @@
+"""The task: check the profile, plan, run the handoffs, report. Called by __main__ under
+Hydra, once per job (also inside launcher workers, hence logging is configured here)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import TypeVar
+
+from omegaconf import DictConfig
+
+from orchestrator.handoff.lifecycle import Signals
+from orchestrator.handoff.runner import run_handoffs
+from orchestrator.profile.config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
+from orchestrator.profile.platform import detect
+from orchestrator.profile.rules import check_profile
+from orchestrator.results import fingerprint, plots, reporting
+from orchestrator.results.logs import configure
+from orchestrator.results.progress import Progress
+from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, write_atomic
+from orchestrator.results.schema import DecodeSideResults, JobResults, NotRun, Results
+
+R = TypeVar("R", bound=Results)
+
+
+def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
+    """Raises ConfigError for user mistakes (before anything starts). SIGINT and SIGTERM
+    end the job with what it measured (results.json says interrupted)."""
+    lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
+    try:
+        with Signals() as signals:
+            return _run_job(cfg, run_dir, signals)
+    finally:
+        lock.close()
+
+
+def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
+    logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
+    obj = validate(cfg)
+    resolve_host(obj)
+    drawn = resolve_seed(obj)
+    plan = check_profile(obj, detect())
+    log = configure(run_dir, "orchestrator", keep_root_handlers=True,
+                    console_level=logging.INFO if obj.logging.console else logging.WARNING)
+    log.info("plan", **plan.as_dict())
+    for event in plan.events:
+        log.warning(event.event, reason=event.reason.value, detail=event.detail)
+    fp = fingerprint.collect(obj, plan)
+    fp["seeds"]["drawn"] = drawn  # replay passes a drawn seed back (orchestrator.replay)
+    write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
+
+    total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
+    progress = Progress(total, log) if obj.role is not Role.decode else None
+    try:
+        out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
+    finally:
+        if progress is not None:
+            progress.close()
+    results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
+               else reporting.build_results(obj, plan, out))
+    results.role, results.run_dir = obj.role.value, str(run_dir)
+    try:
+        _write_outputs(obj, run_dir, results)
+    except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
+        results.failed_writing(str(exc))
+        return _no_space(run_dir, results, exc)
+    log.info("results", **results.headline())
+    print(reporting.summary(results, run_dir), flush=True)
+    return results
+
+
+def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
+    reporting.write(run_dir, results)
+    if obj.role is not Role.decode and not results.ending.interrupted:  # an interrupt ends in 2 s
+        assert isinstance(results, JobResults)  # reporting.build_results
+        plan = results.plan
+        png = run_dir / plots.LATENCY_PNG
+        lat = results.latency_us
+        try:
+            transport = results.transports.effective_transport or plan.declared_transport
+            plots.run_latency_png(run_dir, f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, "
+                                           f"{transport}   run {plots.short_dir(run_dir)}",
+                                  marks={"send_aux": lat.send_aux, "taken": lat.taken,
+                                         "handoff": lat.handoff, "from arrival": lat.e2e},
+                                  arrival=obj.workload.rate is not None)
+        except OSError as exc:
+            png.unlink(missing_ok=True)  # no torn or empty image left behind
+            if exc.errno in (28, 122):
+                raise NoSpace(png) from None
+            raise
+
+
+def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:
+    """A profile refused before start: the run dir keeps the one line in results.json, and
+    the line goes to stderr."""
+    results = NotRun(reporting.EXIT_REFUSED, str(exc), refused=str(exc), key=exc.key)
+    reporting.write(run_dir, results)
+    if announce:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    return results
+
+
+def no_space(run_dir: Path, exc: NoSpace) -> NotRun:
+    """The disk filled after start: one line, exit 3, and results.json when it still fits."""
+    return _no_space(run_dir, NotRun(reporting.EXIT_LOST, str(exc)), exc)
+
+
+def _no_space(run_dir: Path, results: R, exc: NoSpace) -> R:
+    """results.json says how the run ended unless it is the file that did not fit; one line."""
+    if exc.path.name != RunFiles.RESULTS:
+        try:
+            reporting.write(run_dir, results)
+        except OSError:
+            pass
+    print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
+    return results
+
+
+def failed_job(run_dir: Path, error: str) -> NotRun:
+    """results.json for a sweep job that raised (the sweep records it as a failed row)."""
+    results = NotRun(reporting.EXIT_LOST, error, routes={})
+    reporting.write(run_dir, results)
+    print(f"job failed: {error}", file=sys.stderr, flush=True)
+    return results

@@ -1,0 +1,256 @@
+"""Cross-host bootstrap, and Mooncake's metadata server.
+
+role=decode serves its decode endpoints at transport.host:transport.bootstrap_port
+(`serve_bootstrap`) to authenticated prefill sides; role=prefill asks for them there
+(`lookup`). Both sides seal every message with the run secret; a lookup whose MAC does not
+match ends both sides at once (`secret_mismatch`), not at endpoints.startup_timeout_s.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from orchestrator.handoff import protocol
+from orchestrator.handoff.lifecycle import Interrupted, RunFailed
+from orchestrator.profile.config import ConfigError, OrchestratorConfig
+from orchestrator.results.records import RunResult
+from orchestrator.results.rundir import proc_name
+
+_clock = time.monotonic
+
+
+def _public(info: dict) -> dict:
+    return {k: info.get(k) for k in ("control_endpoint", "data_endpoint", "transport", "session_id")}
+
+
+def secret_mismatch(cfg: OrchestratorConfig) -> str:
+    var = cfg.transport.secret_env
+    return (f"the peer's MAC did not match: the two sides have different secrets in ${var} "
+            f"(transport.secret_env={var})" if var else
+            "the peer's MAC did not match: set the same transport.secret_env on both sides")
+
+
+def _unauthentic_lookup(frame: bytes) -> bool:
+    """A frame that reads as our lookup message but whose MAC failed (read, never acted on)."""
+    from orchestrator.handoff.transport import wire
+    from orchestrator.handoff.transport.auth import MAC_BYTES
+
+    try:
+        return wire.decode(frame[:-MAC_BYTES])["type"] == "lookup"
+    except (wire.WireError, KeyError, TypeError, ValueError):
+        return False
+
+
+def serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log,
+                    signals) -> None:
+    """role=decode: serve the decode endpoints at transport.host:transport.bootstrap_port to
+    authenticated prefill sides, until every prefill rank said bye to every instance.
+    `decodes` are the runner's decode processes (name, proc, conn: a protocol.Channel,
+    index, tp_rank)."""
+    _Bootstrap(cfg, secret, infos, decodes, out, log).serve(signals)
+
+
+class _Bootstrap:
+    """The bootstrap socket of one role=decode run and what the decodes told the runner."""
+
+    def __init__(self, cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log):
+        from orchestrator.handoff.transport import wire
+        from orchestrator.handoff.transport.auth import Authenticator
+
+        self.cfg, self.out, self.log, self.decodes = cfg, out, log, decodes
+        self.auth = Authenticator(secret)
+        self.want = cfg.endpoints.prefill_ranks
+        self.reply = wire.encode("decodes", infos=[[_public(i) for i in inst] for inst in infos],
+                                 prefill_ranks=self.want)
+        self.leaders = [d for d in decodes if d.tp_rank == 0]
+        self.byes: dict[int, set[int]] = {}
+        self.answered = False
+        self.rejected, self.quiet_until = 0, 0.0
+        self.record: Optional[str] = None
+
+    def serve(self, signals) -> None:
+        import zmq
+
+        from orchestrator.handoff.transport import wire
+
+        zctx = zmq.Context()
+        self.sock = zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
+        wait_s = self.cfg.endpoints.startup_timeout_s
+        try:
+            self._listen()
+            deadline = _clock() + wait_s
+            while not signals.caught:
+                if not self.answered and _clock() > deadline:
+                    raise RunFailed(f"no prefill side looked up {self.out.bootstrap} within "
+                                    f"endpoints.startup_timeout_s={wait_s:g} (started with role=prefill "
+                                    f"peer={self.out.bootstrap} and the same transport.secret_env?)")
+                if self.sock.poll(20):
+                    self._answer(self.sock.recv_multipart())
+                for d in self.decodes:
+                    self._read(d)
+                if self.leaders and all(len(self.byes.get(d.index, ())) >= self.want for d in self.leaders):
+                    self.out.prefills_seen = sorted(set().union(*self.byes.values()))
+                    return
+        finally:
+            self.sock.close(0)
+            zctx.term()
+            self._forget()
+
+    def _listen(self) -> None:
+        """Bind, and tell where: bootstrap.json, transport.bootstrap_file, the console."""
+        cfg, out, host = self.cfg, self.out, self.cfg.transport.host
+        if cfg.transport.bootstrap_port:
+            self.sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
+            port = cfg.transport.bootstrap_port
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        out.bootstrap = f"{host}:{port}"
+        self.record = json.dumps({"address": out.bootstrap}) + "\n"
+        (Path(out.run_dir) / "bootstrap.json").write_text(self.record)
+        if cfg.transport.bootstrap_file:
+            from orchestrator.results.rundir import write_atomic
+
+            write_atomic(Path(cfg.transport.bootstrap_file), self.record)
+        print(f"decode side up: bootstrap address {out.bootstrap} (start the prefill side with "
+              f"role=prefill peer={out.bootstrap})", flush=True)
+        self.log.info("bootstrap_listening", address=out.bootstrap)
+
+    def _forget(self) -> None:
+        """A stale address in transport.bootstrap_file must not send the next prefill here."""
+        if self.cfg.transport.bootstrap_file and self.record is not None:
+            try:
+                path = Path(self.cfg.transport.bootstrap_file)
+                if path.read_text() == self.record:
+                    path.unlink()
+            except OSError:
+                pass
+
+    def _answer(self, frames: list[bytes]) -> None:
+        """One request on the bootstrap socket: an authentic lookup gets the endpoints."""
+        from orchestrator.handoff.transport import wire
+
+        auth, sock = self.auth, self.sock
+        body = auth.unseal(frames[1]) if len(frames) == 2 else None
+        try:
+            msg = wire.decode(body) if body is not None else None
+        except wire.WireError:
+            msg = None
+        if msg is None and not self.answered and len(frames) == 2 and _unauthentic_lookup(frames[1]):
+            # a lookup in our format whose MAC does not match: the other side has
+            # another secret. Both sides stop now, not at endpoints.startup_timeout_s:
+            # it gets a sealed refusal it cannot open (and says so), this side ends.
+            sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail="bad MAC"))])
+            raise RunFailed(secret_mismatch(self.cfg))
+        if msg is None or msg["type"] != "lookup":
+            self.rejected += 1
+            if _clock() >= self.quiet_until:  # rate-limited: one line per 5 s, with the count
+                self.log.warning("bootstrap_rejected", reason="not an authentic lookup", count=self.rejected)
+                self.quiet_until = _clock() + 5.0
+        elif msg["prefill_ranks"] != self.want:
+            sock.send_multipart([frames[0], auth.seal(wire.encode(
+                "error", detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
+                                f"the prefill side has {msg['prefill_ranks']}"))])
+        else:
+            sock.send_multipart([frames[0], auth.seal(self.reply)])
+            self.answered = True
+
+    def _read(self, d) -> None:
+        """What decode process `d` told the runner: a prefill rank done with it, or a failure."""
+        leader = d in self.leaders
+        while d.conn.poll(0):
+            try:
+                msg = d.conn.recv()
+            except (EOFError, OSError):
+                raise RunFailed(f"{d.name} closed its pipe") from None
+            match msg:
+                case protocol.Bye(rank=rank) if leader:
+                    self.byes.setdefault(d.index, set()).add(rank)
+                case protocol.Refused(rank=rank, why=why) if leader:  # that rank is done here, and failed
+                    self.byes.setdefault(d.index, set()).add(rank)
+                    name = proc_name("prefill", rank, self.want)
+                    self.out.error = self.out.error or f"{name} refused at bootstrap: {why}"
+                case protocol.PrefillLost(rank=rank, why=why) if leader:
+                    self.byes.setdefault(d.index, set()).add(rank)
+                    self.out.lost.setdefault(proc_name("prefill", rank, self.want), why)
+                case protocol.Error(line=line):
+                    raise RunFailed(f"{d.name} endpoint failed: {line}")
+        if not d.proc.is_alive():
+            raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
+
+
+def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
+    """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
+    again every second until endpoints.startup_timeout_s: that side may start later)."""
+    import zmq
+
+    from orchestrator.handoff.transport import wire
+    from orchestrator.handoff.transport.auth import Authenticator
+    from orchestrator.profile.config import peer_address
+
+    auth = Authenticator(secret)
+    deadline = _clock() + cfg.endpoints.startup_timeout_s
+    try:
+        host, port = peer_address(cfg, cfg.endpoints.startup_timeout_s)
+    except ConfigError as exc:
+        raise RunFailed(str(exc)) from None
+    zctx = zmq.Context()
+    try:
+        while _clock() < deadline and not signals.caught:
+            if cfg.peer is None:  # a decode side restarted meanwhile writes a new address
+                try:
+                    host, port = peer_address(cfg)
+                except ConfigError:
+                    pass
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks)))
+            got = sock.poll(1000)
+            frame = sock.recv() if got else None
+            sock.close(0)
+            if frame is None:
+                continue
+            body = auth.unseal(frame)
+            if body is None:
+                raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port})")
+            msg = wire.decode(body)
+            if msg["type"] == "error":
+                raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
+            return msg["infos"]
+        if signals.caught:
+            raise Interrupted
+        raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
+                        f"{cfg.endpoints.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
+    finally:
+        zctx.term()
+
+
+def start_metadata_server(url: str, run_dir: Path):
+    """Mooncake's own HTTP metadata server (mooncake_http_metadata_server, in the wheel) for
+    an http://HOST:PORT/metadata address on this host; returns the process."""
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    assert u.hostname is not None  # config checked it: http://HOST:PORT/metadata
+    log = open(run_dir / "metadata_server.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", u.hostname,
+                             "--port", str(u.port)], stdout=log, stderr=log, start_new_session=True)
+    deadline = _clock() + 20
+    while _clock() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((u.hostname, u.port)) == 0:
+                return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise RunFailed(f"mooncake_http_metadata_server did not come up at {url} (see metadata_server.log)")

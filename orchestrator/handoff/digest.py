@@ -1,0 +1,616 @@
+"""Row digests, computed in batch where the rows live.
+
+Every field's row of a slot (all but the kv_checksum field itself) is read as signed
+little-endian 16-bit words x_1..x_n, and
+
+    c_j = (sum_i x_i * w_ij) mod P            P = 16,777,213 (prime, < 2^24), j = 0..3
+
+with weights w_ij in [1, 2^24). Each product is below 2^39 in size and 8,192 of them sum
+below 2^52, so the sums are exact in float64: one matrix product on the rows' device (numpy
+on the host, torch on CUDA) gives every column for a whole step; longer rows are summed in
+8,192-word chunks. Changing any one byte changes one word by a nonzero amount below
+2^16 < P, which changes every c_j: a single flipped byte is always caught.
+
+The same product also returns the room's and the landed tag's words (one-hot weight
+columns), so reading a step's rows costs one gather, one product and one small copy to the
+host, whatever the number of rows.
+
+Columns 0 and 1 use weights drawn from the run's secret and are masked with a pad that
+depends on the secret and the request's identity (prefill rank, request id):
+
+    tag = ((c_0 + pad_0) mod P) | ((c_1 + pad_1) mod P) << 24 | 1 << 62
+
+Without the secret nobody can produce a row and tag the receiver accepts (a Wegman-Carter
+authenticator: the pad hides the hash of each message, so rows read off the wire or out of
+registered memory reveal nothing about the weights), and a row moved to another request's
+slot carries the wrong pad. Columns 2 and 3 use public weights: they fingerprint the content
+alone, identically in every run (requests.jsonl, replay).
+
+The digest is linear, so on host rows with workload.fill=ahead (every row filled once before
+the timed phase, a request writing only its room) the sender takes each slot's sums once
+(freeze) and adds its room's words per request. The receiver always reads the bytes that
+landed. verify.digest=blake2b computes a keyed blake2b per row on the host instead (host
+rows only).
+
+On device rows a step's work is fixed-shape, so it is captured once per batch-size bucket
+(1, 2, 4, ... slots) as a CUDA graph at start-up and replayed per step, its inputs staged
+in pinned memory (a step padded to its bucket repeats its first entry, which writes the
+same bytes again or reads them again):
+  - the sender's seal: upload (slots, room positions, rooms, pads), [buffers.set_buf=staged:
+    the step's packed rows, scattered to their slots], the rooms written, the digest taken,
+    the tags computed and written into kv_checksum, tags and fingerprints copied back;
+  - the receiver's read: upload the slots, gather, digest, copy back.
+Nothing in either waits: the caller's one wait per step covers it (a stream sync, or on the
+sender the engine's own ordering; see orchestrator.endpoints.prefill).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from orchestrator.handoff.buffers import MetadataBuffers, _as_i64
+from orchestrator.profile.config import DigestKind
+
+P = 16_777_213
+CHUNK_WORDS = 8192
+MARK = 1 << 62
+# kv_checksum[slot, 1]: marks a digest of this tool's (an SGLang decode skips the comparison
+# of digests whose signature differs from its own KV layout signature)
+SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
+_PUBLIC_SEED = 0x5EED_0A0C
+_U64 = (1 << 64) - 1
+
+
+def buckets(n: int) -> list[int]:
+    """Batch-size buckets up to n slots: 1, 2, 4, ..., the first power of two >= n."""
+    out = [1]
+    while out[-1] < n:
+        out.append(out[-1] * 2)
+    return out
+
+
+def bucket_of(k: int, sizes: Sequence[int]) -> int:
+    return next(b for b in sizes if b >= k)
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def _capture_stream() -> "torch.cuda.Stream":
+    """The stream the digest's graphs are captured on: one of its own per device, never
+    `torch.cuda.graph`'s shared default. cuBLAS bakes the workspace of the capturing stream
+    into a graph, so two graphs captured on one stream share it: replayed at the same time on
+    two streams (gate.read=side_stream beside a forward's graph) their GEMMs race on it and the
+    GPU hangs (seen on an H200: a stream sync that never returned, the GPU at 100%). A
+    high-priority pool stream is never the default capture stream (a low-priority one)."""
+    dev = torch.cuda.current_device()
+    if dev not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[dev] = torch.cuda.Stream(priority=-1)
+    return _CAPTURE_STREAMS[dev]
+
+
+def _capture(body) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of body() (run twice on a side stream first, as capture requires); the
+    graph keeps body(), and with it every tensor the replays read or write."""
+    side = _capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        body()
+    torch.cuda.current_stream().synchronize()
+    # The graph replays into the addresses of every tensor body() holds (its device inputs,
+    # constants, staged rows): they must live as long as the graph. Dropped with the closure,
+    # their memory went back to the allocator, and the next tensors allocated (the request
+    # pool's hidden states) were overwritten by every replay.
+    graph.keep = body  # type: ignore[attr-defined]
+    return graph
+
+
+class Sealed:
+    """A sealed step's tags and fingerprints: ready at once on host rows; on device rows
+    once the step's device work ran (result() waits on its event; once the rows were sent it
+    is long done)."""
+
+    def __init__(self, tags=None, contents=None, out=None, k=0, event=None, pack_s=0.0):
+        self._tags, self._contents, self._out, self._k, self._event = tags, contents, out, k, event
+        self.pack_s = pack_s  # seconds spent packing staged rows (buffers.set_buf=staged)
+        self._lock = threading.Lock() if tags is None else None
+
+    @property
+    def ready(self) -> bool:
+        return self._tags is not None
+
+    def result(self) -> tuple[list[int], list[str]]:
+        """(tags, fingerprints); the scheduler and the transfer thread may both ask."""
+        if self._tags is None:
+            with self._lock:
+                if self._tags is None:
+                    self._event.synchronize()
+                    out = self._out[:self._k]
+                    self._contents = [f"{c:012x}" for c in out[:, 1].tolist()]
+                    self._tags = out[:, 0].tolist()
+        return self._tags, self._contents
+
+
+RING = 4  # graph instances per bucket: the scheduler may run that many steps ahead of the device
+
+
+class _Ring:
+    """Instances of one captured graph, used in turn, so that a step rarely has to wait for
+    the device to finish an earlier step before it can reuse pinned buffers."""
+
+    __slots__ = ("items", "i")
+
+    def __init__(self, items: list):
+        self.items, self.i = items, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+class _Slot:
+    """One captured graph's pinned buffers are rewritten only after its last replay ran and
+    what it returned was read (normally long before: this does not block)."""
+
+    __slots__ = ("event", "last")
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.last: Optional[Sealed] = None
+
+    def reuse(self) -> None:
+        if self.last is not None:
+            self.last.result()  # reads the pinned outputs (after the event) before they change
+            self.last = None
+        self.event.synchronize()
+
+
+def _weights(seed: int, words: int, cols: int) -> np.ndarray:
+    rng = np.random.Generator(np.random.Philox(seed))
+    return rng.integers(1, 1 << 24, size=(words, cols), dtype=np.int64).astype(np.float64)
+
+
+def pack_tag(c0: int, c1: int, pad: tuple[int, int]) -> int:
+    return ((c0 + pad[0]) % P) | (((c1 + pad[1]) % P) << 24) | MARK
+
+
+def _u64(words: Sequence[int]) -> int:
+    """Four little-endian signed 16-bit words as the uint64 they spell."""
+    return sum((int(w) & 0xFFFF) << (16 * i) for i, w in enumerate(words)) & _U64
+
+
+def _split(value: int) -> list[int]:
+    """The inverse of _u64: a uint64 as four signed 16-bit words."""
+    out = []
+    for i in range(4):
+        w = (value >> (16 * i)) & 0xFFFF
+        out.append(w - 0x10000 if w >= 0x8000 else w)
+    return out
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """What the receiver read of one slot: the keyed sums, the content fingerprint, the room
+    and the tag that landed in the row (0 when the layout has no kv_checksum field)."""
+
+    keyed: tuple[int, int]
+    content: str
+    room: int
+    landed_tag: int
+
+
+class Keys:
+    """The secret-derived parts of the digest (weights seed, pad key). `nonce`, the prefill
+    process's per-run nonce (orchestrator.transport.auth), goes into the pad key: a row and tag from
+    another run, even under the same secret, carries the wrong pad."""
+
+    def __init__(self, secret: bytes, nonce: str = ""):
+        h = hashlib.blake2b(secret, digest_size=32, person=b"orch-digest-v1")
+        material = h.digest()
+        self.weight_seed = int.from_bytes(material[:16], "little")
+        self.pad_key = (hashlib.blake2b(nonce.encode(), key=material[16:], digest_size=16).digest()
+                        if nonce else material[16:])
+
+    def pad(self, rank: int, rid: int) -> tuple[int, int]:
+        raw = hashlib.blake2b(struct.pack("<IQ", rank, rid), key=self.pad_key, digest_size=8).digest()
+        return int.from_bytes(raw[:4], "little") % P, int.from_bytes(raw[4:], "little") % P
+
+
+class RowDigest:
+    """Digests of a batch of slots of one MetadataBuffers, on its device."""
+
+    def __init__(self, buffers: MetadataBuffers, keys: Keys, kind: DigestKind = DigestKind.linear):
+        self.b, self.keys, self.kind = buffers, keys, kind
+        self.device = buffers.device
+        self.frozen: Optional[np.ndarray] = None  # (slots, 4) sums without the room (fill=ahead)
+        self._seal: dict = {}
+        self._write: dict = {}
+        self._judge: dict = {}
+        self.rank_keys: dict[int, Keys] = {}  # receiver: each prefill rank's run-bound keys
+        if kind is DigestKind.blake2b:
+            if self.device.type != "cpu":
+                raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
+            return
+        covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
+        base: list[np.ndarray] = []
+        step: list[np.ndarray] = []
+        room_at: Optional[int] = None
+        tag_at: Optional[int] = None
+        for i in covered + ([buffers.checksum_field] if buffers.checksum_field is not None else []):
+            n = buffers.item_lens[i]
+            assert n % 2 == 0 and buffers.offsets[i] % 2 == 0, "fields hold 16-bit words"
+            if i == buffers.room_field:
+                room_at = sum(len(b) for b in base)
+            if i == buffers.checksum_field:
+                tag_at = sum(len(b) for b in base)
+            start = buffers.offsets[i] // 2
+            base.append(np.arange(start, start + n // 2, dtype=np.int64))
+            step.append(np.full(n // 2, n // 2, dtype=np.int64))
+        self.base, self.step = np.concatenate(base), np.concatenate(step)
+        n_idx = len(self.base)
+        self.words = tag_at if tag_at is not None else n_idx  # the digested words come first
+        weights = np.zeros((n_idx, 12), dtype=np.float64)
+        assert room_at is not None, "every layout has a room field"
+        weights[:self.words, :2] = _weights(keys.weight_seed, self.words, 2)
+        weights[:self.words, 2:4] = _weights(_PUBLIC_SEED ^ self.words, self.words, 2)
+        for j in range(4):  # one-hot columns: the room's words, and the landed tag's
+            weights[room_at + j, 4 + j] = 1.0
+            if tag_at is not None:
+                weights[tag_at + j, 8 + j] = 1.0
+        self.room_rows = weights[room_at:room_at + 4, :4].copy()  # for the frozen sums
+        self.has_tag = tag_at is not None
+        # the arena as 16-bit words and the weights: numpy arrays on host rows, tensors on device rows
+        self._u16: Any
+        self._w: Any
+        if self.device.type == "cpu":
+            self._u16 = buffers.arena.numpy().view(np.int16)
+            self._w = weights
+        else:
+            dev = self.device
+            self._u16 = buffers.arena.view(torch.int16)
+            self._w = torch.from_numpy(weights).to(dev)
+            slots = torch.arange(buffers.size, dtype=torch.int64)
+            self._table = (slots[:, None] * torch.from_numpy(self.step) + torch.from_numpy(self.base)).to(dev)
+            # captured by warm() / warm_seal(): bucket -> (graph, pinned slots, pinned sums),
+            # (bucket, staged rows) -> (graph, pinned inputs, pinned tags, pinned rows, _Slot),
+            # bucket -> (graph, pinned positions and values, _Slot)
+
+    def _product(self, idx: torch.Tensor) -> torch.Tensor:
+        """Device rows: (k, 12) int64 sums of the rows at gather positions `idx`."""
+        x = self._u16[idx]
+        n = x.shape[1]
+        if n <= CHUNK_WORDS + 8:
+            return (x.to(torch.float64) @ self._w).to(torch.int64)
+        out = None
+        for lo in range(0, n, CHUNK_WORDS):
+            part = (x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
+            out = part if out is None else out + part
+        assert out is not None, "n > CHUNK_WORDS: at least one chunk"
+        return out
+
+    # ---- the product ----------------------------------------------------------------------
+    def _sums(self, slots: Sequence[int]) -> np.ndarray:
+        """(k, 12) int64 host array: c_0..c_3 (not yet reduced mod P), the room's 4 words,
+        the landed tag's 4 words."""
+        slots = list(slots)
+        k = len(slots)
+        if self.device.type == "cpu":
+            idx = np.asarray(slots, dtype=np.int64)[:, None] * self.step + self.base
+            x = self._u16[idx]
+            out = np.zeros((k, 12), dtype=np.int64)
+            for lo in range(0, x.shape[1], CHUNK_WORDS):
+                out += (x[:, lo:lo + CHUNK_WORDS].astype(np.float64) @ self._w[lo:lo + CHUNK_WORDS]).astype(np.int64)
+            return out
+        first = slots[0]
+        if slots == list(range(first, first + k)):
+            gather = self._table[first:first + k]  # a view: no index upload
+        else:
+            gather = self._table.index_select(0, torch.tensor(slots, dtype=torch.int64).to(self.device))
+        x = self._u16[gather]
+        n = x.shape[1]
+        if n <= CHUNK_WORDS + 8:  # exact integers in float64: converted on the host
+            return (x.to(torch.float64) @ self._w).cpu().numpy().astype(np.int64)
+        out = sum((x[:, lo:lo + CHUNK_WORDS].to(torch.float64) @ self._w[lo:lo + CHUNK_WORDS]).to(torch.int64)
+                  for lo in range(0, n, CHUNK_WORDS))
+        return out.cpu().numpy()  # one small copy to the host
+
+    def warm(self) -> None:
+        """Device rows: the receiver's read captured as one CUDA graph per batch-size bucket
+        (start-up also pays the kernels' first loads and cuBLAS's handle, tens of ms the
+        first measured steps would pay otherwise). Reads only."""
+        if self.kind is DigestKind.blake2b or self.device.type == "cpu":
+            return
+        self._sums([0])  # the eager path (sign(), tests) loaded too
+        b = self.b
+        self._clear_words = b.item_lens[b.room_field] // 8 + (
+            b.item_lens[b.checksum_field] // 8 if b.checksum_field is not None else 0)
+        for k in buckets(b.size):
+            n = k + k * self._clear_words  # the slots to read, then the words to zero
+            inp_h = torch.full((n,), b.scratch_word, dtype=torch.int64, pin_memory=True)
+            inp_h[:k] = 0
+            inp_d = torch.zeros(n, dtype=torch.int64, device=self.device)
+            out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
+
+            def body(k=k, inp_h=inp_h, inp_d=inp_d, out_h=out_h):
+                inp_d.copy_(inp_h, non_blocking=True)
+                b.words.index_fill_(0, inp_d[k:], 0)  # freed slots' rooms zeroed (else: scratch)
+                out_h.copy_(self._product(self._table.index_select(0, inp_d[:k])), non_blocking=True)
+
+            self._judge[k] = (_capture(body), inp_h.numpy(), out_h.numpy())
+
+    def warm_seal(self, max_batch: int, rows=None) -> None:
+        """Device rows, sender: the step's seal captured per bucket up to `max_batch` slots,
+        with the staged-rows scatter too when `rows` (a buffers.StagedRows) is given. Call on
+        fresh buffers: capturing runs each graph, which writes slot 0's own content back and
+        the rest into the scratch."""
+        if self.kind is DigestKind.blake2b or self.device.type == "cpu":
+            return
+        b = self.b
+        sizes = buckets(min(max_batch, b.size))
+        for k in sizes:
+            for staged in ([False, True] if rows is not None else [False]):
+                self._seal[(k, staged)] = _Ring([self._capture_seal(k, rows if staged else None)
+                                                 for _ in range(RING)])
+            self._write[k] = _Ring([self._capture_write(k) for _ in range(RING)])
+        self._seal_sizes = sizes
+
+    def _capture_write(self, k: int) -> tuple:
+        """fill=ahead: a step's rooms (and tags with their signature) as one upload and one
+        indexed write, per bucket."""
+        b = self.b
+        n = k * (3 if b.checksum_field is not None else 1)
+        inp_h = torch.zeros((2, n), dtype=torch.int64, pin_memory=True)
+        inp_h[0] = b.scratch_word
+        inp_d = torch.zeros((2, n), dtype=torch.int64, device=self.device)
+
+        def body():
+            inp_d.copy_(inp_h, non_blocking=True)
+            b.words.index_copy_(0, inp_d[0], inp_d[1])
+
+        return _capture(body), inp_h.numpy(), _Slot()
+
+    def _capture_seal(self, k: int, rows) -> tuple:
+        b, dev = self.b, self.device
+        inp_h = torch.zeros((6, k), dtype=torch.int64, pin_memory=True)
+        inp_h[1] = inp_h[5] = b.scratch_word  # capture-time writes land in the scratch
+        inp_d = torch.zeros((6, k), dtype=torch.int64, device=dev)
+        out_h = torch.zeros((k, 2), dtype=torch.int64, pin_memory=True)
+        sig = torch.full((k,), _as_i64(SIGNATURE), dtype=torch.int64, device=dev)
+        fields = [t.view(torch.uint8) for t in b.fields]  # (size, item_len)
+        rows_h = rows_d = None
+        if rows is not None:
+            rows_h = torch.zeros((k, b.row_bytes), dtype=torch.uint8, pin_memory=True)
+            rows.pack([0] * k, rows_h.numpy())  # slot 0 as it is: capture writes it back unchanged
+            rows_d = torch.zeros((k, b.row_bytes), dtype=torch.uint8, device=dev)
+            cols = rows.cols
+
+        def body():
+            inp_d.copy_(inp_h, non_blocking=True)
+            slots = inp_d[0]
+            if rows_d is not None:
+                rows_d.copy_(rows_h, non_blocking=True)
+                for f, t in enumerate(fields):
+                    t.index_copy_(0, slots, rows_d[:, cols[f]:cols[f + 1]])
+            b.words.index_copy_(0, inp_d[1], inp_d[2])
+            sums = self._product(self._table.index_select(0, slots))
+            c = torch.remainder(sums[:, :4], P)
+            tag = (torch.remainder(c[:, 0] + inp_d[3], P) | (torch.remainder(c[:, 1] + inp_d[4], P) << 24)) | MARK
+            if b.checksum_field is not None:
+                b.words.index_copy_(0, inp_d[5], tag)
+                b.words.index_copy_(0, inp_d[5] + 1, sig)
+            out_h.copy_(torch.stack([tag, c[:, 2] | (c[:, 3] << 24)], 1), non_blocking=True)
+
+        graph = _capture(body)
+        return graph, inp_h.numpy(), out_h.numpy(), None if rows_h is None else rows_h.numpy(), _Slot()
+
+    # ---- sender ---------------------------------------------------------------------------
+    def sign(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
+             pads: Optional[Sequence[tuple[int, int]]] = None) -> tuple[list[int], list[str]]:
+        """(tags, content fingerprints) of the rows in `slots`, whose requests are `idents`
+        (prefill rank, request id). `pads` may be given when they were derived ahead."""
+        pads = pads if pads is not None else [self.keys.pad(r, q) for r, q in idents]
+        if self.kind is DigestKind.blake2b:
+            out = [self._blake(slot, ident) for slot, ident in zip(slots, idents)]
+            return [t for t, _ in out], [c for _, c in out]
+        c = np.mod(self._sums(slots)[:, :4], P).tolist()
+        return self._tags(c, pads)
+
+    def seal(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+             idents: Sequence[tuple[int, int]], rows=None, ahead: bool = False) -> Sealed:
+        """A step's rows made ready to send: the rooms written, the digest taken and its tag
+        written into kv_checksum (where the layout has it). `rows` (a buffers.StagedRows):
+        the step's rows are first uploaded from it. `ahead`: the rows are as fill_ahead left
+        them but for their rooms (host rows then use the frozen sums). Device rows: queued,
+        nothing waits."""
+        if ahead and self.frozen is not None and self.device.type != "cpu":
+            return self._seal_ahead(slots, rooms, pads, idents)
+        if self.device.type == "cpu" or self.kind is DigestKind.blake2b or not self._seal:
+            return self._seal_eager(slots, rooms, pads, idents, ahead)
+        return self._seal_graph(slots, rooms, pads, rows)
+
+    def _seal_ahead(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]]) -> Sealed:
+        """Device rows as frozen but for their rooms: sign on the host, then one upload and one
+        indexed write of the rooms and tags (no digest on the device)."""
+        b = self.b
+        tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        if not self._write:
+            b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
+            return Sealed(tags, contents)
+        k = len(slots)
+        kb = bucket_of(k, self._seal_sizes)
+        graph, inp, slot = self._write[kb].next()
+        slot.reuse()
+        m = 3 if b.checksum_field is not None else 1
+        pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
+        pos[0, :k] = b.words_at(b.room_field, slots)
+        val[0, :k] = [_as_i64(r) for r in rooms]
+        if b.checksum_field is not None:  # m == 3
+            pos[1, :k] = b.words_at(b.checksum_field, slots)
+            pos[2, :k] = pos[1, :k] + 1
+            val[1, :k] = [_as_i64(t) for t in tags]
+            val[2, :k] = _as_i64(SIGNATURE)
+        if kb > k:
+            pos[:, k:] = pos[:, :1]
+            val[:, k:] = val[:, :1]
+        graph.replay()
+        slot.event.record()
+        return Sealed(tags, contents)
+
+    def _seal_eager(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    idents: Sequence[tuple[int, int]], ahead: bool) -> Sealed:
+        """Host rows, blake2b, or no captured graph: the rooms, the tags and their writes one
+        after the other."""
+        b = self.b
+        b.write_rooms(slots, rooms)
+        if ahead and self.frozen is not None:
+            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        else:
+            tags, contents = self.sign(slots, idents, pads)
+        if b.checksum_field is not None:
+            b.write_checksums(slots, tags, SIGNATURE)
+        return Sealed(tags, contents)
+
+    def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
+                    rows) -> Sealed:
+        """Device rows: the step's seal graph of its bucket replayed (rooms written, digest
+        taken, tags written, with `rows` the staged rows uploaded first); queued."""
+        b = self.b
+        k = len(slots)
+        kb = bucket_of(k, self._seal_sizes)
+        graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()
+        slot.reuse()
+        inp[0, :k] = slots
+        inp[1, :k] = b.words_at(b.room_field, slots)
+        inp[2, :k] = [_as_i64(r) for r in rooms]
+        inp[3, :k] = [p[0] for p in pads]
+        inp[4, :k] = [p[1] for p in pads]
+        if b.checksum_field is not None:
+            inp[5, :k] = b.words_at(b.checksum_field, slots)
+        if kb > k:
+            inp[:, k:] = inp[:, :1]
+        pack_s = 0.0
+        if rows is not None:
+            t0 = time.perf_counter()
+            rows.pack(slots, packed)
+            if kb > k:
+                packed[k:] = packed[0]
+            pack_s = time.perf_counter() - t0
+        graph.replay()
+        slot.event.record()
+        slot.last = Sealed(out=out, k=k, event=slot.event, pack_s=pack_s)
+        return slot.last
+
+    def freeze(self) -> None:
+        """fill=ahead: every slot's sums without its room, taken once (on the rows' device);
+        a step then signs on the host and writes only rooms and tags."""
+        if self.kind is DigestKind.blake2b:
+            return
+        sums = self._sums(range(self.b.size))
+        rooms = sums[:, 4:8].astype(np.float64)
+        self.frozen = np.mod(sums[:, :4] - (rooms @ self.room_rows).astype(np.int64), P)
+        self._frozen_rows = self.frozen.tolist()  # Python ints: a step of a few rows is host arithmetic
+        self._room_rows_np = self.room_rows.astype(np.int64)
+        self._room_rows = self._room_rows_np.tolist()
+
+    def sign_rooms(self, slots: Sequence[int], rooms: Sequence[int],
+                   pads: Sequence[tuple[int, int]], idents: Sequence[tuple[int, int]]) -> tuple[list[int], list[str]]:
+        """fill=ahead: the tags of frozen rows that now hold `rooms` (host arithmetic)."""
+        if self.frozen is None:
+            return self.sign(slots, idents, pads)
+        frozen, rr = self._frozen_rows, self._room_rows
+        if len(slots) >= 8:  # a step of many rows: one vectorized pass
+            words = np.array([_split(r) for r in rooms], dtype=np.int64)
+            c = np.mod(self.frozen[np.asarray(slots)] + words @ self._room_rows_np, P).tolist()
+            return self._tags(c, pads)
+        c = []
+        for slot, room in zip(slots, rooms):
+            w = _split(room)
+            c.append([(frozen[slot][j] + w[0] * rr[0][j] + w[1] * rr[1][j] + w[2] * rr[2][j]
+                       + w[3] * rr[3][j]) % P for j in range(4)])
+        return self._tags(c, pads)
+
+    @staticmethod
+    def _tags(c: list[list[int]], pads) -> tuple[list[int], list[str]]:
+        tags = [pack_tag(row[0], row[1], pad) for row, pad in zip(c, pads)]
+        return tags, [f"{row[2] | row[3] << 24:012x}" for row in c]
+
+    # ---- receiver ---------------------------------------------------------------------------
+    def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
+             clear: Sequence[int] = (), stream: Optional["torch.cuda.Stream"] = None) -> list[RowCheck]:
+        """What landed in `slots`: sums, content, room and tag, in one pass (one D2H). The
+        slots in `clear` (none of `slots`) are zeroed first, as clear_slots() does (device
+        rows: in the same graph replay, covered by the same one wait). `stream`: device rows,
+        run the pass and its wait on that stream (gate.read=side_stream)."""
+        if clear and (self.device.type == "cpu" or not self._judge):
+            self.b.clear_slots(clear)
+            clear = ()
+        if self.kind is DigestKind.blake2b:
+            out = []
+            for slot, ident in zip(slots, idents):
+                tag, content = self._blake(slot, ident)
+                landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
+                out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
+            return out
+        if self.device.type == "cpu":
+            sums = self._sums(slots)
+        elif stream is None:
+            sums = self._read_graph(slots, clear)
+        else:
+            with torch.cuda.stream(stream):
+                sums = self._read_graph(slots, clear)
+        c = np.mod(sums[:, :4], P).tolist()
+        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
+                         _u64(s[8:12]) if self.has_tag else 0)
+                for row, s in zip(c, sums.tolist())]
+
+    def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
+        """Device rows: one graph replay (zeroing up to a bucket's worth of `clear` too),
+        then the step's one wait."""
+        if not self._judge:  # not warmed: the eager path
+            return self._sums(slots)
+        b = self.b
+        k = len(slots)
+        kb = bucket_of(k, list(self._judge))
+        graph, inp, out = self._judge[kb]
+        inp[:k] = slots
+        if kb > k:
+            inp[k:kb] = inp[0]
+        inside, rest = list(clear[:kb]), list(clear[kb:])
+        if rest:  # more freed slots than the bucket zeroes: queued before it
+            b.clear_slots(rest)
+        parts = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
+        if b.checksum_field is not None:
+            parts.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
+        words = np.concatenate(parts) if inside else np.empty(0, dtype=np.int64)
+        inp[kb:kb + len(words)] = words
+        inp[kb + len(words):] = b.scratch_word
+        graph.replay()
+        torch.cuda.current_stream(self.device).synchronize()
+        return out[:k].copy()
+
+    def expected_tag(self, check: RowCheck, pad: tuple[int, int]) -> int:
+        if self.kind is DigestKind.blake2b:
+            return check.keyed[0]
+        return pack_tag(check.keyed[0], check.keyed[1], pad)
+
+    def _blake(self, slot: int, ident: tuple[int, int]) -> tuple[int, str]:
+        skip = [self.b.checksum_field] if self.b.checksum_field is not None else []
+        snap = self.b.row_snapshot(slot, skip=skip)
+        keyed = hashlib.blake2b(snap, key=self.rank_keys.get(ident[0], self.keys).pad_key, digest_size=8,
+                                person=struct.pack("<IQ", *ident)).digest()
+        tag = (int.from_bytes(keyed, "little") & ((1 << 62) - 1)) | MARK
+        return tag, hashlib.blake2b(snap, digest_size=6).hexdigest()

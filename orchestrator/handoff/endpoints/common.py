@@ -1,0 +1,162 @@
+"""What every endpoint process does before the first request: signals, logging, device,
+buffers, engine, and the check that the transport Mooncake brought up is the one the plan
+declared."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import structlog
+import torch
+
+from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
+from orchestrator.handoff.workload import Shapes
+from orchestrator.profile.config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
+from orchestrator.profile.plan import Device, Plan, Route
+from orchestrator.results.logs import configure
+from orchestrator.results.rundir import RunFiles
+
+SWITCH_INTERVAL_S = float(os.environ.get("ORCH_SWITCH_INTERVAL_S", "0.0002"))
+
+
+class TransportMismatch(RuntimeError):
+    """The engine came up on another transport than declared (and fallback is strict)."""
+
+
+class Stop:
+    """Set by SIGTERM in an endpoint process; the loops look at it and wind down."""
+
+    requested = False
+
+
+@dataclass
+class Side:
+    buffers: MetadataBuffers
+    engine: Optional[MooncakeEngine]
+    transport: str  # effective: "zmq-tcp" or "mooncake-<transport>"
+    log: structlog.stdlib.BoundLogger
+
+
+def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.stdlib.BoundLogger:
+    """An endpoint process: Ctrl-C is the runner's to handle (the terminal sends SIGINT to
+    every process of the group), SIGTERM winds the loop down; fd 2 (glog, warnings) goes to
+    <role>.stderr.log; structured logs to <role>.log."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see lifecycle.spawn
+    err = open(RunFiles(run_dir).stderr_log(role), "ab", buffering=0)
+    os.dup2(err.fileno(), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    torch.set_num_threads(1)  # endpoints share the machine; row ops are tiny
+    # The transfer thread wakes from each Mooncake write needing the GIL back: at Python's
+    # default 5 ms switch interval it would wait behind the scheduler thread for that long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    return configure(run_dir, role, console_level=30 if not console else 20)
+
+
+def report_failure(log, event: str, exc: BaseException) -> str:
+    """An endpoint's fatal error: one line for the console and the runner, the traceback in
+    the process's log file only."""
+    import traceback
+
+    line = f"{type(exc).__name__}: {exc}"
+    log.error(event, error=line)
+    log.info(f"{event}_traceback", traceback=traceback.format_exc())
+    return line
+
+
+def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
+    gpus = plan.prefill_gpus if kind == "prefill" else plan.decode_gpus
+    return gpus[index] if gpus else None
+
+
+def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -> MetadataBuffers:
+    """A process's MetadataBuffers, shaped by the buffers and layout sections."""
+    return MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
+                           b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim,
+                           kv_checksum_enabled=b.kv_checksum_enabled,
+                           enable_sampling_mask=b.enable_sampling_mask, layout=layout,
+                           device=device)
+
+
+def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
+    """The synthetic requests' shapes for these buffers (their buffers section)."""
+    return Shapes(b.hidden_size, buffers.sizes.hidden_states_dtype,
+                  b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
+
+
+def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan: Plan, role: str,
+               run_dir: Path, log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
+    """A process's buffers on its device and, on the engine route, its engine with the
+    buffers registered and the transport it came up on checked against the plan's."""
+    if plan.buffer_device is Device.cuda:
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda") if gpu is None else torch.device("cuda", gpu)
+    else:
+        device = torch.device("cpu")
+    buffers = make_buffers(b, layout, device)
+    engine = None
+    transport = "zmq-tcp"
+    if plan.route is Route.engine:
+        mc = t.mooncake
+        assert plan.protocol is not None, "the engine route has a protocol"
+        engine = MooncakeEngine(t.host, mc.metadata_server, plan.protocol,
+                                mc.device_name, env=plan.mc_env,
+                                log_path=str(RunFiles(run_dir).mooncake_log(role)))
+        engine.register(buffers.arena_ptr, buffers.arena_bytes)
+        effective = engine.effective_transport
+        transport = f"mooncake-{effective.value if effective else 'unknown'}"
+        listeners = listening_sockets()
+        log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
+                 declared=plan.declared_transport, effective=transport, listeners=listeners)
+        if exposed(listeners) and is_loopback(t.host):
+            log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
+                     detail="Mooncake binds its handshake and TCP listeners on all "
+                            "interfaces; firewall them or run in a network namespace")
+        if transport != plan.declared_transport:
+            msg = (f"{role}: Mooncake came up on {transport}, declared {plan.declared_transport} "
+                   f"(MC env {engine.applied_env})")
+            if plan.fallback is FallbackPolicy.strict:
+                raise TransportMismatch(msg + "; set transport.fallback=degrade to run anyway")
+            log.warning("fallback", reason="effective_transport_differs", detail=msg)
+    log.info("buffers_ready", device=str(device), slots=b.size, row_bytes=buffers.row_bytes,
+             item_lens=buffers.item_lens, layout=layout.name)
+    return Side(buffers, engine, transport, log)
+
+
+def heartbeat_s(timeout_s: float) -> float:
+    """How often a side with nothing else to send says something to its peer: well inside the
+    peer's transport.timeout_s (the decode's empty update, the prefill's empty arrive)."""
+    return max(0.05, min(1.0, timeout_s / 4))
+
+
+def rss_kb() -> int:
+    """Resident set size of this process in KiB (Linux /proc)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def new_socket(ctx, kind: int, timeout_s: float, max_bytes: Optional[int] = None):
+    """A socket that never blocks forever, never lingers at close, and takes no frame
+    longer than `max_bytes` (ZMQ_MAXMSGSIZE, default: a control message): libzmq drops a
+    peer announcing a longer one before it buffers a byte of it."""
+    import zmq
+
+    from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes or CONTROL_FRAME_BYTES))
+    return sock
+
+
+def bind_random(sock, host: str) -> str:
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,306 @@
+"""Faults injected on purpose (faults.kind), so a user can see how a run ends when a peer
+dies, stalls, lies or corrupts. FAULTS is the one table of what each kind is: where it acts,
+whether it is keyed to request ids, which route and roles it may run with, whom a process
+fault strikes and how. Every consumer (the rule book, the endpoints, the runner) reads it.
+
+Faults wrap the send path (FaultyRouter has AuxRouter's interface) or act through hook
+objects built here: the prefill's loop asks a LoopFaults (the record's fault name, the
+checkpoint of a process fault), the decode's set-up asks decode_setup and silent_session, the
+runner asks divert_control and strike. Without a fault each hook answers as a no-op, so the
+loops themselves hold no fault branch. Every fault is keyed to request ids or to an exact
+handoff count, so a faulted run replays identically."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional, Sequence
+
+from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.lifecycle import resume
+from orchestrator.handoff.transport.router import AuxRouter, Send, Transfer
+from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
+
+UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
+BAD_OFFSET = 1 << 40  # far outside any registration
+STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
+
+
+class Site(Enum):
+    """Where a fault acts."""
+
+    send = "send"  # the prefill's send path (FaultyRouter)
+    checkpoint = "checkpoint"  # the runner signals a process at a handoff count (LoopFaults, strike)
+    control = "control"  # the runner hands out a control endpoint that never answers
+    session = "session"  # the decode advertises an engine session that never answers
+    decode_rows = "decode_rows"  # the decode's rows at start-up (decode_setup)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """One fault kind's properties (FAULTS)."""
+
+    sites: frozenset[Site] = frozenset()
+    # alters each request it hits (at_request, every) in a send of its own; their records name it
+    # (status_first hits requests too, but delays the usual sends of one TP rank, unnamed)
+    per_request: bool = False
+    engine_only: bool = False  # needs the engine route
+    split: bool = False  # may run with role=prefill or role=decode (acts on one side only)
+    victim: Optional[str] = None  # a process fault: "prefill" (rank 0) or "decode" (instance 0)
+    kills: bool = False  # a process fault: SIGKILL (else SIGSTOP for faults.duration_s)
+
+
+def _t(*sites: Site, **kw) -> Traits:
+    return Traits(frozenset(sites), **kw)
+
+
+FAULTS: dict[FaultKind, Traits] = {
+    FaultKind.none: _t(split=True),
+    FaultKind.decode_killed: _t(Site.checkpoint, victim="decode", kills=True),
+    FaultKind.decode_stopped: _t(Site.checkpoint, victim="decode"),
+    FaultKind.prefill_killed: _t(Site.checkpoint, victim="prefill", kills=True, split=True),
+    FaultKind.prefill_stopped: _t(Site.checkpoint, victim="prefill", split=True),
+    FaultKind.silent_control: _t(Site.control),
+    FaultKind.silent_peer: _t(Site.session, engine_only=True),
+    FaultKind.bad_destination: _t(Site.send, per_request=True, engine_only=True, split=True),
+    FaultKind.wrong_session: _t(Site.send, per_request=True, engine_only=True, split=True),
+    FaultKind.stale_room: _t(Site.send, Site.decode_rows, per_request=True, engine_only=True),
+    FaultKind.corrupt_byte: _t(Site.send, per_request=True, split=True),
+    FaultKind.status_first: _t(Site.send),
+}
+
+
+def acts_at(kind: FaultKind, site: Site) -> bool:
+    """Whether a fault of this kind acts at this site (FAULTS)."""
+    return site in FAULTS[kind].sites
+
+
+class Injector:
+    def __init__(self, faults: FaultsConfig):
+        self.at, self.every = faults.at_request, faults.every
+
+    def hits(self, rid: int) -> bool:
+        return rid >= self.at and (rid - self.at) % self.every == 0
+
+
+class _Delayer(threading.Thread):
+    """status_first: starts a target rank's sends `margin` after their statuses went out,
+    off the transfer thread (which goes on with the other ranks). The tcp route's frames go
+    on a socket of its own (a ZMQ socket belongs to one thread)."""
+
+    def __init__(self, inner: AuxRouter):
+        super().__init__(name="delayer", daemon=True)
+        self.inner = inner
+        self.q: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        import zmq
+
+        push = None
+        while True:
+            due, send, done = self.q.get()
+            left = due - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+            if push is None and self.inner.route.value == "tcp":
+                endpoint = self.inner.push.getsockopt_string(zmq.LAST_ENDPOINT)
+                push = self.inner.push.context.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                push.connect(endpoint)
+            self.inner.start(send, push=push)
+            done.set()
+
+
+class FaultyRouter:
+    """AuxRouter's interface, with per-request faults applied to the requests they hit:
+    each hit request travels in a send of its own, altered at start()."""
+
+    def __init__(self, inner: AuxRouter, faults: FaultsConfig):
+        self.inner, self.cfg = inner, faults
+        self.kind = faults.kind
+        self.inj = Injector(faults)
+        self._lead: dict[int, list[Transfer]] = {}  # status_first: a step's first hit send
+        self._held: dict[int, threading.Event] = {}  # status_first: sends the delayer starts
+        self._delayer: Optional[_Delayer] = None
+
+    def __getattr__(self, name):  # connect, peer, route, item_lens, ... come from the real router
+        return getattr(self.inner, name)
+
+    starts_in_caller = False  # a fault may sleep or alter the send: the transfer thread does it
+
+    def _targeted(self) -> bool:
+        return self.kind is not FaultKind.status_first or self.inner.connected_peer().tp_rank == self.cfg.rank
+
+    def sends(self, transfers: Sequence[Transfer], coalesce: bool = False,
+              status: StatusMode = StatusMode.per_request) -> list[Send]:
+        if not self._targeted():
+            return self.inner.sends(transfers, coalesce, status)
+        hit = [t for t in transfers if self.inj.hits(t.rid)]
+        out = self.inner.sends([t for t in transfers if not self.inj.hits(t.rid)], coalesce, status)
+        if self.kind is FaultKind.status_first and hit:
+            sends = self.inner.sends(hit, coalesce, status)  # coalesced as usual; the first one leads
+            for send in sends:
+                send.fault = FaultKind.status_first
+            self._lead[id(sends[0])] = hit
+            return sends + out
+        for t in hit:
+            send = Send([t], per_step=status is StatusMode.per_step)
+            send.fault = self.kind
+            out.append(send)
+        return out
+
+    def start(self, send: Send, session=None, blocks=None) -> None:
+        inner, kind = self.inner, send.fault
+        if kind is None:
+            return inner.start(send)
+        slot = send.transfers[0].src_slot
+        if kind is FaultKind.corrupt_byte:  # after the digest was taken: corruption in transit
+            inner.buffers.flip_byte(slot, len(inner.buffers.fields) // 2)
+            inner.buffers.sync()
+            return inner.start(send)
+        if kind is FaultKind.status_first:  # every hit status goes now, the rows margin_us later
+            lead = self._lead.pop(id(send), None)
+            if lead is not None:
+                inner.send_status(lead, send.per_step)
+            if self._delayer is None:
+                self._delayer = _Delayer(inner)
+                self._delayer.start()
+            send.t0 = time.monotonic()
+            done = self._held[id(send)] = threading.Event()
+            self._delayer.q.put((time.monotonic() + self.cfg.margin_us / 1e6, send, done))
+            return
+        srcs, dsts, lens = inner.blocks(send)
+        if kind is FaultKind.bad_destination:
+            return inner.start(send, blocks=(srcs, [dsts[0] + BAD_OFFSET] + dsts[1:], lens))
+        if kind is FaultKind.wrong_session:
+            return inner.start(send, session=UNSERVED_SESSION)
+        if kind is FaultKind.stale_room:  # the room block is never sent
+            room = inner.buffers.room_field
+            keep = [i for i in range(len(srcs)) if i != room]
+            return inner.start(send, blocks=([srcs[i] for i in keep], [dsts[i] for i in keep],
+                                             [lens[i] for i in keep]))
+        raise ValueError(f"{kind} is not a send-path fault")
+
+    def ready(self, send: Send) -> bool:
+        held = self._held.get(id(send))
+        return held is None or held.is_set()
+
+    def finish(self, send: Send) -> None:
+        held = self._held.pop(id(send), None)
+        if held is not None:
+            held.wait()
+        self.inner.finish(send)
+        if send.fault is FaultKind.corrupt_byte:  # the source row stays as it was filled
+            self.inner.buffers.flip_byte(send.transfers[0].src_slot, len(self.inner.buffers.fields) // 2)
+
+    def after_send(self, send: Send) -> None:
+        if send.fault is not FaultKind.status_first:
+            self.inner.after_send(send)
+
+    def after_step(self, transfers: Sequence[Transfer], per_step: bool) -> None:
+        if self.kind is FaultKind.status_first and self._targeted():
+            transfers = [t for t in transfers if not self.inj.hits(t.rid)]
+        if transfers:
+            self.inner.after_step(transfers, per_step)
+
+
+def wrap(router: AuxRouter, faults: FaultsConfig):
+    """The router itself, or the router behind the configured send-path fault."""
+    if acts_at(faults.kind, Site.send):
+        return FaultyRouter(router, faults)
+    return router
+
+
+class LoopFaults:
+    """What the prefill's loop asks of the configured fault (a no-op without one).
+
+    `label(rid)`: the fault's name for a record a per-request fault hit, else None. A process
+    fault's checkpoint, armed on prefill rank 0 when the runner can be asked (`ask` given):
+    once `at_request` handoffs are finished (for decode faults: with nothing left in flight),
+    `progress` asks the runner to act and returns when it has; until then `holds` stops the
+    announcements of a decode fault's requests from `at_request` on."""
+
+    def __init__(self, faults: FaultsConfig, rank: int, ask: Optional[Callable[[str], None]] = None):
+        traits = FAULTS[faults.kind]
+        self._label = faults.kind.value if traits.per_request else None
+        self._inj = Injector(faults)
+        armed = Site.checkpoint in traits.sites and rank == 0 and ask is not None
+        self.kind = faults.kind if armed else None
+        self._decode_side = traits.victim == "decode"
+        self.at = faults.at_request
+        self.ask = ask
+        self.fired = False
+
+    def label(self, rid: int) -> Optional[str]:
+        return self._label if self._label is not None and self._inj.hits(rid) else None
+
+    @property
+    def armed(self) -> bool:
+        return self.kind is not None and not self.fired
+
+    def holds(self, issued: int) -> bool:
+        """Whether the prefill must stop announcing new requests (the fault is due at
+        `at_request` and the decode faults want nothing in flight when they strike)."""
+        return self.armed and self._decode_side and issued >= self.at
+
+    def progress(self, finished: int, in_flight: int) -> None:
+        """Fire the checkpoint when it is due."""
+        if self.armed and finished >= self.at and (not self._decode_side or in_flight == 0):
+            assert self.kind is not None and self.ask is not None, "armed"
+            self.fired = True
+            self.ask(self.kind.value)
+
+
+def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: bool) -> bool:
+    """Decode-side part of a fault at start-up; returns whether freed rooms are zeroed.
+    stale_room: as if every slot had a previous tenant whose room was never cleared."""
+    if acts_at(faults.kind, Site.decode_rows):  # stale_room
+        buffers.write_rooms(range(buffers.size), [STALE_ROOM] * buffers.size)
+        return False
+    return zero_on_free
+
+
+def silent_listener(host: str) -> socket.socket:
+    """A socket that completes TCP handshakes (kernel backlog) and never says a word."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(64)
+    return sock
+
+
+def silent_session(faults: FaultsConfig, host: str) -> Optional[socket.socket]:
+    """silent_peer: the listener whose address the decode advertises as its engine session."""
+    return silent_listener(host) if acts_at(faults.kind, Site.session) else None
+
+
+def divert_control(faults: FaultsConfig, host: str,
+                   infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
+    """silent_control: decode instance 0's control endpoint, as handed to the prefills,
+    replaced (in `infos`) by a listener that never answers. Returns the listener and the
+    faults applied (none without the fault)."""
+    if not acts_at(faults.kind, Site.control):
+        return None, []
+    silent = silent_listener(host)
+    infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
+    return silent, [{"fault": faults.kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
+
+
+def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:
+    """A process fault's act (the runner's, when a prefill reached the checkpoint): SIGKILL
+    its victim, or SIGSTOP it and SIGCONT it `duration_s` later. Returns whether the asking
+    prefill lives on to read the runner's answer."""
+    traits = FAULTS[FaultKind(kind)]
+    pid = prefill_pid if traits.victim == "prefill" else decode_pid
+    assert pid is not None, "a decode fault runs where the runner holds the decode (rules: not split)"
+    if traits.kills:
+        os.kill(pid, signal.SIGKILL)
+        return pid != prefill_pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(duration_s, resume, (pid,)).start()
+    return True

@@ -1,0 +1,278 @@
+"""What travels between prefill and decode, and how every message is checked on receipt.
+
+Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with json only
+(no code-executing decoder) and checked against SCHEMA:
+    prefill -> decode: hello {rank, layout, fingerprint, nonce, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
+                       contiguous} (an empty one is the prefill's keepalive), bye {}
+    across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
+    lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
+    transport, session_id}, ...], ...], prefill_ranks}
+    decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
+                       tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update {grants: [[rid, slot], ...],
+                       v: [[rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns], ...]} (new
+                       grants and verdicts, one message per loop; times are the decode's
+                       CLOCK_MONOTONIC; an empty one is the decode's heartbeat), error {detail}
+A request is announced ("arrive") when it arrives, as SGLang's decode pre-allocates while the
+request bootstraps, so the slot is known before its prefill finishes.
+
+Data plane (ZMQ PUSH -> PULL), SGLang's formats first:
+    AUX_DATA  [b"AUX_DATA", room, field, slot, >I length, payload]  (ASCII numbers; a
+              payload of n whole rows fills n consecutive slots from `slot`: one frame per
+              field for a coalesced run, which SGLang's handler writes the same way)
+    status    [room, KVPoll value, prefill rank, reason, b"ORCH1" + <QIQ rid, slot, tag>]:
+              SGLang's status message (it reads frames 0-3) plus one frame with the request's
+              identity and, when the layout has no kv_checksum field, the row's digest tag
+    step      [b"ORCH_STEP", prefill rank, entries]: one status for a whole step (our own
+              framing), entries packed as STEP_DTYPE
+With a secret every message carries one more frame, its MAC (orchestrator.transport.auth); after
+hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the session's.
+Receipt is strict: anything malformed raises WireError and writes nothing. Every socket is
+opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a connection that announces a
+longer frame before buffering it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from orchestrator.results.outcomes import KVPoll
+
+AUX_DATA = b"AUX_DATA"
+STEP = b"ORCH_STEP"
+EXT = b"ORCH1"
+_EXT = struct.Struct("<QIQ")
+_LEN = struct.Struct(">I")
+_MAX_U64 = (1 << 64) - 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_LIST = 1 << 16
+STEP_DTYPE = np.dtype([("rid", "<u8"), ("room", "<u8"), ("slot", "<u4"), ("status", "<u4"),
+                       ("tag", "<u8")])
+
+
+class WireError(ValueError):
+    """A malformed message; the receiver drops and counts it."""
+
+
+# ---- control ---------------------------------------------------------------------------------
+def _u64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_U64
+
+
+def _ints(v: Any, limit: int = 64) -> bool:
+    return isinstance(v, list) and len(v) <= limit and all(_u64(x) for x in v)
+
+
+def _rows(width: int):
+    def check(v: Any) -> bool:
+        return (isinstance(v, list) and len(v) <= MAX_LIST
+                and all(isinstance(r, list) and len(r) == width and all(_u64(x) for x in r) for r in v))
+    return check
+
+
+def _layout(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 64 and all(
+        isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and isinstance(f[1], str)
+        and _u64(f[2]) for f in v)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= 4096
+
+
+def _nonce(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or _str(v)
+
+
+_INFO_KEYS = {"control_endpoint": _str, "data_endpoint": _str, "transport": _str, "session_id": _opt_str}
+
+
+def _infos(v: Any) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= 64 and all(
+        isinstance(inst, list) and 0 < len(inst) <= 64 and all(
+            isinstance(d, dict) and set(d) == set(_INFO_KEYS) and all(f(d[k]) for k, f in _INFO_KEYS.items())
+            for d in inst) for inst in v)
+
+
+SCHEMA: dict[str, dict[str, Any]] = {
+    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce, "pid_ns": _str, "boot_id": _str},
+    "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
+    "bye": {},
+    "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
+                  "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
+                  "scratch_ptr": _u64, "nonce": _nonce, "hello_nonce": _nonce, "pid_ns": _str},
+    "update": {"grants": _rows(2), "v": _rows(6)},
+    "error": {"detail": _str},
+    # the bootstrap address of a decode side started alone (role=decode)
+    "lookup": {"rank": _u64, "prefill_ranks": _u64},
+    "decodes": {"infos": _infos, "prefill_ranks": _u64},
+}
+
+
+CONTROL_FRAME_BYTES = MAX_MESSAGE_BYTES + 64  # a control payload, its sequence number and MAC
+
+
+def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
+    """The longest frame a legal message of this layout has: a coalesced AUX_DATA payload
+    of every slot of the widest field, a step status of every slot, or a control message."""
+    return max(max(item_lens, default=0) * slots, STEP_DTYPE.itemsize * slots, CONTROL_FRAME_BYTES)
+
+# Keys a sender may leave out (a peer that predates them): the PID namespace and boot id a
+# side sends at bootstrap (plan.same_process_space_rule).
+OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"})}
+
+
+def encode(msg_type: str, **fields: Any) -> bytes:
+    return json.dumps({"type": msg_type, **fields}, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(raw)} B exceeds {MAX_MESSAGE_BYTES} B")
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str) or msg["type"] not in SCHEMA:
+        raise WireError("not a known message type")
+    fields = SCHEMA[msg["type"]]
+    extra = set(msg) - set(fields) - {"type"}
+    if extra:
+        raise WireError(f"{msg['type']}: unexpected keys {sorted(extra)}")
+    optional = OPTIONAL.get(msg["type"], frozenset())
+    for key, fits in fields.items():
+        if key not in msg and key in optional:
+            continue
+        if key not in msg or not fits(msg[key]):
+            raise WireError(f"{msg['type']}: bad or missing {key!r}")
+    return msg
+
+
+# ---- data plane: encoding ------------------------------------------------------------------
+def encode_aux(room: int, field_index: int, slot: int, payload: bytes) -> list[bytes]:
+    """SGLang's AUX_DATA message (one field; `payload` may hold several consecutive rows)."""
+    return [AUX_DATA, str(room).encode(), str(field_index).encode(), str(slot).encode(),
+            _LEN.pack(len(payload)), payload]
+
+
+def encode_status(room: int, status: KVPoll, prefill_rank: int, rid: Optional[int] = None,
+                  slot: Optional[int] = None, tag: Optional[int] = None, reason: str = "") -> list[bytes]:
+    """SGLang's status message; with `rid`, followed by this tool's identity frames."""
+    frames = [str(room).encode("ascii"), str(int(status)).encode("ascii"),
+              str(prefill_rank).encode("ascii"), reason.encode("utf-8")]
+    if rid is not None:
+        frames.append(EXT + _EXT.pack(rid, slot, tag or 0))
+    return frames
+
+
+def encode_step(prefill_rank: int, entries: np.ndarray) -> list[bytes]:
+    return [STEP, str(prefill_rank).encode(), entries.astype(STEP_DTYPE, copy=False).tobytes()]
+
+
+def read_rows(ptrs: Sequence[int], item_lens: Sequence[int], slot: int, count: int = 1) -> list[bytes]:
+    """`count` consecutive rows of every field from host memory (the sender's tcp route)."""
+    return [ctypes.string_at(p + n * slot, n * count) for p, n in zip(ptrs, item_lens)]
+
+
+# ---- data plane: receipt -----------------------------------------------------------------
+@dataclass(frozen=True)
+class AuxData:
+    room: int
+    field_index: int
+    slot: int
+    rows: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Status:
+    """One request's "KV done" (or failed): SGLang's frames, our identity when present."""
+
+    room: int
+    status: int
+    prefill_rank: int
+    reason: str
+    rid: Optional[int] = None  # None: a bare SGLang status (no identity frames)
+    slot: Optional[int] = None
+    tag: int = 0
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    prefill_rank: int
+    entries: np.ndarray  # STEP_DTYPE
+
+
+def _number(frame: bytes, what: str, upper: int = _MAX_U64) -> int:
+    if not frame or len(frame) > 20 or not frame.isdigit():
+        raise WireError(f"{what} is not an ASCII number: {frame[:24]!r}")
+    value = int(frame)
+    if value > upper:
+        raise WireError(f"{what} {value} out of range (max {upper})")
+    return value
+
+
+def parse(frames: Sequence[bytes], item_lens: Sequence[int], slots: int) -> AuxData | Status | StepStatus:
+    """Check a received data-plane message against the receiver's own layout."""
+    if not frames:
+        raise WireError("empty message")
+    kind = frames[0]
+    if kind == AUX_DATA:
+        if len(frames) != 6:
+            raise WireError(f"AUX_DATA has {len(frames)} frames, expected 6")
+        room = _number(frames[1], "room")
+        field_index = _number(frames[2], "field index", len(item_lens) - 1)
+        slot = _number(frames[3], "slot", slots - 1)
+        if len(frames[4]) != 4:
+            raise WireError(f"length frame has {len(frames[4])} bytes, expected 4")
+        (declared,) = _LEN.unpack(frames[4])
+        payload = frames[5]
+        n = item_lens[field_index]
+        if declared != len(payload) or declared == 0 or declared % n:
+            raise WireError(f"field {field_index}: declared {declared} B, got {len(payload)} B, "
+                            f"rows are {n} B")
+        rows = declared // n
+        if slot + rows > slots:
+            raise WireError(f"field {field_index}: {rows} rows from slot {slot} run past slot {slots - 1}")
+        return AuxData(room, field_index, slot, rows, payload)
+    if kind == STEP:
+        if len(frames) != 3:
+            raise WireError(f"ORCH_STEP has {len(frames)} frames, expected 3")
+        rank = _number(frames[1], "prefill rank", 1 << 31)
+        if len(frames[2]) % STEP_DTYPE.itemsize or len(frames[2]) > MAX_MESSAGE_BYTES:
+            raise WireError(f"ORCH_STEP entries of {len(frames[2])} B")
+        entries = np.frombuffer(frames[2], dtype=STEP_DTYPE)
+        if len(entries) and (int(entries["slot"].max()) >= slots or int(entries["status"].max()) > KVPoll.Success):
+            raise WireError("ORCH_STEP entry with a slot or status out of range")
+        return StepStatus(rank, entries)
+    # a status message: [room, status, rank(, reason(, EXT + rid, slot, tag))]
+    if len(frames) not in (3, 4, 5):
+        raise WireError(f"status has {len(frames)} frames, expected 3, 4 or 5")
+    room = _number(frames[0], "room")
+    status = _number(frames[1], "status", KVPoll.Success)
+    rank = _number(frames[2], "prefill rank", 1 << 31)
+    reason = frames[3].decode("utf-8", errors="replace")[:256] if len(frames) > 3 else ""
+    if len(frames) == 5:
+        ext = frames[4]
+        if len(ext) != len(EXT) + _EXT.size or not ext.startswith(EXT):
+            raise WireError(f"unknown status extension {ext[:16]!r}")
+        rid, slot, tag = _EXT.unpack_from(ext, len(EXT))
+        if slot >= slots:
+            raise WireError(f"slot {slot} out of range (max {slots - 1})")
+        return Status(room, status, rank, reason, rid, slot, tag)
+    return Status(room, status, rank, reason)
+
+
+def write_rows(ptrs: Sequence[int], item_lens: Sequence[int], msg: AuxData) -> None:
+    """Copy a parsed AUX_DATA payload into ptr[field] + item_len[field] * slot (host memory)."""
+    n = item_lens[msg.field_index]
+    ctypes.memmove(ptrs[msg.field_index] + n * msg.slot, msg.payload, n * msg.rows)

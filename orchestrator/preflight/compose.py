@@ -1,0 +1,263 @@
+"""Loading a profile outside the main app (doctor, export_env, the bench, and the main
+entry's check of Hydra's own errors): compose conf/ with overrides exactly as the CLI does,
+validate, and turn anything Hydra, OmegaConf or validate rejects into one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from orchestrator.profile.config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
+
+
+class ProfileError(Exception):
+    """The profile cannot be composed or validated; str() is one line for `error: ...`."""
+
+
+def config_keys() -> list[str]:
+    """Every key of the schema, dotted (buffers.size, transport.mooncake.transport, ...)."""
+    import dataclasses
+
+    out: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            t = f.type if not isinstance(f.type, str) else None
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if t is None and sub is not None and dataclasses.is_dataclass(sub):
+                t = sub
+            if t is not None and dataclasses.is_dataclass(t):
+                walk(t, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+
+    walk(OrchestratorConfig, "")
+    return out
+
+
+def closest_key(key: str) -> Optional[str]:
+    import difflib
+
+    keys = config_keys()
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not match:  # a typo in the last part only: compare within the group
+        group, _, leaf = key.rpartition(".")
+        names = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == group}
+        near = difflib.get_close_matches(leaf, list(names), n=1, cutoff=0.5)
+        match = [names[near[0]]] if near else []
+    return match[0] if match else None
+
+
+def _no_append_hint(text: str) -> str:
+    """Hydra answers a misspelt key with "To append to your config use +KEY=V", which only
+    leads to the next error (the schema has no such key): name the closest real key instead."""
+    import re
+
+    m = re.search(r"To append to your config use \+([\w.]+)=\S*", text)
+    if m is None:
+        return text
+    near = closest_key(m.group(1))
+    hint = f"There is no key {m.group(1)}" + (f"; did you mean {near}?" if near else "")
+    return text[:m.start()] + hint + text[m.end():]
+
+
+def one_line(exc: BaseException) -> str:
+    return _no_append_hint(_one_line(exc))
+
+
+def _one_line(exc: BaseException) -> str:
+    """A Hydra / OmegaConf / ConfigError message as one line: option lists joined with commas,
+    Hydra's search-path and documentation-link lines dropped, the cause's first line added."""
+    parts: list[str] = []
+    for raw in str(exc).splitlines():
+        line = raw.strip()
+        if raw.startswith("Config search path"):
+            break
+        if not line or line.startswith("See https://hydra.cc"):
+            continue
+        if raw.startswith("\t") and parts and not parts[-1].endswith(":"):
+            parts[-1] += f", {line}"  # another option of a list
+        elif raw.startswith("\t") and parts:
+            parts[-1] += f" {line}"  # the first option after "Available options in ...:"
+        else:
+            parts.append(line)
+    text = ""
+    for part in parts:
+        text += part if not text else (" " if text.endswith((".", ":")) else "; ") + part
+    text = text or type(exc).__name__
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip():
+        text += f": {str(cause).strip().splitlines()[0].strip()}"
+    return text
+
+
+def load_profile(overrides: Sequence[str]) -> OrchestratorConfig:
+    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it.
+
+    Raises ProfileError with a one-line message for anything Hydra or validate rejects.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        return validate(cfg)
+    except ConfigError as exc:
+        raise ProfileError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf errors: one line, no traceback
+        raise ProfileError(one_line(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def profile_label(overrides: Sequence[str]) -> str:
+    return shlex.join(overrides) if overrides else "(defaults)"
+
+
+def overrides_dict(overrides: Sequence[str]) -> dict[str, Optional[str]]:
+    """{"mem_pool": "NVLINK", ...} for the JSON output (a bare key maps to None)."""
+    out: dict[str, Optional[str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        out[key] = value if sep else None
+    return out
+
+
+def error_exit(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ---- the main command line's overrides, checked before Hydra runs anything -------------------
+_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+               "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
+_OTHER_CONFIG = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+                 "--experimental-rerun"}
+
+
+def cli_overrides(argv: Sequence[str]) -> Optional[list[str]]:
+    """The Hydra overrides on a command line, or None when it names another primary config
+    (a replay's saved config, for one: Hydra checks that itself)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in _OTHER_CONFIG:
+            return None
+        if arg in _WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-") and ("=" in arg or arg.startswith("~")):
+            out.append(arg)
+    return out
+
+
+def config_dirs(argv: Sequence[str]) -> list[Path]:
+    """The directories --config-dir / --config-path (and -cd / -cp) name."""
+    out, want = [], False
+    for arg in argv:
+        flag, sep, value = arg.partition("=")
+        if want:
+            out.append(Path(arg))
+            want = False
+        elif flag in ("-cd", "--config-dir", "-cp", "--config-path"):
+            if sep:
+                out.append(Path(value))
+            else:
+                want = True
+    return out
+
+
+def yaml_problem(directory: Path) -> Optional[str]:
+    """The first YAML file under `directory` that does not parse, as one line naming the
+    file and the line (Hydra would print a traceback for it), else None."""
+    import yaml
+
+    if not directory.is_dir():
+        return f"{directory} is not a directory of configs"
+    for path in sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")):
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            return f"{path}:{line}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})"
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            return f"{where}: not valid YAML ({problem})"
+    return None
+
+
+def precheck(argv: Sequence[str]) -> Optional[str]:
+    """One line naming what Hydra or validate would refuse in these overrides, else None.
+    Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
+    single run also goes through the rule book here (a sweep's refused job is a row). YAML
+    files of a --config-dir that do not parse are named with their line."""
+    for directory in config_dirs(argv):
+        problem = yaml_problem(directory)
+        if problem is not None:
+            return problem
+    overrides = cli_overrides(argv)
+    for o in overrides or ():
+        if o.startswith("hydra.run.dir=") and "${" not in o:  # before Hydra writes into it
+            from orchestrator.results.rundir import run_dir_busy
+
+            busy = run_dir_busy(Path(o.split("=", 1)[1]))
+            if busy is not None:
+                return busy
+    if overrides is None or any("${hydra:" in o for o in overrides):
+        return None  # another primary config, or values only a running job can resolve
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    ours = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(ours)
+    except Exception as exc:  # noqa: BLE001 - a syntax error in an override
+        return one_line(exc)
+    choices = []
+    for text, override in zip(ours, parsed):
+        if override.is_sweep_override():
+            key = text.split("=", 1)[0]
+            try:
+                choices.append([f"{key}={v}" for v in override.sweep_string_iterator()])
+            except Exception:  # noqa: BLE001 - a range or glob sweep: Hydra expands it itself
+                return None
+        else:
+            choices.append([text])
+    base = [c[0] for c in choices]
+    combos = [base] + [base[:i] + [v] + base[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+    for combo in combos:
+        try:
+            cfg = load_profile(combo)
+        except ProfileError as exc:
+            return str(exc)
+    if len(combos) == 1 and not ({"-m", "--multirun"} & set(argv)):
+        from orchestrator.profile.config import resolve_host
+        from orchestrator.profile.platform import detect
+        from orchestrator.profile.rules import check_profile
+
+        try:
+            resolve_host(cfg)
+            check_profile(cfg, detect())
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+def profile_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """An argument parser whose positional arguments are the Hydra overrides of a profile."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides selecting the profile, e.g. mem_pool=INTRA_NODE_NVLINK")
+    return parser

@@ -1,0 +1,711 @@
+"""Config schema: the dataclasses Hydra validates every profile and override against.
+
+Everything a user can type lives here, once. The dataclasses are stored in Hydra's
+ConfigStore and named first in ``conf/config.yaml``'s defaults list, so Hydra itself rejects
+a misspelled key, a value of the wrong type, or an enum value that does not exist (enums are
+matched by member NAME, so members are spelled exactly as users type them). What OmegaConf
+cannot check (ranges, ports, hosts) sits beside the fields it checks, as each section's
+``check()`` method, which raises :class:`ConfigError`: one sentence naming the key, the bad
+value and what is allowed. Checks that need more than one section or the machine live in
+the rule book, :mod:`orchestrator.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, List, Optional, cast
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # conf/config.yaml and its groups
+
+
+def is_loopback(host: Optional[str], ipv6: bool = False) -> bool:
+    """True for a loopback address: IPv4's 127.0.0.0/8 (every address this tool binds or
+    dials is IPv4), with `ipv6` also IPv6's (a listener Mooncake opened); False for anything
+    else: None, a host name, "auto", another address."""
+    if host is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(host) if ipv6 else ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return addr.is_loopback
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: rendered as one line, never with a traceback."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}.")
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _positive(key: str, value: Any, what: str = "a whole number > 0") -> None:
+    _require(value > 0, key, value, what)
+
+
+MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, inf a hang
+
+
+def _seconds(key: str, value: Any, low: float = 0.0, high: float = MAX_WAIT_S, unit: str = "seconds",
+             closed: bool = False) -> None:
+    """A finite duration in (low, high] ([low, high] when `closed`)."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and \
+        (value >= low if closed else value > low) and value <= high
+    _require(ok, key, value, f"{unit} in {'[' if closed else '('}{low:g}, {high:g}] (finite)")
+
+
+# ---- enums (typed as users type them) ------------------------------------------------------
+class MemPoolType(Enum):
+    """SGLANG_MOONCAKE_CUSTOM_MEM_POOL values. NONE stands for "no custom pool"."""
+
+    NONE = "NONE"
+    NVLINK = "NVLINK"
+    BAREX = "BAREX"
+    INTRA_NODE_NVLINK = "INTRA_NODE_NVLINK"
+
+
+class RouteSetting(Enum):
+    """transport.route: let the rules decide (auto), or force one route."""
+
+    auto = "auto"
+    tcp = "tcp"
+    engine = "engine"
+
+
+class FallbackPolicy(Enum):
+    """transport.fallback: stop when the declared path is unavailable, or degrade and log it."""
+
+    strict = "strict"
+    degrade = "degrade"
+
+
+class EngineTransportSetting(Enum):
+    """transport.mooncake.transport: which Mooncake transport the engine route should use.
+
+    auto derives it from where the buffers live (CUDA buffers of an INTRA_NODE_NVLINK pool:
+    nvlink_intra; host buffers: tcp). rdma is for hosts with an RDMA device.
+    """
+
+    auto = "auto"
+    tcp = "tcp"
+    rdma = "rdma"
+    nvlink_intra = "nvlink_intra"
+
+
+class CompletionSetting(Enum):
+    """transport.mooncake.completion: how the transfer thread waits for a batch write.
+
+    spin: Mooncake's batch_transfer_sync_write (what SGLang calls), which busy-polls the
+    batch status until it completes; nap: submit asynchronously, sleep `nap_us`, then wait
+    for the status. On a small machine the spin takes the core that Mooncake's own transport
+    threads need to finish the write. auto: spin with 8 or more cores, nap below.
+    """
+
+    auto = "auto"
+    spin = "spin"
+    nap = "nap"
+
+
+class StatusMode(Enum):
+    """transport.status: how "KV done" travels to decode after a step's sends.
+
+    per_request: SGLang's status message, one per request (an SGLang decode parses it);
+    per_step: one message for the whole step (this tool's framing; fewer messages per row).
+    """
+
+    per_request = "per_request"
+    per_step = "per_step"
+
+
+class FillMode(Enum):
+    """workload.fill: inline runs SGLang's set_buf per request inside the timed loop (what a
+    scheduler sustains); ahead fills every slot once before the timed phase, so a request
+    then writes only its room and digest (the route alone)."""
+
+    inline = "inline"
+    ahead = "ahead"
+
+
+class SetBufMode(Enum):
+    """buffers.set_buf: how a request's row is filled on the prefill. sglang = SGLang 0.5.23's
+    set_buf exactly (field by field on the rows' device: on CUDA rows every scalar is a
+    kernel and every list a pageable copy, on the scheduler's thread); staged = beyond
+    SGLang: the same writes into a pinned host copy of the rows, then one upload of the
+    step's rows (host rows: the same as sglang)."""
+
+    sglang = "sglang"
+    staged = "staged"
+
+
+class GateRead(Enum):
+    """gate.read: how the decode reads a ready request's bootstrap_room for the readiness
+    gate on device rows. sglang = SGLang 0.5.23's `_apply_metadata_gate`: one `.item()` per
+    request on the current stream (a device sync each, behind whatever is queued, e.g. the
+    next forward); batched = every candidate's room of a poll in one pass with one copy to
+    pinned memory (this tool's digest pass, on the current stream); side_stream = that pass
+    on a high-priority stream of its own, off the forward's queue. Host rows: all the same."""
+
+    sglang = "sglang"
+    batched = "batched"
+    side_stream = "side_stream"
+
+
+class PollMode(Enum):
+    """endpoints.poll: how the endpoints' loops wait for the next message. spin polls without
+    sleeping (as SGLang's scheduler loop does; a wake-up costs nothing, a core is busy);
+    block sleeps in the poll; auto spins where the host has cores to spare (>= 8: GPU hosts)
+    and blocks elsewhere (a 2-core box)."""
+
+    auto = "auto"
+    spin = "spin"
+    block = "block"
+
+    def spins(self) -> bool:
+        import os
+
+        return self is PollMode.spin or (self is PollMode.auto and (os.cpu_count() or 1) >= 8)
+
+
+class DigestKind(Enum):
+    """verify.digest: linear = keyed linear digest computed in batch on the device that holds
+    the rows (default); blake2b = keyed blake2b per row on the host (host buffers only)."""
+
+    linear = "linear"
+    blake2b = "blake2b"
+
+
+class Role(Enum):
+    """role: both sides in one command, or one side of a run split across hosts."""
+
+    both = "both"
+    prefill = "prefill"
+    decode = "decode"
+
+
+class FaultKind(Enum):
+    """faults.kind: a failure injected on purpose, to show how the run ends (RELIABILITY.md)."""
+
+    none = "none"
+    decode_killed = "decode_killed"  # SIGKILL the decode process after `at_request` handoffs
+    decode_stopped = "decode_stopped"  # SIGSTOP it for `duration_s`, then SIGCONT
+    prefill_killed = "prefill_killed"  # SIGKILL prefill rank 0 once `at_request` handoffs are done
+    prefill_stopped = "prefill_stopped"  # SIGSTOP prefill rank 0 there for `duration_s`, then SIGCONT
+    silent_control = "silent_control"  # prefill's control peer accepts TCP and never answers
+    silent_peer = "silent_peer"  # the engine session id points at a port that never answers
+    bad_destination = "bad_destination"  # one block of the batch aims outside the registration
+    wrong_session = "wrong_session"  # the batch goes to a session id nobody serves
+    stale_room = "stale_room"  # the room block is not sent; decode keeps stale rooms
+    corrupt_byte = "corrupt_byte"  # one byte of the row changes after its digest was taken
+    status_first = "status_first"  # decode TP rank `rank`: the status overtakes the aux by margin_us
+
+
+class HiddenStatesDtype(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+# ---- sections --------------------------------------------------------------------------------
+@dataclass
+class MemPoolConfig:
+    type: MemPoolType = MemPoolType.NONE
+    description: str = ""
+
+
+@dataclass
+class FieldConfig:
+    """One field of the aux layout (conf/layout/*.yaml)."""
+
+    name: str = "?"
+    # int32, int64, uint64, float32, ... or "hidden" (buffers.hidden_states_dtype)
+    dtype: str = "int32"
+    # a whole number, or the name of a buffers.* key holding the row width
+    width: str = "16"
+    # always | sampling_mask | dsa | kv_checksum (buffers.enable_sampling_mask,
+    # buffers.output_dsa_topk_indices_dim > 0, buffers.kv_checksum_enabled)
+    present: str = "always"
+    fill: int = 0  # value of a fresh row (SGLang fills the DSA row with -1)
+    role: str = ""  # "room" (bootstrap_room), "checksum" (kv_checksum) or ""
+    get_buf: bool = True  # part of get_buf()'s tuple (None there when absent)
+
+
+# What a layout field may declare (orchestrator.layout maps the dtype names to torch's)
+LAYOUT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "uint64", "float16", "bfloat16",
+                 "float32", "float64")
+WIDTH_KEYS = ("hidden_size", "max_top_logprobs_num", "max_sampling_mask_tokens",
+              "output_dsa_topk_indices_dim")
+PRESENCE = ("always", "sampling_mask", "dsa", "kv_checksum")
+ROLES = ("", "room", "checksum")
+
+
+@dataclass
+class LayoutConfig:
+    name: str = "sglang_0_5_23"
+    sglang_version: str = "0.5.23"
+    fields: List[FieldConfig] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise ConfigError for a declaration MetadataBuffers cannot build."""
+        key = f"layout ({self.name})"
+        if not self.fields:
+            raise ConfigError(key, "fields: []", "a list of fields (conf/layout/*.yaml)")
+        names = [f.name for f in self.fields]
+        for i, f in enumerate(self.fields):
+            _check_field(f"layout.fields[{i}] ({f.name})", f)
+        if len(set(names)) != len(names):
+            raise ConfigError(key, names, "field names that are unique")
+        roles = [f.role for f in self.fields if f.role]
+        if roles.count("room") != 1 or roles.count("checksum") > 1:
+            raise ConfigError(key, roles, "exactly one field with role room (bootstrap_room), at most "
+                                          "one with role checksum")
+        room = next(f for f in self.fields if f.role == "room")
+        if room.present != "always" or room.dtype not in ("uint64", "int64"):
+            raise ConfigError(f"layout field {room.name}", room.dtype,
+                              "an always-present 64-bit field for the room")
+
+
+def _check_field(fk: str, f: FieldConfig) -> None:
+    if f.dtype != "hidden" and f.dtype not in LAYOUT_DTYPES:
+        raise ConfigError(f"{fk}.dtype", f.dtype, f"hidden or one of {', '.join(LAYOUT_DTYPES)}")
+    if not (f.width.isdigit() and int(f.width) > 0) and f.width not in WIDTH_KEYS:
+        raise ConfigError(f"{fk}.width", f.width, f"a whole number > 0 or one of {', '.join(WIDTH_KEYS)}")
+    if f.present not in PRESENCE:
+        raise ConfigError(f"{fk}.present", f.present, f"one of {', '.join(PRESENCE)}")
+    if f.role not in ROLES:
+        raise ConfigError(f"{fk}.role", f.role, "room, checksum or empty")
+
+
+@dataclass
+class BuffersConfig:
+    size: int = 64  # slots (rows) per MetadataBuffers
+    hidden_size: int = 16
+    hidden_states_dtype: HiddenStatesDtype = HiddenStatesDtype.float32
+    max_top_logprobs_num: int = 128
+    output_dsa_topk_indices_dim: int = 0  # > 0 adds the DSA top-k field
+    max_sampling_mask_tokens: int = 256  # width of the two sampling-mask rows
+    enable_sampling_mask: bool = False  # SGLANG_ENABLE_DISAGG_SAMPLING_MASK
+    kv_checksum_enabled: bool = False  # the kv_checksum field (SGLang 0.5.23 keyword)
+    set_buf: SetBufMode = SetBufMode.sglang  # sglang: SGLang's set_buf; staged: pinned rows, one upload a step
+
+    def check(self) -> None:
+        _positive("buffers.size", self.size, "a whole number of slots > 0")
+        _positive("buffers.hidden_size", self.hidden_size)
+        _positive("buffers.max_top_logprobs_num", self.max_top_logprobs_num)
+        _positive("buffers.max_sampling_mask_tokens", self.max_sampling_mask_tokens)
+        _require(self.output_dsa_topk_indices_dim >= 0, "buffers.output_dsa_topk_indices_dim",
+                 self.output_dsa_topk_indices_dim, "0 (off) or a positive dimension")
+
+
+@dataclass
+class GateConfig:
+    """The two halves of SGLang's readiness fix (PR 26394 and its follow-up)."""
+
+    readiness: bool = True  # downgrade "done" to "transferring" while the slot's room is 0
+    zero_room_on_free: bool = True  # zero a freed slot's room (and kv_checksum)
+    # beyond SGLang: with readiness on, a row whose room is right but whose digest is not
+    # (the room block of a batch write can land before the others) also counts as
+    # "transferring", for up to this long after its status; 0 = SGLang's room-only gate
+    settle_ms: float = 50.0
+    read: GateRead = GateRead.batched  # sglang | batched | side_stream (device rows)
+
+    def check(self) -> None:
+        _seconds("gate.settle_ms", self.settle_ms, 0.0, 60_000.0, "milliseconds", closed=True)
+
+
+@dataclass
+class VerifyConfig:
+    digest: DigestKind = DigestKind.linear
+
+
+@dataclass
+class MooncakeConfig:
+    # P2PHANDSHAKE (no server), http://host:port/metadata (mooncake_http_metadata_server) or
+    # etcd://host:port
+    metadata_server: str = "P2PHANDSHAKE"
+    transport: EngineTransportSetting = EngineTransportSetting.auto
+    device_name: str = ""  # RDMA device list ("" = let Mooncake pick)
+    # MC_TCP_PROGRESS_TIMEOUT_SEC: bounds a write to a stopped peer (Mooncake's default is 30 s).
+    tcp_progress_timeout_s: int = 5
+    # More blocks than this in one batch write are split (Mooncake's TCP transport failed a
+    # 2,560-block batch).
+    max_blocks_per_batch: int = 1024
+    # The runner starts Mooncake's own mooncake_http_metadata_server for an http:// address
+    # on loopback (single-host runs).
+    start_metadata_server: bool = False
+    completion: CompletionSetting = CompletionSetting.auto
+    nap_us: float = 50.0  # completion=nap: sleep this long before waiting for the status
+
+    def check(self) -> None:
+        ms = self.metadata_server
+        forms = "P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT (lower-case scheme)"
+        if ms != "P2PHANDSHAKE":
+            # Mooncake matches the scheme case-sensitively (HTTP:// aborts it): spelled exactly
+            _require(ms.startswith(("http://", "etcd://")), "transport.mooncake.metadata_server", ms, forms)
+            from urllib.parse import urlsplit
+
+            try:
+                url = urlsplit(ms)
+                port = url.port
+            except ValueError:
+                url, port = None, None
+            ok = (url is not None and url.scheme in ("http", "etcd") and url.hostname and port
+                  and (url.scheme != "http" or url.path == "/metadata"))
+            _require(bool(ok), "transport.mooncake.metadata_server", ms, forms)
+        _positive("transport.mooncake.tcp_progress_timeout_s", self.tcp_progress_timeout_s,
+                  "a whole number of seconds > 0")
+        _positive("transport.mooncake.max_blocks_per_batch", self.max_blocks_per_batch)
+        _require(0 < self.nap_us <= 10_000, "transport.mooncake.nap_us", self.nap_us,
+                 "microseconds in (0, 10000]")
+
+
+@dataclass
+class TransportConfig:
+    route: RouteSetting = RouteSetting.auto
+    fallback: FallbackPolicy = FallbackPolicy.strict
+    host: str = "127.0.0.1"  # data and control planes bind here; loopback unless declared
+    allow_remote: bool = False  # a non-loopback host must be allowed explicitly
+    # Name of an environment variable holding a shared secret (multi-host runs). When null,
+    # each run generates a fresh secret and hands it to its own processes: every message and
+    # every row digest is authenticated either way.
+    secret_env: Optional[str] = None
+    timeout_s: float = 10.0  # a peer silent this long is declared lost
+    # Grant destination slots in consecutive runs and send a step's rows as one block per
+    # field per run (tcp route: one AUX_DATA frame per field per run).
+    coalesce: bool = False
+    status: StatusMode = StatusMode.per_request
+    max_inflight_sends: int = 16  # batch writes the transfer thread keeps in flight
+    # blocks (one per field per send) handed to the engine and not finished: Mooncake's TCP
+    # transport rejects writes past its lane queue ("TCP lane queue-full") and fails them
+    max_inflight_blocks: int = 1024
+    bootstrap_port: int = 0  # role=decode: where the bootstrap address listens (0 = any)
+    # role=decode also writes its bootstrap address to this file; role=prefill without a
+    # peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)
+    bootstrap_file: Optional[str] = None
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+
+    def check(self) -> None:
+        _seconds("transport.timeout_s", self.timeout_s)
+        if self.host == "auto":
+            _require(self.allow_remote, "transport.host", self.host,
+                     "auto (this host's address on its default route) only with "
+                     "transport.allow_remote=true")
+        else:
+            try:
+                ipaddress.IPv4Address(self.host)
+            except ValueError:
+                raise ConfigError("transport.host", self.host,
+                                  "an IPv4 address to bind (127.0.0.1 by default), or auto") from None
+            _require(is_loopback(self.host) or self.allow_remote, "transport.host", self.host,
+                     "a loopback address (127.0.0.0/8), or set transport.allow_remote=true to "
+                     "expose the data and control planes on that address")
+        _positive("transport.max_inflight_sends", self.max_inflight_sends)
+        _positive("transport.max_inflight_blocks", self.max_inflight_blocks)
+        _require(0 <= self.bootstrap_port <= 65535, "transport.bootstrap_port",
+                 self.bootstrap_port, "0 (any free port) or a TCP port 1-65535")
+        self.mooncake.check()
+
+
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass
+class WorkloadConfig:
+    requests: int = 1000  # per prefill rank
+    concurrency: int = 8  # closed loop: requests in flight (arrived, not yet verified)
+    rate: Optional[float] = None  # open loop: Poisson arrivals per second (per prefill rank)
+    batch_size: int = 1  # requests that finish in one prefill forward step
+    fill: FillMode = FillMode.inline
+    # Requests sharing one bootstrap room: 1 = every room unique, 2 = pairs (client retries),
+    # n = n-way (n>1 sampling on one room)
+    duplicate_rooms: int = 1
+    return_logprob: bool = True
+    top_logprobs_num: int = 5
+    hidden_states: bool = True
+    sampling_mask: bool = False  # requests carry sampling masks (needs buffers.enable_sampling_mask)
+    multimodal: bool = False  # requests carry image/audio/video token counts
+    dsa_indices: bool = True  # speculative requests carry DSA top-k indices (when the field exists)
+    # Rooms and synthetic content derive from it. null: every run draws its own (so rooms
+    # differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
+    # seed repeats its rooms.
+    seed: Optional[int] = None
+
+    def check(self, buffers: BuffersConfig) -> None:
+        _positive("workload.requests", self.requests,
+                  "a whole number > 0 (requests per prefill rank)")
+        _positive("workload.concurrency", self.concurrency)
+        if self.rate is not None:
+            _seconds("workload.rate", self.rate, 0.0, 1e9, "null (closed loop) or requests per second")
+        _positive("workload.batch_size", self.batch_size)
+        _require(self.batch_size <= buffers.size, "workload.batch_size", self.batch_size,
+                 f"at most buffers.size ({buffers.size}) requests per step")
+        _positive("workload.duplicate_rooms", self.duplicate_rooms,
+                  "1 (unique rooms), 2 (pairs) or n > 2 requests per room")
+        _require(0 <= self.top_logprobs_num <= buffers.max_top_logprobs_num,
+                 "workload.top_logprobs_num", self.top_logprobs_num,
+                 f"0..buffers.max_top_logprobs_num ({buffers.max_top_logprobs_num})")
+        _require(not self.sampling_mask or buffers.enable_sampling_mask, "workload.sampling_mask",
+                 self.sampling_mask, "false unless buffers.enable_sampling_mask=true")
+        _require(self.seed is None or 0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
+                 f"null (drawn per run) or a whole number in 0..{MAX_SEED}")
+
+
+@dataclass
+class DecodeLoadConfig:
+    """endpoints.decode_load: a decode that decodes. step_ms > 0 runs a synthetic forward loop
+    on each decode GPU (a CUDA graph of bf16 matmuls taking about step_ms), queued before
+    every poll as SGLang's overlap scheduler queues its next forward; CUDA rows only (on host
+    rows it is off, with a warning)."""
+
+    step_ms: float = 0.0
+    idle_s: float = 1.0  # forward steps/s measured this long without handoffs, at start-up
+
+    def check(self) -> None:
+        _require(math.isfinite(self.step_ms) and 0 <= self.step_ms <= 1000, "endpoints.decode_load.step_ms",
+                 self.step_ms, "0 (off) or milliseconds per forward step up to 1000")
+        _require(math.isfinite(self.idle_s) and 0 <= self.idle_s <= 60, "endpoints.decode_load.idle_s",
+                 self.idle_s, "seconds in 0..60")
+
+
+@dataclass
+class EndpointsConfig:
+    # How many prefill processes and decode instances; every prefill rank hands off to every
+    # decode instance (round-robin over its requests). workload.requests is per prefill rank.
+    prefill_ranks: int = 1
+    decode_ranks: int = 1
+    # Ranks of one decode instance (a tensor-parallel group: each rank has its own buffers
+    # and engine and receives every request's aux; the ranks all-reduce their poll status).
+    decode_tp: int = 1
+    # CUDA device of each rank when buffers live on CUDA (one entry per prefill rank, one per
+    # decode process = decode_ranks x decode_tp); null = auto: prefill ranks on the first
+    # GPUs, decode processes on the next ones, wrapping around when there are fewer GPUs.
+    prefill_gpus: Optional[List[int]] = None
+    decode_gpus: Optional[List[int]] = None
+    startup_timeout_s: float = 60.0
+    poll: PollMode = PollMode.auto  # spin | block | auto (spin on hosts with >= 8 cores)
+    decode_load: DecodeLoadConfig = field(default_factory=DecodeLoadConfig)
+
+    @property
+    def decode_procs(self) -> int:
+        return self.decode_ranks * self.decode_tp
+
+    def check(self) -> None:
+        _positive("endpoints.prefill_ranks", self.prefill_ranks, "a whole number of processes > 0")
+        _positive("endpoints.decode_ranks", self.decode_ranks, "a whole number of instances > 0")
+        _positive("endpoints.decode_tp", self.decode_tp, "a whole number of ranks > 0")
+        _seconds("endpoints.startup_timeout_s", self.startup_timeout_s)
+        for role, n in (("prefill", self.prefill_ranks), ("decode", self.decode_procs)):
+            key = f"endpoints.{role}_gpus"
+            gpus = getattr(self, key.split(".")[1])
+            _require(gpus is None or (len(gpus) == n and min(gpus) >= 0), key, gpus,
+                     f"null (auto) or {n} CUDA device indices >= 0, one per {role} process")
+        self.decode_load.check()
+
+
+@dataclass
+class FaultsConfig:
+    kind: FaultKind = FaultKind.none
+    at_request: int = 50  # first request (or handoff count) the fault hits
+    every: int = 10  # per-request faults: then every Nth request
+    duration_s: float = 2.0  # decode_stopped: how long the process stays stopped
+    margin_us: float = 20000.0  # status_first: how far the status runs ahead of the aux
+    rank: int = 1  # status_first: the decode TP rank whose aux is delayed
+
+    def check(self) -> None:
+        _require(self.at_request >= 0 and self.every > 0 and self.duration_s > 0
+                 and self.margin_us >= 0 and self.rank >= 0, "faults",
+                 f"at_request={self.at_request} every={self.every} duration_s={self.duration_s} "
+                 f"margin_us={self.margin_us} rank={self.rank}",
+                 "at_request >= 0, every > 0, duration_s > 0, margin_us >= 0, rank >= 0")
+        _seconds("faults.duration_s", self.duration_s)
+        _seconds("faults.margin_us", self.margin_us, 0.0, 60e6, "microseconds", closed=True)
+
+
+@dataclass
+class BenchConfig:
+    """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
+
+    iters: int = 2000  # send_aux vs raw batch writes, each, per engine path
+    handoffs: int = 500  # one-in-flight handoffs per path
+    requests: int = 4000  # per throughput row
+    batch_size: int = 64  # the batched and coalesced rows
+    bulk_mib: int = 64  # one-block bandwidth point per engine path (0 = skip)
+    bulk_reps: int = 20
+
+    def check(self) -> None:
+        for key in ("iters", "handoffs", "requests", "batch_size", "bulk_reps"):
+            _positive(f"bench.{key}", getattr(self, key))
+        _require(self.bulk_mib >= 0, "bench.bulk_mib", self.bulk_mib, "0 (skip) or MiB > 0")
+
+
+@dataclass
+class LoggingConfig:
+    console: bool = False  # also print the structured log lines on the console
+
+
+@dataclass
+class OrchestratorConfig:
+    mem_pool: MemPoolConfig = field(default_factory=MemPoolConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    buffers: BuffersConfig = field(default_factory=BuffersConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    role: Role = Role.both
+    peer: Optional[str] = None  # role=prefill: the decode side's bootstrap address HOST:PORT
+
+    def check(self) -> None:
+        """Every section's own checks (ranges and forms), in a stable order."""
+        self.layout.check()
+        self.buffers.check()
+        self.transport.check()
+        self.workload.check(self.buffers)
+        self.endpoints.check()
+        self.faults.check()
+        self.gate.check()
+        self.bench.check()
+        if self.role is Role.prefill:
+            _require((self.peer is not None and _host_port(self.peer) is not None)
+                     or (self.peer is None and self.transport.bootstrap_file is not None), "peer",
+                     self.peer, "the decode side's bootstrap address HOST:PORT (it prints it), "
+                     "or null with transport.bootstrap_file naming the file the decode side writes")
+        else:
+            _require(self.peer is None, "peer", self.peer, "null unless role=prefill")
+
+
+def _host_port(text: str) -> Optional[tuple[str, int]]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return None
+    return host, int(port)
+
+
+def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, int]:
+    """The decode side's bootstrap address: `peer`, or what the decode side wrote to
+    transport.bootstrap_file (waited for up to `timeout_s`)."""
+    if cfg.peer is not None:
+        addr = _host_port(cfg.peer)
+        assert addr is not None, "checked by OrchestratorConfig.check"
+        return addr
+    import json
+    import time
+
+    assert cfg.transport.bootstrap_file is not None, "checked by OrchestratorConfig.check"
+    path = Path(cfg.transport.bootstrap_file)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            addr = _host_port(json.loads(path.read_text())["address"])
+            if addr is not None:
+                return addr
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() >= deadline:
+            raise ConfigError("transport.bootstrap_file", str(path),
+                              "a file the decode side (role=decode) writes its address to; none "
+                              f"appeared within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def resolve_seed(cfg: OrchestratorConfig) -> bool:
+    """workload.seed=null: draw this run's seed (True when drawn)."""
+    if cfg.workload.seed is not None:
+        return False
+    import secrets
+
+    cfg.workload.seed = secrets.randbelow(MAX_SEED + 1)
+    return True
+
+
+def resolve_host(cfg: OrchestratorConfig) -> None:
+    """transport.host=auto: this host's IPv4 address on its default route (no packet sent)."""
+    if cfg.transport.host != "auto":
+        return
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outgoing interface
+            cfg.transport.host = s.getsockname()[0]
+        except OSError:
+            raise ConfigError("transport.host", "auto", "an explicit IPv4 address: this host has "
+                                                         "no default route to pick one from") from None
+
+
+_SCHEMAS = {c.__name__: c for c in (MemPoolConfig, FieldConfig, LayoutConfig, BuffersConfig,
+                                    GateConfig, VerifyConfig, MooncakeConfig, TransportConfig,
+                                    WorkloadConfig, EndpointsConfig, BenchConfig, FaultsConfig,
+                                    LoggingConfig, OrchestratorConfig)}
+
+
+def register_configs() -> None:
+    """Store the schema; conf/config.yaml names it first in its defaults list."""
+    ConfigStore.instance().store(name="orchestrator_schema", node=OrchestratorConfig)
+
+
+def _unknown_key(node: Any, schema: type, prefix: str = "") -> Optional[str]:
+    """First key of `node` that the dataclass `schema` does not declare (Hydra lets
+    `+group.key=value` through on structured nodes)."""
+    declared = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        if key not in declared:
+            return f"{prefix}{key}"
+        ftype = declared[key].type
+        sub = _SCHEMAS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        if sub is not None and isinstance(node[key], DictConfig):
+            found = _unknown_key(node[key], sub, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
+def typed(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
+    """The typed config object of any config source (a composed DictConfig, a saved run's
+    plain YAML, or an object already). Raises ConfigError for keys or values the schema
+    does not take."""
+    if isinstance(cfg, OrchestratorConfig):
+        return cfg
+    unknown = _unknown_key(cfg, OrchestratorConfig)
+    if unknown:
+        raise ConfigError(unknown, OmegaConf.select(cfg, unknown),
+                          "no such key in the schema (see conf/ or --cfg job)")
+    try:  # typed even when the source was a plain YAML (a saved run's config)
+        merged = OmegaConf.merge(OmegaConf.structured(OrchestratorConfig), cfg)
+    except ValidationError as exc:
+        key = str(exc.full_key)
+        raise ConfigError(key, OmegaConf.select(cfg, key, default=None),
+                          cast(str, exc.msg).split("\n")[0]) from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
+    """The typed config, with every section's range and form checks passed.
+
+    Raises ConfigError for the first problem found (one actionable sentence). Whether the
+    profile can run on a given machine is the rule book's question (orchestrator.rules).
+    """
+    obj = typed(cfg)
+    obj.check()
+    return obj

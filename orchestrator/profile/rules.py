@@ -1,0 +1,125 @@
+"""The rule book: can this profile run on this machine, and how? One function answers it
+for the run, the doctor and export_env alike, so they can never disagree.
+
+check_profile(cfg, platform) returns the Plan or raises ConfigError (one line: key, value,
+what is allowed). It applies, in order:
+  1. every config section's own range and form checks (orchestrator.config);
+  2. the plan's rules: device, route, engine transport, fallback, GPU placement,
+     allocator settings (orchestrator.plan);
+  3. what a fault needs (a route, TP ranks);
+  4. the secret: a named one must be set; a run across hosts must name one; NVLink stays
+     on one host; rdma needs an RDMA device unless it may degrade;
+  5. the digest: blake2b reads rows on the host;
+  6. the metadata service the runner would start;
+  7. memory: every process's buffers must fit the host's available memory (host buffers)
+     or their GPU's memory (CUDA buffers).
+Pure: the machine is described by `platform` (its env snapshot included).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from orchestrator.handoff.faults import FAULTS
+from orchestrator.handoff.transport.auth import secret_from_env
+from orchestrator.profile.config import (
+    ConfigError,
+    DigestKind,
+    FallbackPolicy,
+    FaultKind,
+    OrchestratorConfig,
+    Role,
+    is_loopback,
+)
+from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
+
+
+def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+    t = cfg.transport
+    if t.secret_env is not None:  # the variable it names holds a usable secret
+        secret_from_env(t.secret_env, platform.env)
+    cfg.check()
+    plan = make_plan(cfg, platform)
+    f = cfg.faults
+    if FAULTS[f.kind].engine_only and plan.route is not Route.engine:
+        allowed = sorted(k.value for k in FaultKind if not FAULTS[k].engine_only)
+        raise ConfigError("faults.kind", f.kind.value,
+                          f"one of {', '.join(allowed)} with the tcp route (the others need the "
+                          "engine route)")
+    if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
+        raise ConfigError("faults.rank", f.rank,
+                          f"a decode TP rank below endpoints.decode_tp={cfg.endpoints.decode_tp}")
+    if cfg.role is not Role.both and not FAULTS[f.kind].split:
+        split = sorted(k.value for k in FaultKind if FAULTS[k].split)
+        raise ConfigError("faults.kind", f.kind.value,
+                          f"one of {', '.join(split)} with "
+                          f"role={cfg.role.value} (the other faults act on both sides at once)")
+    remote = not is_loopback(t.host)  # auto too: an address on the default route
+    if (remote or cfg.role is not Role.both) and t.secret_env is None:
+        why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
+        raise ConfigError("transport.secret_env", None,
+                          f"the name of an environment variable holding a secret shared by both "
+                          f"sides: {why} means two hosts, and a run's own generated secret "
+                          "cannot cross to the other one")
+    if (plan.route is Route.engine and plan.engine_transport is EngineTransport.rdma
+            and not platform.rdma_devices and cfg.transport.fallback is FallbackPolicy.strict):
+        raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
+                          "tcp, or rdma with transport.fallback=degrade: this host has no RDMA "
+                          "device (/sys/class/infiniband is empty) and the engine would quietly "
+                          "come up on TCP")
+    if (remote and cfg.role is not Role.both and plan.route is Route.engine
+            and plan.engine_transport is EngineTransport.nvlink_intra):
+        raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
+                          f"tcp or rdma with role={cfg.role.value} and transport.host={t.host}: "
+                          "it gives nvlink_intra here, and NVLink joins GPUs of one host (use a "
+                          "loopback transport.host when both sides run on this one)")
+    if cfg.verify.digest is DigestKind.blake2b and plan.buffer_device is not Device.cpu:
+        raise ConfigError("verify.digest", "blake2b",
+                          f"linear with {plan.buffer_device.value} buffers (blake2b reads rows "
+                          "on the host)")
+    mc = t.mooncake
+    if mc.start_metadata_server:
+        url = urlsplit(mc.metadata_server)
+        if url.scheme != "http" or not is_loopback(url.hostname):
+            raise ConfigError("transport.mooncake.start_metadata_server", True,
+                              "false unless transport.mooncake.metadata_server is an "
+                              "http://127.x.x.x:PORT/metadata address the run can serve itself")
+    _check_memory(cfg, plan, platform)
+    return plan
+
+
+def buffer_bytes(cfg: OrchestratorConfig) -> int:
+    """One process's MetadataBuffers arena (every present field, 256-byte aligned, plus its
+    alignment slack and warm-up scratch), computed from the layout without allocating."""
+    from orchestrator.handoff.buffers import TORCH_DTYPES
+    from orchestrator.profile.layout import Sizes, field_specs
+
+    b = cfg.buffers
+    sizes = Sizes(b.hidden_size, TORCH_DTYPES[b.hidden_states_dtype], b.max_sampling_mask_tokens,
+                  b.max_top_logprobs_num, b.output_dsa_topk_indices_dim, b.kv_checksum_enabled,
+                  b.enable_sampling_mask)
+    return sum(-(-b.size * s.item_len // 256) * 256 for s in field_specs(cfg.layout, sizes)) + 3 * 256
+
+
+def _check_memory(cfg: OrchestratorConfig, plan: Plan, platform: Platform) -> None:
+    e = cfg.endpoints
+    each = buffer_bytes(cfg)
+    if plan.buffer_device is Device.cpu:
+        procs = ((e.prefill_ranks if cfg.role is not Role.decode else 0)
+                 + (e.decode_ranks * e.decode_tp if cfg.role is not Role.prefill else 0))
+        need, have = each * procs, platform.host_mem_bytes
+        if have is not None and need > have:
+            raise ConfigError("buffers.size", cfg.buffers.size,
+                              f"fewer slots or a smaller row: {procs} processes' host buffers would "
+                              f"need {need:,} bytes ({each:,} each) and this host has {have:,} "
+                              "bytes available")
+    elif plan.buffer_device is Device.cuda and platform.gpu_mem_bytes:
+        per_gpu: dict[int, int] = {}
+        for gpu in (plan.prefill_gpus or ()) + (plan.decode_gpus or ()):
+            per_gpu[gpu] = per_gpu.get(gpu, 0) + each
+        for gpu, need in sorted(per_gpu.items()):
+            have = platform.gpu_mem_bytes[gpu] if gpu < len(platform.gpu_mem_bytes) else None
+            if have is not None and need > have:
+                raise ConfigError("buffers.size", cfg.buffers.size,
+                                  f"fewer slots or a smaller row: the buffers on GPU {gpu} would need "
+                                  f"{need:,} bytes ({each:,} per process) and it has {have:,} bytes")

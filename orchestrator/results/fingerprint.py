@@ -1,0 +1,73 @@
+"""The environment a run depended on, saved as fingerprint.json next to its results, so a
+run dir can be re-run months later and differences explained (orchestrator.replay)."""
+
+from __future__ import annotations
+
+import platform as _platform
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from orchestrator.profile.config import OrchestratorConfig
+from orchestrator.profile.plan import Plan
+from orchestrator.profile.platform import mooncake_distribution
+
+PACKAGES = ("hydra-core", "omegaconf", "structlog", "pyzmq", "torch", "numpy")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                                  timeout=5, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def gpus() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"count": 0}
+    n = torch.cuda.device_count()
+    return {
+        "count": n,
+        "names": [torch.cuda.get_device_name(i) for i in range(n)],
+        "peer_access": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)]
+                        for i in range(n)],
+    }
+
+
+def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
+    import torch
+
+    packages = {name: _version(name) for name in PACKAGES}
+    dist = mooncake_distribution()
+    packages[dist[0] if dist else "mooncake"] = dist[1] if dist else None
+    return {
+        "python": sys.version.split()[0],
+        "platform": _platform.platform(),
+        "hostname": socket.gethostname(),
+        "packages": packages,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": gpus(),
+        "mc_env": dict(plan.mc_env),
+        "git": git_commit(),
+        "seeds": {"workload.seed": cfg.workload.seed},
+    }

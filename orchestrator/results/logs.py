@@ -1,0 +1,138 @@
+"""structlog set-up: JSON lines in the run dir, a quiet console, decisions in their own file.
+
+Called inside the task function and at the start of each endpoint process (spawned workers
+and joblib/loky workers do not run module-level code of __main__). Hydra has already
+configured the stdlib root logger in the task process (console + <job>.log); we keep its
+handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours are one. The
+console shows warnings and the summary unless `logging.console=true` (or Hydra's
+`hydra.verbose`) asks for every structured line there too.
+
+Routing decisions go to decisions.jsonl, one JSON line per decision, written a step at a
+time (DecisionLog: one write per step, not a logger call per request); structlog stays the
+logger of events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, MutableMapping, Optional
+
+import structlog
+
+from orchestrator.results.rundir import RunFiles
+
+_SHARED: list[Any] = [  # structlog processors
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+_FIRST = ("event", "timestamp", "level", "logger", "role")
+# Events the summary repeats in its own words: on the quiet console they would be said twice
+# (the run dir's logs keep them).
+SUMMARIZED = frozenset({"run_failed", "interrupted", "process_lost", "peer_lost", "slow_to_stop"})
+
+
+class _NotSummarized(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, dict) and record.msg.get("event") in SUMMARIZED)
+
+
+def _event_first(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    """Stable, readable key order in JSON lines: event, timestamp, level, logger, role, rest."""
+    head = {k: event_dict.pop(k) for k in _FIRST if k in event_dict}
+    return {**head, **event_dict}
+
+
+def _json_formatter() -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _event_first,
+                    structlog.processors.JSONRenderer(sort_keys=False)],
+        foreign_pre_chain=_SHARED,
+    )
+
+
+def _console_formatter(stream) -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.dev.ConsoleRenderer(colors=stream.isatty())],
+        foreign_pre_chain=_SHARED,
+    )
+
+
+def configure(run_dir: Optional[Path], role: str, console_level: int = logging.WARNING,
+              keep_root_handlers: bool = False) -> structlog.stdlib.BoundLogger:
+    """Route structlog through stdlib logging. `keep_root_handlers` keeps (and re-formats)
+    Hydra's handlers; otherwise the root gets `<role>.log` (JSON) in run_dir and a console.
+    The console shows `console_level` and above."""
+    structlog.configure(
+        processors=_SHARED + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger()
+    if keep_root_handlers and root.handlers:
+        for handler in root.handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.setFormatter(_json_formatter())
+            elif isinstance(handler, logging.StreamHandler):
+                handler.setFormatter(_console_formatter(handler.stream))
+                handler.setLevel(console_level)
+                _quiet(handler, console_level)
+    else:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        console = logging.StreamHandler(sys.stdout)
+        console.setLevel(console_level)
+        console.setFormatter(_console_formatter(sys.stdout))
+        _quiet(console, console_level)
+        root.addHandler(console)
+        if run_dir is not None:
+            fh = logging.FileHandler(RunFiles(run_dir).log(role))
+            fh.setFormatter(_json_formatter())
+            root.addHandler(fh)
+    root.setLevel(logging.INFO)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(role=role)
+    return structlog.get_logger("orchestrator")
+
+
+class DecisionLog:
+    """decisions.jsonl: one JSON line per routing decision (event, timestamp, logger, role,
+    then the decision's fields), a step's lines in one write. `static` holds the fields that
+    every decision of this process shares (rendered once)."""
+
+    def __init__(self, path: Path, role: str, static: dict):
+        self.fh = open(path, "w")
+        self.role = json.dumps(role)
+        self.static = json.dumps(static)[1:-1]
+
+    def write(self, decisions: list[dict]) -> None:
+        if not decisions:
+            return
+        ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        head = (f'{{"event": "route_decision", "timestamp": "{ts}", '
+                f'"logger": "orchestrator.decisions", "role": {self.role}, ')
+        lines = []
+        for d in decisions:
+            fields = json.dumps(d)[1:-1]
+            lines.append(f"{head}{fields}, {self.static}}}")
+        self.fh.write("\n".join(lines) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _quiet(handler: logging.Handler, console_level: int) -> None:
+    for f in [f for f in handler.filters if isinstance(f, _NotSummarized)]:
+        handler.removeFilter(f)
+    if console_level > logging.INFO:
+        handler.addFilter(_NotSummarized())

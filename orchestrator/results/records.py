@@ -1,0 +1,263 @@
+"""Per-request records and per-process results: what a prefill rank measured (RankResult), what
+a decode process judged (DecodeResult), and one run (RunResult: both, keyed by process name, the
+same shape for one rank or many; a driver's own result, the bench's, apart). Endpoints fill them
+in; the runner merges them; orchestrator.results.reporting turns a RunResult into a job's results
+(results.schema). Times are CLOCK_MONOTONIC seconds of the process that took them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from orchestrator.results.outcomes import Detail, Outcome
+from orchestrator.results.stats import LatencyHistogram
+
+LATENCIES = ("set_buf_us", "send_us", "taken_us", "handoff_us", "e2e_us")
+# Where a handoff's time goes (forward step done -> verified), in order; they add up to it.
+STAGES = ("fill_digest", "write", "status_out", "to_decode", "judge")
+RECORD_FIELDS = ("rid", "room", "decode", "dst_slot", "route", "set_buf_us", "send_us",
+                 "handoff_us", "e2e_us", "outcome", "detail", "checksum", "fault", "taken_us")
+
+
+# Failures a prefill gives itself (no decode judged them): the phase's end is the last
+# verdict a decode gave, so a rate is not stretched by a wait for a peer already gone.
+LOCAL_FAILURES = frozenset({Detail.peer_lost, Detail.not_sent_peer_lost, Detail.prefill_lost,
+                            Detail.decode_lost, Detail.interrupted, Detail.not_sent_interrupted,
+                            Detail.run_error})
+
+
+def _j(v: Optional[float]) -> str:
+    return "null" if v is None else repr(v)
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as its prefill rank saw it end (a line of requests.jsonl)."""
+
+    rid: int
+    room: int
+    decode: int  # decode instance
+    dst_slot: int
+    route: str
+    set_buf_us: Optional[float]
+    send_us: Optional[float]
+    handoff_us: Optional[float]  # forward step done -> decode verified it
+    e2e_us: Optional[float]  # arrival -> decode verified it
+    outcome: Outcome
+    detail: Detail
+    checksum: str  # content fingerprint (public digest columns)
+    fault: Optional[str] = None
+    # forward step done -> the decode took it (status in, readiness gate passed: where
+    # SGLang's decode starts decoding); handoff_us runs on to the digest's verdict
+    taken_us: Optional[float] = None
+    t_verdict: Optional[float] = None  # not written: the prefill's clock at the verdict
+
+    def line(self) -> str:
+        """The requests.jsonl line (formatted directly: this runs once per request)."""
+        return (f'{{"rid": {self.rid}, "room": {self.room}, "decode": {self.decode}, '
+                f'"dst_slot": {self.dst_slot}, "route": "{self.route}", "set_buf_us": {_j(self.set_buf_us)}, '
+                f'"send_us": {_j(self.send_us)}, "handoff_us": {_j(self.handoff_us)}, '
+                f'"e2e_us": {_j(self.e2e_us)}, "outcome": "{self.outcome.value}", '
+                f'"detail": "{self.detail.value}", "checksum": "{self.checksum}", '
+                f'"fault": {json.dumps(self.fault)}, "taken_us": {_j(self.taken_us)}}}')
+
+    @classmethod
+    def from_line(cls, text: str) -> "Record":
+        d = json.loads(text)
+        d["outcome"], d["detail"] = Outcome(d["outcome"]), Detail(d["detail"])
+        return cls(**{k: d.get(k) for k in RECORD_FIELDS})
+
+
+@dataclass
+class PairStats:
+    """One prefill rank -> decode instance pair, measured on its own verdict times."""
+
+    outcomes: Counter = field(default_factory=Counter)
+    handoff_us: LatencyHistogram = field(default_factory=LatencyHistogram)
+    first_verdict: Optional[float] = None
+    last_verdict: Optional[float] = None
+
+    def add(self, rec: Record) -> None:
+        self.outcomes[rec.outcome] += 1
+        if rec.outcome is Outcome.verified:
+            if rec.handoff_us is not None:
+                self.handoff_us.add(rec.handoff_us)
+            t = rec.t_verdict
+            if t is not None:
+                self.first_verdict = t if self.first_verdict is None else min(self.first_verdict, t)
+                self.last_verdict = t if self.last_verdict is None else max(self.last_verdict, t)
+
+    @property
+    def verified(self) -> int:
+        return self.outcomes[Outcome.verified]
+
+    @property
+    def rate(self) -> Optional[float]:
+        """Verified handoffs per second between this pair's own first and last verdict."""
+        n, first, last = self.verified, self.first_verdict, self.last_verdict
+        if n < 2 or not last or first is None or last <= first:  # (first is set with last)
+            return None
+        return (n - 1) / (last - first)
+
+
+@dataclass
+class RankResult:
+    """What one prefill rank measured in one phase."""
+
+    rank: int
+    requests: int
+    outcomes: Counter = field(default_factory=Counter)  # Outcome -> count
+    details: Counter = field(default_factory=Counter)  # Detail -> count (not verified)
+    routes: Counter = field(default_factory=Counter)
+    latency: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {k: LatencyHistogram() for k in LATENCIES})
+    pairs: dict[int, PairStats] = field(default_factory=dict)
+    stages: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {k: LatencyHistogram() for k in STAGES})
+    t_start: Optional[float] = None  # first arrival of the phase
+    t_last: Optional[float] = None  # last verdict
+    sends: int = 0  # send calls (batch writes, or sets of AUX_DATA frames)
+    send_blocks: int = 0
+    row_bytes: int = 0
+    clock: str = "one_way"  # "round_trip" when decode's clock is not this host's
+    rejected: int = 0  # messages dropped: bad MAC or malformed
+    replayed: int = 0  # authentic, but a replay or for a request not in the state it needs
+    memory: dict[str, int] = field(default_factory=dict)
+    interrupted: bool = False
+    not_started: int = 0  # never arrived (an interrupt came first): no record, not failed
+    error: Optional[str] = None
+    lost: dict[int, str] = field(default_factory=dict)  # decode instance -> why it was declared lost
+
+    def add(self, rec: Record) -> None:
+        self.outcomes[rec.outcome] += 1
+        if rec.route:
+            self.routes[rec.route] += 1
+        if rec.outcome is not Outcome.verified:
+            self.details[rec.detail] += 1
+        for key in LATENCIES:
+            value = getattr(rec, key)
+            if value is not None and (key in ("set_buf_us", "send_us") or rec.outcome is Outcome.verified):
+                self.latency[key].add(value)
+        self.pairs.setdefault(rec.decode, PairStats()).add(rec)
+        if rec.t_verdict is not None and rec.detail not in LOCAL_FAILURES:
+            self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
+
+    def add_stages(self, *times: float) -> None:
+        """One verified request's stage times (all on one clock): step start, row ready,
+        write landed, status out, status read by the decode, verified."""
+        for name, a, b in zip(STAGES, times, times[1:]):
+            if a and b:
+                self.stages[name].add(max(0.0, (b - a) * 1e6))
+
+    @property
+    def finished(self) -> int:
+        return sum(self.outcomes.values())
+
+    @property
+    def verified(self) -> int:
+        return self.outcomes[Outcome.verified]
+
+    @property
+    def wall_s(self) -> Optional[float]:
+        """The handoff phase: first arrival to last verdict (start-up excluded)."""
+        if self.t_start is None or self.t_last is None or self.t_last <= self.t_start:
+            return None
+        return self.t_last - self.t_start
+
+
+@dataclass
+class DecodeResult:
+    """What one decode process judged, and what it refused to act on."""
+
+    name: str
+    outcomes: Counter = field(default_factory=Counter)
+    details: Counter = field(default_factory=Counter)
+    tp_rank: int = 0  # its rank in its decode instance's TP group (0: the one that gives verdicts)
+    rejected_auth: int = 0  # messages without a valid MAC
+    dropped_data: int = 0  # malformed data-plane messages
+    dropped_control: int = 0  # malformed control messages
+    unexpected: int = 0  # well-formed, authentic, but for no grant of ours
+    replayed: int = 0  # authentic, this run's, seen before: a replay (no effect)
+    hijack_refused: int = 0  # a hello for a prefill rank already bound to a connection
+    ambiguous: int = 0  # a bare SGLang status whose room matches several grants
+    gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
+    settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
+    grants: int = 0
+    steps: int = 0
+    verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # per judged batch
+    batch: LatencyHistogram = field(default_factory=LatencyHistogram)  # requests per judged batch
+    gate_read_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # the gate's room reads, per poll
+    stall_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # the loop blocked on the device, per poll
+    load: dict[str, Any] = field(default_factory=dict)  # endpoints.decode_load: forward steps/s
+    tp: dict[str, Any] = field(default_factory=dict)  # TP group statistics (decode_tp > 1)
+    memory: dict[str, int] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def judged(self) -> int:
+        return sum(self.outcomes.values())
+
+
+@dataclass
+class RunResult:
+    """One run: every prefill rank's result and every decode process's, keyed by name."""
+
+    ranks: dict[str, RankResult] = field(default_factory=dict)
+    paths: dict[str, Any] = field(default_factory=dict)  # a driver's own result (the bench's PathResult)
+    decodes: dict[str, DecodeResult] = field(default_factory=dict)
+    transports: dict[str, str] = field(default_factory=dict)
+    startup_s: Optional[float] = None
+    faults_applied: list[dict] = field(default_factory=list)
+    engine_exposed: list[str] = field(default_factory=list)
+    lost: dict[str, str] = field(default_factory=dict)  # process -> why it was lost
+    error: Optional[str] = None  # the run could not start, or an endpoint failed
+    engine_log: Optional[str] = None  # the last line an engine printed before a failure
+    interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM"
+    bootstrap: Optional[str] = None  # role=decode: the address a prefill side looks up
+    prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
+    run_dir: str = ""
+    startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
+    t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
+    t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
+    slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
+
+    def add(self, name: str, value: Any) -> None:
+        """A prefill's "result" message: its RankResult, or what a driver returned."""
+        (self.ranks if isinstance(value, RankResult) else self.paths)[name] = value
+
+    def reported(self, name: str) -> bool:
+        """Whether prefill `name` sent its result (a RankResult or a driver's)."""
+        return name in self.ranks or name in self.paths
+
+
+def counter_dict(c: Counter) -> dict[str, int]:
+    return {(k.value if hasattr(k, "value") else str(k)): v for k, v in sorted(
+        c.items(), key=lambda kv: str(getattr(kv[0], "value", kv[0])))}
+
+
+def read_jsonl(path: Path, parse: Callable[[str], Any] = json.loads, strict: bool = False) -> Iterator[Any]:
+    """`parse` of each line of a .jsonl file (requests, verdicts, decisions); a missing file
+    has none. By default only complete lines count and one that does not parse is skipped:
+    a writer that died may have left a torn last line. `strict` (a finished run's files)
+    reads every non-blank line and raises on one that does not parse."""
+    if not path.exists():
+        return
+    with open(path) as fh:
+        for line in fh:
+            if strict:
+                if line.strip():
+                    yield parse(line)
+            elif line.endswith("\n"):
+                try:
+                    yield parse(line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+
+def read_records(path: Path) -> Iterable[Record]:
+    """The complete lines of a requests file (a torn last line is skipped)."""
+    return read_jsonl(path, Record.from_line)
