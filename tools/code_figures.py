@@ -1,5 +1,10 @@
 """The code's shape in figures: import cycles among orchestrator's modules, functions over 60
-lines, classes that set more than 25 attributes (self.x assignments, or a dataclass's fields).
+lines, classes that set more than 25 attributes (self.x assignments, or a dataclass's fields),
+and the house's goal figures (issue 29): modules at the package root, ``msg["..."]`` reads
+outside the wire module, functions taking the whole config (a parameter annotated
+``OrchestratorConfig``, outside the schema module that builds it), class names defined twice,
+``Any`` on the hot path (fields of the classes in handoff/endpoints and handoff/faults
+annotated ``Any``), the largest endpoint module in lines.
 Reads the source only (ast), runs nothing.
 
     python tools/code_figures.py [ROOT]      # ROOT: the repository (default: this one)
@@ -112,7 +117,7 @@ def shapes(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_LINES:
                     long_fns.append((f"{rel}:{node.lineno} {node.name}", n))
             elif isinstance(node, ast.ClassDef):
@@ -120,6 +125,84 @@ def shapes(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]
                 if n > MAX_ATTRS:
                     big_classes.append((f"{rel}:{node.lineno} {node.name}", n))
     return sorted(long_fns, key=lambda x: -x[1]), sorted(big_classes, key=lambda x: -x[1])
+
+
+WIRE = Path("handoff/transport/wire.py")  # the one module that may read a control message by key
+HOT = (Path("handoff/endpoints"), Path("handoff/faults.py"))  # the hot path's classes
+ENDPOINTS = Path("handoff/endpoints")
+WHOLE_CONFIG = "OrchestratorConfig"
+SCHEMA = Path("profile/config.py")  # builds the config: its own functions are not counted as taking it
+
+
+def _trees(pkg_root: Path) -> list[tuple[Path, ast.Module]]:
+    """(path relative to the package, its tree) for every module, sorted."""
+    return [(p.relative_to(pkg_root), ast.parse(p.read_text())) for p in sorted(pkg_root.rglob("*.py"))]
+
+
+def _names(node: ast.AST | None) -> set[str]:
+    """The names an annotation mentions (a string annotation is parsed first)."""
+    if node is None:
+        return set()
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval")
+        except SyntaxError:
+            return set()
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def msg_reads(trees: list[tuple[Path, ast.Module]]) -> list[str]:
+    """msg["key"] reads (a subscript of a name `msg` by a string) outside the wire module."""
+    out: list[tuple[str, int, str]] = []
+    for rel, tree in trees:
+        if rel == WIRE:
+            continue
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "msg"
+                    and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)):
+                out.append((str(rel), n.lineno, f"msg[{n.slice.value!r}]"))
+    return [f"{r}:{line} {what}" for r, line, what in sorted(out)]
+
+
+def whole_config(trees: list[tuple[Path, ast.Module]]) -> list[str]:
+    """Functions (and methods) with a parameter annotated OrchestratorConfig, outside the schema."""
+    out: list[tuple[str, int, str]] = []
+    for rel, tree in trees:
+        if rel == SCHEMA:
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = n.args
+                params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p]
+                if any(WHOLE_CONFIG in _names(p.annotation) for p in params):
+                    out.append((str(rel), n.lineno, n.name))
+    return [f"{r}:{line} {name}" for r, line, name in sorted(out)]
+
+
+def twice_defined(trees: list[tuple[Path, ast.Module]]) -> dict[str, list[str]]:
+    """Class names defined more than once in the package -> where."""
+    where: dict[str, list[str]] = {}
+    for rel, tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                where.setdefault(n.name, []).append(f"{rel}:{n.lineno}")
+    return {k: v for k, v in sorted(where.items()) if len(v) > 1}
+
+
+def hot_any(trees: list[tuple[Path, ast.Module]]) -> list[str]:
+    """Fields of the hot path's classes annotated with Any (class-level `x: Any` or `self.x: Any`)."""
+    out = []
+    for rel, tree in trees:
+        if not any(rel == h or h in rel.parents for h in HOT):
+            continue
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for n in ast.walk(cls):
+                if isinstance(n, ast.AnnAssign) and "Any" in _names(n.annotation):
+                    t = n.target
+                    name = t.id if isinstance(t, ast.Name) else ast.unparse(t)
+                    out.append(f"{rel}:{n.lineno} {cls.name}.{name.removeprefix('self.')}")
+    return sorted(set(out))
 
 
 def main(argv: list[str]) -> int:
@@ -137,6 +220,32 @@ def main(argv: list[str]) -> int:
     print(f"classes setting over {MAX_ATTRS} attributes: {len(big_classes)}")
     for name, n in big_classes:
         print(f"  {n:4d}  {name}")
+
+    trees = _trees(pkg)
+    root_mods = sorted(p.name for p in pkg.glob("*.py"))
+    print(f"modules at the package root: {len(root_mods)} ({', '.join(root_mods)})")
+    reads = msg_reads(trees)
+    print(f'msg["..."] reads outside the wire module: {len(reads)} '
+          f"(on {len({r.split(' ')[0] for r in reads})} lines)")
+    for r in reads:
+        print("  ", r)
+    whole = whole_config(trees)
+    print(f"functions taking the whole config ({WHOLE_CONFIG}, outside {SCHEMA}): {len(whole)} "
+          f"in {len({w.split(':')[0] for w in whole})} files")
+    for w in whole:
+        print("  ", w)
+    twice = twice_defined(trees)
+    print(f"class names defined twice: {len(twice)}")
+    for name, at in twice.items():
+        print(f"   {name}: {', '.join(at)}")
+    anys = hot_any(trees)
+    print(f"Any on the hot path: {len(anys)}")
+    for a in anys:
+        print("  ", a)
+    sizes = sorted(((len(p.read_text().splitlines()), p.relative_to(pkg)) for p in (pkg / ENDPOINTS).rglob("*.py")),
+                   reverse=True)
+    if sizes:
+        print(f"largest endpoint module: {sizes[0][0]} lines ({sizes[0][1]})")
     return 0
 
 
