@@ -84,3 +84,24 @@ def test_cli_user_error_exits_nonzero_without_traceback(override, needle):
     assert needle in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "+buffers" not in proc.stderr and "To append" not in proc.stderr  # Hydra's hint leads nowhere
+
+
+def test_every_config_field_has_a_docstring_under_it():
+    """torchtitan style: each section a docstring, each field a docstring on the next line."""
+    import ast
+
+    import orchestrator.profile.config as schema
+
+    tree = ast.parse(Path(schema.__file__).read_text())
+    missing = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")):
+        if ast.get_docstring(cls) is None:
+            missing.append(cls.name)
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):
+                    missing.append(f"{cls.name}.{node.target.id}")
+    assert missing == []

@@ -200,20 +200,33 @@ class FaultKind(Enum):
     """faults.kind: a failure injected on purpose, to show how the run ends (RELIABILITY.md)."""
 
     none = "none"
-    decode_killed = "decode_killed"  # SIGKILL the decode process after `at_request` handoffs
-    decode_stopped = "decode_stopped"  # SIGSTOP it for `duration_s`, then SIGCONT
-    prefill_killed = "prefill_killed"  # SIGKILL prefill rank 0 once `at_request` handoffs are done
-    prefill_stopped = "prefill_stopped"  # SIGSTOP prefill rank 0 there for `duration_s`, then SIGCONT
-    silent_control = "silent_control"  # prefill's control peer accepts TCP and never answers
-    silent_peer = "silent_peer"  # the engine session id points at a port that never answers
-    bad_destination = "bad_destination"  # one block of the batch aims outside the registration
-    wrong_session = "wrong_session"  # the batch goes to a session id nobody serves
-    stale_room = "stale_room"  # the room block is not sent; decode keeps stale rooms
-    corrupt_byte = "corrupt_byte"  # one byte of the row changes after its digest was taken
-    status_first = "status_first"  # decode TP rank `rank`: the status overtakes the aux by margin_us
+    decode_killed = "decode_killed"
+    """SIGKILL the decode process after `at_request` handoffs"""
+    decode_stopped = "decode_stopped"
+    """SIGSTOP it for `duration_s`, then SIGCONT"""
+    prefill_killed = "prefill_killed"
+    """SIGKILL prefill rank 0 once `at_request` handoffs are done"""
+    prefill_stopped = "prefill_stopped"
+    """SIGSTOP prefill rank 0 there for `duration_s`, then SIGCONT"""
+    silent_control = "silent_control"
+    """prefill's control peer accepts TCP and never answers"""
+    silent_peer = "silent_peer"
+    """the engine session id points at a port that never answers"""
+    bad_destination = "bad_destination"
+    """one block of the batch aims outside the registration"""
+    wrong_session = "wrong_session"
+    """the batch goes to a session id nobody serves"""
+    stale_room = "stale_room"
+    """the room block is not sent; decode keeps stale rooms"""
+    corrupt_byte = "corrupt_byte"
+    """one byte of the row changes after its digest was taken"""
+    status_first = "status_first"
+    """decode TP rank `rank`: the status overtakes the aux by margin_us"""
 
 
 class HiddenStatesDtype(Enum):
+    """buffers.hidden_states_dtype: the dtype of the hidden-states row."""
+
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -222,8 +235,13 @@ class HiddenStatesDtype(Enum):
 # ---- sections --------------------------------------------------------------------------------
 @dataclass
 class MemPoolConfig:
+    """mem_pool (conf/mem_pool/*.yaml): the custom memory pool SGLang on Mooncake would use."""
+
     type: MemPoolType = MemPoolType.NONE
+    """SGLANG_MOONCAKE_CUSTOM_MEM_POOL: NONE (no custom pool: host buffers), NVLINK, BAREX or
+    INTRA_NODE_NVLINK"""
     description: str = ""
+    """what the profile is, in words (e.g. "host buffers, engine route")"""
 
 
 @dataclass
@@ -231,16 +249,20 @@ class FieldConfig:
     """One field of the aux layout (conf/layout/*.yaml)."""
 
     name: str = "?"
-    # int32, int64, uint64, float32, ... or "hidden" (buffers.hidden_states_dtype)
+    """the field's name in MetadataBuffers (e.g. output_ids)"""
     dtype: str = "int32"
-    # a whole number, or the name of a buffers.* key holding the row width
+    """int32, int64, uint64, float32, ... or "hidden" (buffers.hidden_states_dtype)"""
     width: str = "16"
-    # always | sampling_mask | dsa | kv_checksum (buffers.enable_sampling_mask,
-    # buffers.output_dsa_topk_indices_dim > 0, buffers.kv_checksum_enabled)
+    """a whole number, or the name of a buffers.* key holding the row width"""
     present: str = "always"
-    fill: int = 0  # value of a fresh row (SGLang fills the DSA row with -1)
-    role: str = ""  # "room" (bootstrap_room), "checksum" (kv_checksum) or ""
-    get_buf: bool = True  # part of get_buf()'s tuple (None there when absent)
+    """always | sampling_mask | dsa | kv_checksum (buffers.enable_sampling_mask,
+    buffers.output_dsa_topk_indices_dim > 0, buffers.kv_checksum_enabled)"""
+    fill: int = 0
+    """value of a fresh row (SGLang fills the DSA row with -1)"""
+    role: str = ""
+    """'room' (bootstrap_room), 'checksum' (kv_checksum) or '' (neither)"""
+    get_buf: bool = True
+    """part of get_buf()'s tuple (None there when absent)"""
 
 
 # What a layout field may declare (orchestrator.layout maps the dtype names to torch's)
@@ -254,9 +276,15 @@ ROLES = ("", "room", "checksum")
 
 @dataclass
 class LayoutConfig:
+    """layout (conf/layout/*.yaml): the aux layout of one SGLang release, one entry per field
+    in get_buf_infos() order. A new SGLang release that changes the fields is one new file."""
+
     name: str = "sglang_0_5_23"
+    """the layout's name (its file in conf/layout/)"""
     sglang_version: str = "0.5.23"
+    """the SGLang release whose MetadataBuffers this layout matches"""
     fields: List[FieldConfig] = field(default_factory=list)
+    """the fields, in get_buf_infos() order"""
 
     def check(self) -> None:
         """Raise ConfigError for a declaration MetadataBuffers cannot build."""
@@ -291,15 +319,27 @@ def _check_field(fk: str, f: FieldConfig) -> None:
 
 @dataclass
 class BuffersConfig:
-    size: int = 64  # slots (rows) per MetadataBuffers
+    """buffers: the shape of SGLang's MetadataBuffers (the fallback: hidden_size 16 float32,
+    1,600 bytes per slot)."""
+
+    size: int = 64
+    """slots (rows) per MetadataBuffers"""
     hidden_size: int = 16
+    """width of the hidden-states row"""
     hidden_states_dtype: HiddenStatesDtype = HiddenStatesDtype.float32
+    """dtype of the hidden-states row (a layout field of dtype "hidden")"""
     max_top_logprobs_num: int = 128
-    output_dsa_topk_indices_dim: int = 0  # > 0 adds the DSA top-k field
-    max_sampling_mask_tokens: int = 256  # width of the two sampling-mask rows
-    enable_sampling_mask: bool = False  # SGLANG_ENABLE_DISAGG_SAMPLING_MASK
-    kv_checksum_enabled: bool = False  # the kv_checksum field (SGLang 0.5.23 keyword)
-    set_buf: SetBufMode = SetBufMode.sglang  # sglang: SGLang's set_buf; staged: pinned rows, one upload a step
+    """width of the two top-logprobs rows"""
+    output_dsa_topk_indices_dim: int = 0
+    """> 0 adds the DSA top-k field"""
+    max_sampling_mask_tokens: int = 256
+    """width of the two sampling-mask rows (SGLang 0.5.23's 4th constructor argument)"""
+    enable_sampling_mask: bool = False
+    """SGLANG_ENABLE_DISAGG_SAMPLING_MASK: three more fields mid-row"""
+    kv_checksum_enabled: bool = False
+    """the kv_checksum field (SGLang 0.5.23 keyword; the row's digest travels in it)"""
+    set_buf: SetBufMode = SetBufMode.sglang
+    """sglang: SGLang's set_buf; staged: pinned rows, one upload a step"""
 
     def check(self) -> None:
         _positive("buffers.size", self.size, "a whole number of slots > 0")
@@ -314,13 +354,16 @@ class BuffersConfig:
 class GateConfig:
     """The two halves of SGLang's readiness fix (PR 26394 and its follow-up)."""
 
-    readiness: bool = True  # downgrade "done" to "transferring" while the slot's room is 0
-    zero_room_on_free: bool = True  # zero a freed slot's room (and kv_checksum)
-    # beyond SGLang: with readiness on, a row whose room is right but whose digest is not
-    # (the room block of a batch write can land before the others) also counts as
-    # "transferring", for up to this long after its status; 0 = SGLang's room-only gate
+    readiness: bool = True
+    """downgrade "done" to "transferring" while the slot's room is 0"""
+    zero_room_on_free: bool = True
+    """zero a freed slot's room (and kv_checksum)"""
     settle_ms: float = 50.0
-    read: GateRead = GateRead.batched  # sglang | batched | side_stream (device rows)
+    """beyond SGLang: with readiness on, a row whose room is right but whose digest is not
+    (the room block of a batch write can land before the others) also counts as
+    "transferring", for up to this long after its status; 0 = SGLang's room-only gate"""
+    read: GateRead = GateRead.batched
+    """sglang | batched | side_stream (device rows)"""
 
     def check(self) -> None:
         _seconds("gate.settle_ms", self.settle_ms, 0.0, 60_000.0, "milliseconds", closed=True)
@@ -328,26 +371,36 @@ class GateConfig:
 
 @dataclass
 class VerifyConfig:
+    """verify: how the receiver checks every byte of every row."""
+
     digest: DigestKind = DigestKind.linear
+    """linear: keyed linear digest, computed in batch on the device that holds the rows
+    (default); blake2b: keyed blake2b per row on the host (host buffers only)"""
 
 
 @dataclass
 class MooncakeConfig:
-    # P2PHANDSHAKE (no server), http://host:port/metadata (mooncake_http_metadata_server) or
-    # etcd://host:port
+    """transport.mooncake: the Mooncake transfer engine of the engine route."""
+
     metadata_server: str = "P2PHANDSHAKE"
+    """P2PHANDSHAKE (no server), http://host:port/metadata (mooncake_http_metadata_server) or
+    etcd://host:port"""
     transport: EngineTransportSetting = EngineTransportSetting.auto
-    device_name: str = ""  # RDMA device list ("" = let Mooncake pick)
-    # MC_TCP_PROGRESS_TIMEOUT_SEC: bounds a write to a stopped peer (Mooncake's default is 30 s).
+    """auto | tcp | rdma | nvlink_intra: the Mooncake transport of the engine route"""
+    device_name: str = ""
+    """RDMA device list ("" = let Mooncake pick)"""
     tcp_progress_timeout_s: int = 5
-    # More blocks than this in one batch write are split (Mooncake's TCP transport failed a
-    # 2,560-block batch).
+    """MC_TCP_PROGRESS_TIMEOUT_SEC: bounds a write to a stopped peer (Mooncake's default is 30 s)."""
     max_blocks_per_batch: int = 1024
-    # The runner starts Mooncake's own mooncake_http_metadata_server for an http:// address
-    # on loopback (single-host runs).
+    """More blocks than this in one batch write are split (Mooncake's TCP transport failed a
+    2,560-block batch)."""
     start_metadata_server: bool = False
+    """The runner starts Mooncake's own mooncake_http_metadata_server for an http:// address
+    on loopback (single-host runs)."""
     completion: CompletionSetting = CompletionSetting.auto
-    nap_us: float = 50.0  # completion=nap: sleep this long before waiting for the status
+    """spin (sync write) | nap (async write, sleep, wait) | auto: nap below 8 cores"""
+    nap_us: float = 50.0
+    """completion=nap: sleep this long before waiting for the status"""
 
     def check(self) -> None:
         ms = self.metadata_server
@@ -374,28 +427,39 @@ class MooncakeConfig:
 
 @dataclass
 class TransportConfig:
+    """transport: how the aux rows and the control messages travel between the sides."""
+
     route: RouteSetting = RouteSetting.auto
+    """auto | tcp | engine: let the rules decide (auto), or force one route"""
     fallback: FallbackPolicy = FallbackPolicy.strict
-    host: str = "127.0.0.1"  # data and control planes bind here; loopback unless declared
-    allow_remote: bool = False  # a non-loopback host must be allowed explicitly
-    # Name of an environment variable holding a shared secret (multi-host runs). When null,
-    # each run generates a fresh secret and hands it to its own processes: every message and
-    # every row digest is authenticated either way.
+    """strict | degrade: stop when the declared path is unavailable, or degrade and log it"""
+    host: str = "127.0.0.1"
+    """data and control planes bind here; loopback unless declared"""
+    allow_remote: bool = False
+    """a non-loopback host must be allowed explicitly"""
     secret_env: Optional[str] = None
-    timeout_s: float = 10.0  # a peer silent this long is declared lost
-    # Grant destination slots in consecutive runs and send a step's rows as one block per
-    # field per run (tcp route: one AUX_DATA frame per field per run).
+    """Name of an environment variable holding a shared secret (multi-host runs). When null,
+    each run generates a fresh secret and hands it to its own processes: every message and
+    every row digest is authenticated either way."""
+    timeout_s: float = 10.0
+    """a peer silent this long is declared lost"""
     coalesce: bool = False
+    """Grant destination slots in consecutive runs and send a step's rows as one block per
+    field per run (tcp route: one AUX_DATA frame per field per run)."""
     status: StatusMode = StatusMode.per_request
-    max_inflight_sends: int = 16  # batch writes the transfer thread keeps in flight
-    # blocks (one per field per send) handed to the engine and not finished: Mooncake's TCP
-    # transport rejects writes past its lane queue ("TCP lane queue-full") and fails them
+    """per_request (SGLang's status message) | per_step (one per step)"""
+    max_inflight_sends: int = 16
+    """batch writes the transfer thread keeps in flight"""
     max_inflight_blocks: int = 1024
-    bootstrap_port: int = 0  # role=decode: where the bootstrap address listens (0 = any)
-    # role=decode also writes its bootstrap address to this file; role=prefill without a
-    # peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)
+    """blocks (one per field per send) handed to the engine and not finished: Mooncake's TCP
+    transport rejects writes past its lane queue ("TCP lane queue-full") and fails them"""
+    bootstrap_port: int = 0
+    """role=decode: where the bootstrap address listens (0 = any)"""
     bootstrap_file: Optional[str] = None
+    """role=decode also writes its bootstrap address to this file; role=prefill without a
+    peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)"""
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    """the Mooncake transfer engine of the engine route"""
 
     def check(self) -> None:
         _seconds("transport.timeout_s", self.timeout_s)
@@ -424,24 +488,37 @@ MAX_SEED = (1 << 63) - 1
 
 @dataclass
 class WorkloadConfig:
-    requests: int = 1000  # per prefill rank
-    concurrency: int = 8  # closed loop: requests in flight (arrived, not yet verified)
-    rate: Optional[float] = None  # open loop: Poisson arrivals per second (per prefill rank)
-    batch_size: int = 1  # requests that finish in one prefill forward step
+    """workload: the synthetic requests the prefill side hands off."""
+
+    requests: int = 1000
+    """per prefill rank"""
+    concurrency: int = 8
+    """closed loop: requests in flight (arrived, not yet verified)"""
+    rate: Optional[float] = None
+    """open loop: Poisson arrivals per second (per prefill rank)"""
+    batch_size: int = 1
+    """requests that finish in one prefill forward step"""
     fill: FillMode = FillMode.inline
-    # Requests sharing one bootstrap room: 1 = every room unique, 2 = pairs (client retries),
-    # n = n-way (n>1 sampling on one room)
+    """inline: SGLang's set_buf in the loop | ahead: rows filled before timing"""
     duplicate_rooms: int = 1
+    """Requests sharing one bootstrap room: 1 = every room unique, 2 = pairs (client retries),
+    n = n-way (n>1 sampling on one room)"""
     return_logprob: bool = True
+    """requests carry token logprobs"""
     top_logprobs_num: int = 5
+    """top logprobs per request (at most buffers.max_top_logprobs_num)"""
     hidden_states: bool = True
-    sampling_mask: bool = False  # requests carry sampling masks (needs buffers.enable_sampling_mask)
-    multimodal: bool = False  # requests carry image/audio/video token counts
-    dsa_indices: bool = True  # speculative requests carry DSA top-k indices (when the field exists)
-    # Rooms and synthetic content derive from it. null: every run draws its own (so rooms
-    # differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
-    # seed repeats its rooms.
+    """requests carry hidden states"""
+    sampling_mask: bool = False
+    """requests carry sampling masks (needs buffers.enable_sampling_mask)"""
+    multimodal: bool = False
+    """requests carry image/audio/video token counts"""
+    dsa_indices: bool = True
+    """speculative requests carry DSA top-k indices (when the field exists)"""
     seed: Optional[int] = None
+    """Rooms and synthetic content derive from it. null: every run draws its own (so rooms
+    differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
+    seed repeats its rooms."""
 
     def check(self, buffers: BuffersConfig) -> None:
         _positive("workload.requests", self.requests,
@@ -471,7 +548,9 @@ class DecodeLoadConfig:
     rows it is off, with a warning)."""
 
     step_ms: float = 0.0
-    idle_s: float = 1.0  # forward steps/s measured this long without handoffs, at start-up
+    """0 = off; e.g. 8: a CUDA graph of matmuls taking ~8 ms, queued before every poll"""
+    idle_s: float = 1.0
+    """forward steps/s measured this long without handoffs, at start-up"""
 
     def check(self) -> None:
         _require(math.isfinite(self.step_ms) and 0 <= self.step_ms <= 1000, "endpoints.decode_load.step_ms",
@@ -482,21 +561,30 @@ class DecodeLoadConfig:
 
 @dataclass
 class EndpointsConfig:
-    # How many prefill processes and decode instances; every prefill rank hands off to every
-    # decode instance (round-robin over its requests). workload.requests is per prefill rank.
+    """endpoints: the processes of a run, and where they run."""
+
     prefill_ranks: int = 1
+    """How many prefill processes; every prefill rank hands off to every decode instance
+    (round-robin over its requests). workload.requests is per prefill rank."""
     decode_ranks: int = 1
-    # Ranks of one decode instance (a tensor-parallel group: each rank has its own buffers
-    # and engine and receives every request's aux; the ranks all-reduce their poll status).
+    """How many decode instances."""
     decode_tp: int = 1
-    # CUDA device of each rank when buffers live on CUDA (one entry per prefill rank, one per
-    # decode process = decode_ranks x decode_tp); null = auto: prefill ranks on the first
-    # GPUs, decode processes on the next ones, wrapping around when there are fewer GPUs.
+    """Ranks of one decode instance (a tensor-parallel group: each rank has its own buffers
+    and engine and receives every request's aux; the ranks all-reduce their poll status)."""
     prefill_gpus: Optional[List[int]] = None
+    """CUDA device of each prefill rank when buffers live on CUDA (one entry per prefill
+    rank); null = auto: prefill ranks on the first GPUs, wrapping around when there are fewer
+    GPUs."""
     decode_gpus: Optional[List[int]] = None
+    """CUDA device of each decode process when buffers live on CUDA (one entry per decode
+    process = decode_ranks x decode_tp); null = auto: decode processes on the GPUs after the
+    prefill ranks', wrapping around when there are fewer GPUs."""
     startup_timeout_s: float = 60.0
-    poll: PollMode = PollMode.auto  # spin | block | auto (spin on hosts with >= 8 cores)
+    """how long a side waits for its processes and its peer to start up"""
+    poll: PollMode = PollMode.auto
+    """spin | block | auto (spin on hosts with >= 8 cores)"""
     decode_load: DecodeLoadConfig = field(default_factory=DecodeLoadConfig)
+    """a decode that decodes: a synthetic forward loop on each decode GPU (CUDA rows)"""
 
     @property
     def decode_procs(self) -> int:
@@ -517,12 +605,21 @@ class EndpointsConfig:
 
 @dataclass
 class FaultsConfig:
+    """faults (conf/faults/*.yaml): a failure injected on purpose, to show how the run ends
+    (RELIABILITY.md)."""
+
     kind: FaultKind = FaultKind.none
-    at_request: int = 50  # first request (or handoff count) the fault hits
-    every: int = 10  # per-request faults: then every Nth request
-    duration_s: float = 2.0  # decode_stopped: how long the process stays stopped
-    margin_us: float = 20000.0  # status_first: how far the status runs ahead of the aux
-    rank: int = 1  # status_first: the decode TP rank whose aux is delayed
+    """which failure (none: a clean run)"""
+    at_request: int = 50
+    """first request (or handoff count) the fault hits"""
+    every: int = 10
+    """per-request faults: then every Nth request"""
+    duration_s: float = 2.0
+    """decode_stopped: how long the process stays stopped"""
+    margin_us: float = 20000.0
+    """status_first: how far the status runs ahead of the aux"""
+    rank: int = 1
+    """status_first: the decode TP rank whose aux is delayed"""
 
     def check(self) -> None:
         _require(self.at_request >= 0 and self.every > 0 and self.duration_s > 0
@@ -538,12 +635,18 @@ class FaultsConfig:
 class BenchConfig:
     """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
 
-    iters: int = 2000  # send_aux vs raw batch writes, each, per engine path
-    handoffs: int = 500  # one-in-flight handoffs per path
-    requests: int = 4000  # per throughput row
-    batch_size: int = 64  # the batched and coalesced rows
-    bulk_mib: int = 64  # one-block bandwidth point per engine path (0 = skip)
+    iters: int = 2000
+    """send_aux vs raw batch writes, each, per engine path"""
+    handoffs: int = 500
+    """one-in-flight handoffs per path"""
+    requests: int = 4000
+    """per throughput row"""
+    batch_size: int = 64
+    """the batched and coalesced rows"""
+    bulk_mib: int = 64
+    """one-block bandwidth point per engine path (0 = skip)"""
     bulk_reps: int = 20
+    """repetitions of each bulk_mib point"""
 
     def check(self) -> None:
         for key in ("iters", "handoffs", "requests", "batch_size", "bulk_reps"):
@@ -553,24 +656,42 @@ class BenchConfig:
 
 @dataclass
 class LoggingConfig:
-    console: bool = False  # also print the structured log lines on the console
+    """logging: where the structured log lines go (always to the run dir)."""
+
+    console: bool = False
+    """also print the structured log lines on the console"""
 
 
 @dataclass
 class OrchestratorConfig:
+    """The whole config (conf/config.yaml): one section per config group, and the run's role."""
+
     mem_pool: MemPoolConfig = field(default_factory=MemPoolConfig)
+    """the custom memory pool (conf/mem_pool/)"""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """the aux layout of one SGLang release (conf/layout/)"""
     buffers: BuffersConfig = field(default_factory=BuffersConfig)
+    """the shape of MetadataBuffers"""
     gate: GateConfig = field(default_factory=GateConfig)
+    """the decode's readiness gate"""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    """how every row is checked"""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    """routes, addresses, secret and the Mooncake engine"""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """the synthetic requests"""
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+    """the processes and their GPUs"""
     bench: BenchConfig = field(default_factory=BenchConfig)
+    """python -m orchestrator.bench's sizes"""
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """a failure injected on purpose (conf/faults/)"""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """where the structured log lines go"""
     role: Role = Role.both
-    peer: Optional[str] = None  # role=prefill: the decode side's bootstrap address HOST:PORT
+    """both | prefill | decode (one side of a run across hosts)"""
+    peer: Optional[str] = None
+    """role=prefill: the decode side's bootstrap address HOST:PORT"""
 
     def check(self) -> None:
         """Every section's own checks (ranges and forms), in a stable order."""
