@@ -167,17 +167,26 @@ class GateRead(Enum):
 class PollMode(Enum):
     """endpoints.poll: how the endpoints' loops wait for the next message. spin polls without
     sleeping (as SGLang's scheduler loop does; a wake-up costs nothing, a core is busy);
-    block sleeps in the poll; auto spins where the host has cores to spare (>= 8: GPU hosts)
-    and blocks elsewhere (a 2-core box)."""
+    block sleeps in the poll; auto spins where this process may use >= 8 cores (GPU hosts)
+    and blocks elsewhere (a 2-core box; 2 pinned cores or a 2-CPU container quota of a big
+    host): its CPU affinity and cgroup quota count, not the host's core count."""
 
     auto = "auto"
     spin = "spin"
     block = "block"
 
-    def spins(self) -> bool:
-        import os
+    def spins(self, cores: Optional[int] = None) -> bool:
+        """Whether the loops spin. auto decides by `cores`, by default the cores this process
+        may use (affinity and cgroup quota: platform.usable_cores), never the host's count."""
+        if self is not PollMode.auto:
+            return self is PollMode.spin
+        if cores is None:
+            from orchestrator.profile.platform import usable_cores
 
-        return self is PollMode.spin or (self is PollMode.auto and (os.cpu_count() or 1) >= 8)
+            cores = usable_cores()
+        from orchestrator.profile.plan import SPIN_MIN_CORES
+
+        return cores >= SPIN_MIN_CORES
 
 
 class DigestKind(Enum):
@@ -398,7 +407,7 @@ class MooncakeConfig:
     """The runner starts Mooncake's own mooncake_http_metadata_server for an http:// address
     on loopback (single-host runs)."""
     completion: CompletionSetting = CompletionSetting.auto
-    """spin (sync write) | nap (async write, sleep, wait) | auto: nap below 8 cores"""
+    """spin (sync write) | nap (async write, sleep, wait) | auto: nap below 8 usable cores"""
     nap_us: float = 50.0
     """completion=nap: sleep this long before waiting for the status"""
 
@@ -582,7 +591,7 @@ class EndpointsConfig:
     startup_timeout_s: float = 60.0
     """how long a side waits for its processes and its peer to start up"""
     poll: PollMode = PollMode.auto
-    """spin | block | auto (spin on hosts with >= 8 cores)"""
+    """spin | block | auto (spin where this process may use >= 8 cores: affinity and cgroup quota)"""
     decode_load: DecodeLoadConfig = field(default_factory=DecodeLoadConfig)
     """a decode that decodes: a synthetic forward loop on each decode GPU (CUDA rows)"""
 

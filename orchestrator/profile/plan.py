@@ -63,7 +63,7 @@ class Platform:
 
     cuda_devices: int = 0
     npu: bool = False
-    cpu_count: int = 8
+    cpu_count: int = 8  # cores this process may use (affinity and cgroup quota)
     mooncake_cuda: bool = False  # the installed Mooncake wheel has the CUDA transports
     rdma_devices: tuple[str, ...] = ()  # /sys/class/infiniband entries (HCAs the engine can open)
     env: Mapping[str, str] = field(default_factory=dict)  # snapshot of os.environ

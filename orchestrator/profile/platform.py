@@ -7,8 +7,10 @@ the installed Mooncake wheel what exists.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from importlib import metadata
+from typing import Iterable, Optional
 
 from orchestrator.profile.plan import Platform
 
@@ -36,6 +38,68 @@ def boot_id() -> str:
             return fh.read().strip()
     except OSError:
         return ""
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(mount: str, path: str) -> list[str]:
+    """`mount`/`path` and each of its parents up to `mount` that exist, leaf first (a quota
+    anywhere above applies too). A cgroup namespace shows the path as "/": the mount is then
+    the process's own cgroup."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    out = []
+    for n in range(len(parts), -1, -1):
+        d = os.path.join(mount, *parts[:n])
+        if os.path.isdir(d):
+            out.append(d)
+    return out
+
+
+def cgroup_cpu_limit(root: str = "/") -> Optional[float]:
+    """The CPUs this process's cgroups let it use: the tightest CPU quota on its cgroup path
+    (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`), or None where none is set.
+    `root` is where /proc and /sys are read from (tests give a fake tree)."""
+    lines = _read(os.path.join(root, "proc/self/cgroup"))
+    if lines is None:
+        return None
+    base = os.path.join(root, "sys/fs/cgroup")
+    limits: list[float] = []
+    for line in lines.splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if hid == "0" and not ctrls:  # v2 (unified; under .../unified on a hybrid host)
+            mounts = [base, os.path.join(base, "unified")]
+            for d in (d for m in mounts for d in _cgroup_dirs(m, path)):
+                quota, _, period = (_read(os.path.join(d, "cpu.max")) or "max").partition(" ")
+                if quota != "max" and period:
+                    limits.append(int(quota) / int(period))
+        elif "cpu" in ctrls.split(","):  # v1: mounted as cpu,cpuacct (or cpu, linked)
+            for mount in (os.path.join(base, ctrls), os.path.join(base, "cpu")):
+                for d in _cgroup_dirs(mount, path):
+                    q = _read(os.path.join(d, "cpu.cfs_quota_us"))
+                    p = _read(os.path.join(d, "cpu.cfs_period_us"))
+                    if q and p and int(q) > 0 and int(p) > 0:
+                        limits.append(int(q) / int(p))
+                if os.path.isdir(mount):
+                    break
+    return min(limits) if limits else None
+
+
+def usable_cores(root: str = "/", affinity: Optional[Iterable[int]] = None) -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cpusets), cut to its
+    cgroup CPU quota (a container's --cpus) rounded down, at least 1. Not os.cpu_count(),
+    which counts the host's cores: 2 pinned cores of a 16-core host are 2."""
+    cores = len(set(affinity) if affinity is not None else os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit(root)
+    if limit is not None:
+        cores = min(cores, math.floor(limit))
+    return max(1, cores)
 
 
 def mooncake_distribution() -> tuple[str, str] | None:
@@ -86,7 +150,7 @@ def detect() -> Platform:
     npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
     return Platform(
         cuda_devices=cuda_devices,
-        cpu_count=len(os.sched_getaffinity(0)),
+        cpu_count=usable_cores(),
         npu=npu,
         mooncake_cuda=mooncake_has_cuda(),
         rdma_devices=rdma_devices(),
