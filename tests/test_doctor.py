@@ -370,15 +370,15 @@ def test_report_ok_and_json():
 
 # --- the CLI --------------------------------------------------------------------------------------
 
-CHECK_NAMES = ["mooncake", "plan", "cuda", "mc-env", "alloc-conf", "rpc-ports", "host"]
+CHECK_NAMES = ["mooncake", "plan", "cuda", "mc-env", "alloc-conf", "rpc-ports", "host", "address", "versions"]
 
 
 def test_cli_default_profile_runs_here():
     proc = run_cli("orchestrator.doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert [ln.split()[1] for ln in lines[:7]] == CHECK_NAMES
-    assert all(ln.split()[0] in {"OK", "WARN"} for ln in lines[:7])
+    assert [ln.split()[1] for ln in lines[:9]] == CHECK_NAMES
+    assert all(ln.split()[0] in {"OK", "WARN"} for ln in lines[:9])
     assert "can run as declared" in lines[-1]
 
 

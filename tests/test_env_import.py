@@ -4,6 +4,7 @@ decode) and `python -m orchestrator.doctor --env-file / --manifest / --run`. All
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -250,6 +251,15 @@ TRAPS = {
         (Level.WARN, "MC_FORCE_MNNVL", "decode", "ignored (MC_FORCE_TCP is tested first)")]),
     "sampling_mask_max_tokens": ({"SGLANG_DISAGGREGATION_SAMPLING_MASK_MAX_TOKENS": "256"}, {}, CUDA13, [
         (Level.FAIL, "SGLANG_DISAGGREGATION_SAMPLING_MASK_MAX_TOKENS", "prefill", "refuses to start")]),
+    "host_ip_loopback": ({"SGLANG_HOST_IP": "127.0.0.1"}, {}, CUDA13, [
+        (Level.WARN, "SGLANG_HOST_IP", "prefill", "is a loopback address")]),
+    "host_ip_link_local": ({}, {"HOST_IP": "169.254.10.2"}, CUDA13, [
+        (Level.WARN, "HOST_IP", "decode", "is link-local")]),
+    "new_pool_name_only": ({"SGLANG_CUSTOM_MEM_POOL": "NVLINK"}, {"SGLANG_CUSTOM_MEM_POOL": "NVLINK"}, CUDA13, [
+        (Level.WARN, "SGLANG_CUSTOM_MEM_POOL", "prefill", "SGLang 0.5.23 does not read SGLANG_CUSTOM_MEM_POOL"),
+        (Level.WARN, "SGLANG_CUSTOM_MEM_POOL", "decode", "PR #38024")]),
+    "pool_names_differ": ({POOL: "NVLINK", "SGLANG_CUSTOM_MEM_POOL": "BAREX"}, {POOL: "NVLINK"}, CUDA13, [
+        (Level.WARN, "SGLANG_CUSTOM_MEM_POOL", "prefill", "would place the buffers differently")]),
     "bad_timeout": ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "5s"}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}, CUDA13, [
         (Level.FAIL, "MC_TCP_PROGRESS_TIMEOUT_SEC", "prefill", "whole number of seconds")]),
 }
@@ -329,6 +339,73 @@ def test_pid_namespace_two_pods(host_pid, nodes, level, needle):
         docs.append({"kind": "Deployment", "metadata": {"name": role}, "spec": {"template": {"spec": spec}}})
     envs = dep.parse_manifest(yaml.safe_dump_all(docs), "pd.yaml")
     _check(*_judge_all(envs, CUDA13), [(level, "PID namespace", "pair", needle)])
+
+
+def test_a_loopback_address_against_another_host_fails_across_pods(tmp_path):
+    """SGLANG_HOST_IP=127.0.0.1 on the prefill while the decode advertises another host's
+    address: FAIL from two env files and from two pods; two containers of one pod share
+    loopback (no FAIL)."""
+    prefill, decode = {"SGLANG_HOST_IP": "127.0.0.1"}, {"SGLANG_HOST_IP": "10.0.0.2"}
+    envs = [dep.env_file_environment(prefill, "prefill.env"), dep.env_file_environment(decode, "decode.env")]
+    readings, crossed = _judge_all(envs, CUDA13)
+    _check(readings, crossed, [(Level.FAIL, "SGLANG_HOST_IP", "pair", "the prefill advertises 127.0.0.1")])
+    assert readings[1].address.startswith("10.0.0.2 (step SGLANG_HOST_IP")
+    docs = [{"kind": "Deployment", "metadata": {"name": role}, "spec": {"template": {"spec": _pod_spec(
+        [_container("sglang", env, ["--disaggregation-mode", role])])}}}
+        for role, env in (("prefill", prefill), ("decode", decode))]
+    _check(*_judge_all(dep.parse_manifest(yaml.safe_dump_all(docs), "pd.yaml"), CUDA13),
+           [(Level.FAIL, "SGLANG_HOST_IP", "pair", "cannot reach it")])
+    one_pod = _judge_all(dep.parse_manifest(_manifest(prefill, decode), "pd.yaml"), CUDA13)[1]
+    assert not [f for _, _, fs in one_pod for f in fs if f.variable == "SGLANG_HOST_IP"]
+
+
+def test_the_address_each_side_would_advertise_and_the_step():
+    """Which address and which step of SGLang's rule, from a manifest: the pod's own address by
+    default, the node's default route under hostNetwork (WARN), a fieldRef, the NIC variable."""
+    pod_ip = {"kind": "Deployment", "metadata": {"name": "p"}, "spec": {"template": {"spec": _pod_spec(
+        [{"name": "prefill", "args": ["--disaggregation-mode", "prefill"],
+          "env": [{"name": "SGLANG_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}])}}}
+    host_net = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"template": {"spec": _pod_spec(
+        [_container("decode", {}, ["--disaggregation-mode", "decode"])], hostNetwork=True)}}}
+    nic = {"kind": "Deployment", "metadata": {"name": "n"}, "spec": {"template": {"spec": _pod_spec(
+        [_container("decode", {"SGLANG_LOCAL_IP_NIC": "ib0"}, ["--disaggregation-mode", "decode"])],
+        hostNetwork=True)}}}
+    plain = dict(pod_ip, metadata={"name": "q"})
+    plain["spec"] = {"template": {"spec": _pod_spec([_container("prefill", {}, ["--disaggregation-mode", "prefill"])])}}
+    readings = _judge_all(dep.parse_manifest(yaml.safe_dump_all([pod_ip, host_net, nic, plain]), "pd.yaml"),
+                          CUDA13)[0]
+    a, b, c, d = readings
+    assert a.address.startswith("the value of SGLANG_HOST_IP (valueFrom fieldRef status.podIP; step SGLANG_HOST_IP)")
+    assert not [f for f in a.findings if f.level is not Level.OK]  # no "read as unset" WARN for it
+    assert "step default route: hostNetwork" in b.address
+    _check([b, c], [], [(Level.WARN, "SGLANG_LOCAL_IP_NIC", "prefill", "hostNetwork: true"),
+                        (Level.OK, "SGLANG_LOCAL_IP_NIC", "decode", "netifaces")])
+    assert "step SGLANG_LOCAL_IP_NIC" in c.address and "the pod's eth0" in d.address
+
+
+@pytest.mark.parametrize("env", [{}, {POOL: "NVLINK"}, {"SGLANG_CUSTOM_MEM_POOL": "BAREX"},
+                                 {POOL: "NVLINK", "SGLANG_CUSTOM_MEM_POOL": "BAREX"},
+                                 {POOL: "INTRA_NODE_NVLINK", "SGLANG_CUSTOM_MEM_POOL": ""}])
+def test_which_release_reads_which_pool_name(env, monkeypatch):
+    """SGLang 0.5.23 reads SGLANG_MOONCAKE_CUSTOM_MEM_POOL only; PR #38024 (a preview: its
+    declaration, EnvStrWithAlias(None, deprecated_name=...), over 0.5.23's own environ code)
+    reads SGLANG_CUSTOM_MEM_POOL, else the old name."""
+    from orchestrator.preflight.serving import pool_value
+
+    from .helpers import sglang_oracle
+
+    try:
+        envs = sglang_oracle.pool_envs_pr38024()
+    except sglang_oracle.OracleUnavailable as exc:
+        pytest.skip(str(exc))
+    for var in (POOL, "SGLANG_CUSTOM_MEM_POOL"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert pool_value(env) == envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get()
+    with pytest.warns(DeprecationWarning) if POOL in env and "SGLANG_CUSTOM_MEM_POOL" not in env \
+            else contextlib.nullcontext():
+        assert pool_value(env, pr38024=True) == envs.SGLANG_CUSTOM_MEM_POOL.get()
 
 
 def test_canonical_env_has_no_trap():

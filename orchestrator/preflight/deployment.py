@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Optional, Sequence
 
+from orchestrator.preflight.address import HOST_IP_VARS, NIC_VAR, Host, advertise
+from orchestrator.preflight.address import judge as address_judge
 from orchestrator.preflight.compose import ProfileError
 from orchestrator.preflight.serving import (
+    NEW_POOL_VAR,
     POOL_VAR,
     PROTOCOL_VAR,
     SAMPLING_MASK_VAR,
@@ -83,6 +86,7 @@ class Pod:
     host_pid: bool = False
     share_process_namespace: bool = False
     node: Optional[str] = None  # spec.nodeName or nodeSelector kubernetes.io/hostname
+    host_network: bool = False  # spec.hostNetwork: the container sees the node's interfaces
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,8 @@ def parse_manifest(text: str, source: str) -> list[Environment]:
                 pod_name += " (leader)" if "leaderTemplate" in path else " (worker)"
             selector = _map(spec.get("nodeSelector"))
             pod = Pod(pod_name, bool(spec.get("hostPID")), bool(spec.get("shareProcessNamespace")),
-                      spec.get("nodeName") or selector.get("kubernetes.io/hostname"))
+                      spec.get("nodeName") or selector.get("kubernetes.io/hostname"),
+                      bool(spec.get("hostNetwork")))
             for container in _list(spec.get("containers")):
                 if isinstance(container, dict):
                     out.append(_container(container, pod, config_maps, source))
@@ -328,6 +333,8 @@ class Reading:
     refusal: Optional[str] = None  # the rule book's (or the reverse mapping's) refusal
     attempt: Optional[Plan] = None  # a refused profile: the plan it would try without its env
     findings: list[Finding] = field(default_factory=list)
+    address: str = ""  # the address it would advertise under SGLang's rule, and the step
+    advertised: Optional[str] = None  # that address, when the input gives it literally
 
     @property
     def transport(self) -> Optional[str]:
@@ -382,8 +389,12 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
     env = environment.env
     reading = Reading(environment)
     out = reading.findings
+    reading.address, reading.advertised, found = advertised_address(environment)
+    out += found
     others = []
     for var, where in environment.unknown:
+        if var in ADDRESS_VARS:
+            continue  # advertised_address says what it means
         if var.endswith("*") or relevant(var):
             presence = var.startswith("MC_")
             out.append(Finding(Level.WARN, var, f"its value comes from {where} and is not in the "
@@ -425,6 +436,51 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
     return reading
 
 
+ADDRESS_VARS = (*HOST_IP_VARS, NIC_VAR)
+
+
+def advertised_address(environment: Environment) -> tuple[str, Optional[str], list[Finding]]:
+    """The address the environment makes SGLang 0.5.23 advertise (get_local_ip_auto: SGLANG_HOST_IP,
+    HOST_IP, SGLANG_LOCAL_IP_NIC, the default route, the hostname), the step that chose it, and
+    its traps: (text, the address when the input gives it, findings)."""
+    env, unknown = environment.env, dict(environment.unknown)
+    for var in HOST_IP_VARS:
+        if var in unknown:
+            where = unknown[var]
+            text = f"the value of {var} ({where}; step {var})"
+            if "status.podIP" in where or "status.hostIP" in where:
+                text += ": the pod's own address" if "podIP" in where else ": the node's address"
+            return text, None, []
+        if env.get(var, ""):
+            adv = advertise(Host(env))
+            flags = address_judge(adv, Host(env))
+            return adv.describe(), adv.address, [
+                Finding(Level.FAIL if f.fail else Level.WARN, var, f.text.split("; ")[0] +
+                        f"; set {var} to an address the peer reaches.") for f in flags]
+    nic = env.get(NIC_VAR) or (f"({unknown[NIC_VAR]})" if NIC_VAR in unknown else "")
+    if nic:
+        return (f"the first address of interface {nic} on its host (step {NIC_VAR})", None,
+                [Finding(Level.OK, NIC_VAR, "SGLang imports netifaces for it: the image must have it "
+                                            "(pip install netifaces), or SGLang raises ImportError at "
+                                            "start-up; an interface that is not there falls through to "
+                                            "the default route with a warning.")])
+    pod = environment.pod
+    if pod is not None and pod.host_network:
+        return ("the node's default-route address (step default route: hostNetwork, no "
+                f"{'/'.join(ADDRESS_VARS)})", None,
+                [Finding(Level.WARN, NIC_VAR, f"{pod.name} has hostNetwork: true and sets neither "
+                                              f"SGLANG_HOST_IP nor {NIC_VAR}: SGLang advertises the "
+                                              "source address of the node's default route, on a "
+                                              "multi-homed node the management network, which the "
+                                              "peer may not reach (or reach over the slow network); "
+                                              f"set {NIC_VAR}=<the data NIC> or SGLANG_HOST_IP "
+                                              "(valueFrom fieldRef status.hostIP).")])
+    if pod is not None:
+        return "the pod's own address (step default route: the pod's eth0)", None, []
+    return ("the source address of its host's default route (step default route: no "
+            f"{'/'.join(ADDRESS_VARS)}); run python -m orchestrator.doctor on that host to see it", None, [])
+
+
 def _variable_traps(env: Mapping[str, str], unknown: set[str]) -> list[Finding]:
     """Traps read off single variables, whatever the plan (`unknown`: names whose value the
     input does not give)."""
@@ -435,6 +491,18 @@ def _variable_traps(env: Mapping[str, str], unknown: set[str]) -> list[Finding]:
                                                 f"variables for presence only; `unset {var}` (remove "
                                                 "it from the env) to turn it off, set it to 1 if on "
                                                 "is meant."))
+    new = env.get(NEW_POOL_VAR)
+    if new is not None and env.get(POOL_VAR) is None:
+        out.append(Finding(Level.WARN, NEW_POOL_VAR,
+                           f"{new!r}: SGLang 0.5.23 does not read {NEW_POOL_VAR} (it reads {POOL_VAR}), "
+                           "so it runs with no pool, host buffers; the new name comes with sgl-project/"
+                           f"sglang PR #38024 (open), which still reads {POOL_VAR} as a deprecated alias: "
+                           f"set {POOL_VAR}={new} (read by 0.5.23 and by builds with #38024)."))
+    elif new is not None and new != env.get(POOL_VAR):
+        out.append(Finding(Level.WARN, NEW_POOL_VAR,
+                           f"{NEW_POOL_VAR}={new!r} and {POOL_VAR}={env.get(POOL_VAR)!r} differ: SGLang "
+                           f"0.5.23 reads {POOL_VAR}, a build with PR #38024 reads {NEW_POOL_VAR} first; "
+                           "the two releases would place the buffers differently; set both to one value."))
     raw = env.get(POOL_VAR)
     if raw is not None and raw.lower() != "true" and raw not in SGLANG_POOLS:
         out.append(Finding(Level.WARN, POOL_VAR, f"{raw!r} is no pool SGLang 0.5.23 knows (NVLINK, "
@@ -620,12 +688,37 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
         out.append(Finding(Level.WARN, SEND_AUX_TCP_VAR, f"differs ({both(SEND_AUX_TCP_VAR)}): only "
                                                          "the prefill's value chooses the route; set "
                                                          "the same on both to avoid surprises."))
+    out += _addresses(a, b)
     if "nvlink_intra" in (ta, tb) and (oa.get("mem_pool") == "INTRA_NODE_NVLINK"
                                        or ob.get("mem_pool") == "INTRA_NODE_NVLINK"):
         out.append(_pid_namespace(a.environment, b.environment))
     if not out:
         out.append(Finding(Level.OK, "prefill/decode", "same pool, same aux layout switches, same "
                                                        f"Mooncake transport ({ta})."))
+    return out
+
+
+def _addresses(a: Reading, b: Reading) -> list[Finding]:
+    """A literal loopback address on one side, while the other side advertises another host's
+    address (and the two are not containers of one pod, which share loopback)."""
+    import ipaddress
+
+    out: list[Finding] = []
+    pa, pb = a.environment.pod, b.environment.pod
+    if pa is not None and pb is not None and pa.name == pb.name:
+        return out
+    for r, other, side in ((a, b, "prefill"), (b, a, "decode")):
+        try:
+            mine = ipaddress.ip_address(r.advertised or "")
+            theirs = ipaddress.ip_address(other.advertised or "")
+        except ValueError:
+            continue
+        if mine.is_loopback and not theirs.is_loopback:
+            var = next(v for v in HOST_IP_VARS if r.environment.env.get(v))
+            out.append(Finding(Level.FAIL, var, f"the {side} advertises {mine} (loopback) while its peer "
+                                                f"advertises {theirs}, another host's address: the peer "
+                                                f"cannot reach it; set {var} to the {side} host's "
+                                                "address the peer reaches."))
     return out
 
 

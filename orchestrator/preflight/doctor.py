@@ -489,7 +489,7 @@ class Report:
 
 
 def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
-               env: Optional[Mapping[str, str]] = None) -> Report:
+               env: Optional[Mapping[str, str]] = None, peer_address: Optional[str] = None) -> Report:
     from orchestrator.profile.platform import detect
 
     platform = detect()
@@ -519,6 +519,7 @@ def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
         check_alloc_conf(env, wants_nvlink),
         check_rpc_ports(env, host, uses_engine=uses_engine),
         check_host(host, uses_engine=uses_engine),
+        check_address(env, peer_address),
     ]
     return Report(list(overrides), checks, plan)
 
@@ -605,6 +606,7 @@ def env_text(readings, skipped, crossed, extra: Sequence[str]) -> str:
         if r.overrides is not None:
             lines.append(f"profile: python -m orchestrator {shlex.join([*extra, *r.profile])}")
         lines.append(f"plan:    {plan_text(r)}")
+        lines.append(f"address: {r.address}")
         lines += [f.line() for f in r.findings]
     for e in skipped:
         lines.append(f"== {e.label}: skipped (no SGLang or Mooncake variable, no sglang in its command)")
@@ -636,6 +638,7 @@ def env_json(readings, skipped, crossed, extra: Sequence[str]) -> dict:
                 "role": r.environment.role.value if r.environment.role else None,
                 "profile": [*extra, *r.profile] if r.overrides is not None else None,
                 "plan": r.plan.as_dict() if r.plan else None, "refusal": r.refusal,
+                "address": r.address,
                 "unknown": [{"name": n, "from": w} for n, w in r.environment.unknown],
                 "findings": [f.as_dict() for f in r.findings]}
 
@@ -725,6 +728,39 @@ def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optio
                  "the peer's memory.")
 
 
+def check_address(env: Mapping[str, str], peer_address: Optional[str] = None, host=None) -> Check:
+    """The address this side would advertise under SGLang 0.5.23's rule (SGLANG_HOST_IP /
+    HOST_IP, SGLANG_LOCAL_IP_NIC, the default route, the hostname), the step that chose it, and
+    what a peer would trip on (orchestrator.preflight.address). `peer_address`: the address the
+    other side advertises (its doctor prints it)."""
+    from orchestrator.preflight import address
+
+    host = host if host is not None else address.probe_host(env)
+    adv = address.advertise(host)
+    status, detail = address.summary(adv, address.judge(adv, host, peer_address))
+    if peer_address:
+        detail += f" (peer: {peer_address})"
+    return Check("address", Status(status), detail)
+
+
+def check_versions(mine: Mapping[str, str], peer: Optional[Mapping[str, str]] = None,
+                   peer_label: str = "") -> Check:
+    """This side's versions, and (with the peer's) the skew: FAIL for a known
+    incompatibility, WARN for any other difference (orchestrator.profile.versions)."""
+    from orchestrator.profile import versions
+
+    text = f"this side: {versions.as_text(mine)}"
+    if peer is None:
+        return Check("versions", Status.OK, text + " (pass the other side's line as --peer-versions "
+                                                   "to compare; a split run compares them at bootstrap)")
+    text += f"; the peer{peer_label}: {versions.as_text(peer)}"
+    found = versions.skew(mine, peer)
+    if not found:
+        return Check("versions", Status.OK, text + "; the same")
+    status = Status.FAIL if any(f for f, _ in found) else Status.WARN
+    return Check("versions", status, text + ". " + " ".join(t + "." for _, t in found))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = profile_parser(
         "python -m orchestrator.doctor",
@@ -742,6 +778,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "Deployment, StatefulSet, LeaderWorkerSet, ...)")
     parser.add_argument("--run", action="store_true",
                         help="with --env-file/--manifest: then run the implied profile here")
+    parser.add_argument("--peer-address", metavar="ADDR", default=None,
+                        help="the address the other side advertises (its doctor's `address` line): "
+                             "this side's is judged against its subnet")
+    parser.add_argument("--peer-versions", metavar="LINE", default=None,
+                        help="the other side's versions as its doctor prints them (the `versions` "
+                             "line after 'this side: '): a skew WARNs, a known incompatibility FAILs")
     parser.add_argument("--peer-pid-ns", metavar="ID", default=None,
                         help="the other side's PID namespace as its doctor prints it (pid:[N]): under "
                              "nvlink_intra both must be the same")
@@ -753,12 +795,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return env_main(args)
     if args.run:
         error_exit("--run needs --env-file or --manifest (it runs the profile they imply)")
+    from orchestrator.profile import versions
+
     try:
         cfg = load_profile(args.overrides)
         peer = load_profile(shlex.split(args.peer)) if args.peer is not None else None
+        peer_versions = versions.from_text(args.peer_versions) if args.peer_versions else None
     except ProfileError as exc:
         error_exit(str(exc))
-    report = run_checks(cfg, args.overrides)
+    except ValueError as exc:
+        error_exit(f"--peer-versions: {exc}")
+    if args.peer_address is not None:
+        try:
+            ipaddress.ip_address(args.peer_address)
+        except ValueError:
+            error_exit(f"--peer-address={args.peer_address} is not an IP address")
+    report = run_checks(cfg, args.overrides, peer_address=args.peer_address)
+    mine = versions.local(cfg.layout.name)
+    label = ""
+    if peer_versions is None and peer is not None:
+        peer_versions, label = versions.local(peer.layout.name), " (its profile, on this machine)"
+    report.checks.append(check_versions(mine, peer_versions, label))
     if peer is not None:
         report.checks.append(check_layouts(cfg, peer, args.peer))
     from orchestrator.profile.platform import detect

@@ -51,6 +51,9 @@ from orchestrator.profile.config import ConfigError, MemPoolType
 from orchestrator.profile.plan import Device, EngineTransport, Plan, Reason
 
 POOL_VAR = "SGLANG_MOONCAKE_CUSTOM_MEM_POOL"
+# sgl-project/sglang PR #38024 (open, a preview): the backend-neutral name, which reads POOL_VAR
+# as a deprecated alias when it is unset itself. SGLang 0.5.23 reads POOL_VAR only.
+NEW_POOL_VAR = "SGLANG_CUSTOM_MEM_POOL"
 SEND_AUX_TCP_VAR = "SGLANG_MOONCAKE_SEND_AUX_TCP"
 PROTOCOL_VAR = "MOONCAKE_PROTOCOL"
 SAMPLING_MASK_VAR = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"
@@ -73,6 +76,14 @@ def serving_env(plan: Plan) -> dict[str, Optional[str]]:
     }
     env.update(plan.mc_env)
     return env
+
+
+def pool_value(env: Mapping[str, str], pr38024: bool = False) -> Optional[str]:
+    """The raw pool value SGLang reads: 0.5.23 reads SGLANG_MOONCAKE_CUSTOM_MEM_POOL only; with
+    PR #38024 (EnvStrWithAlias), SGLANG_CUSTOM_MEM_POOL, else the old name (a DeprecationWarning)."""
+    if pr38024 and env.get(NEW_POOL_VAR) is not None:
+        return env[NEW_POOL_VAR]
+    return env.get(POOL_VAR)
 
 
 def sglang_bool(value: Optional[str]) -> Optional[bool]:
@@ -99,7 +110,7 @@ def profile_from_env(env: Mapping[str, str]) -> dict[str, str]:
     Every key is named, so the overrides mean the same on top of any other profile. Raises
     ConfigError (the variable, its value, what is allowed) for a value no profile can express.
     """
-    raw_pool = env.get(POOL_VAR)
+    raw_pool = pool_value(env)
     pool = MemPoolType.NONE
     if raw_pool is not None and raw_pool.lower() == "true":
         pool = MemPoolType.NVLINK

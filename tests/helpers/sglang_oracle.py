@@ -468,3 +468,43 @@ def load_or_skip() -> Oracle:
         return load()
     except OracleUnavailable as exc:
         pytest.skip(f"SGLang oracle unavailable: {exc}", allow_module_level=True)
+
+
+# ---- the address a side advertises (utils/network.py) ----------------------------------------
+def local_ip_rule() -> Callable[..., str]:
+    """SGLang 0.5.23's get_local_ip_auto, with get_local_ip_by_nic and get_local_ip_by_remote,
+    compiled from the shipped utils/network.py (unchanged) over the real os, socket and
+    logging: it reads this process's environment and interfaces, and imports netifaces as
+    SGLang does. Raises OracleUnavailable without sglang 0.5.23's source."""
+    import os
+    import socket
+
+    network = _Source(package_dir(), "srt/utils/network.py")
+    ns = network.run([network.top("get_local_ip_by_nic"), network.top("get_local_ip_by_remote"),
+                      network.top("get_local_ip_auto")],
+                     _namespace("network_rule", os=os, socket=socket, Optional=Optional,
+                                logger=_Logger("sglang_oracle.network")))
+    return ns["get_local_ip_auto"]
+
+
+def pool_envs_pr38024() -> Any:
+    """The two pool variables as SGLang reads them: SGLANG_MOONCAKE_CUSTOM_MEM_POOL as 0.5.23's
+    Envs declares it (EnvStr(None)), and SGLANG_CUSTOM_MEM_POOL as sgl-project/sglang PR #38024
+    (open) declares it: EnvStrWithAlias(None, deprecated_name=SGLANG_MOONCAKE_CUSTOM_MEM_POOL),
+    with 0.5.23's own EnvField / EnvStr / _DeprecatedEnvFallback / EnvStrWithAlias compiled from
+    the shipped environ.py. `.get()` on either reads this process's environment (the alias,
+    when taken, is copied to the new name, as SGLang does)."""
+    import os
+    import warnings
+    from contextlib import contextmanager
+
+    environ = _Source(package_dir(), "srt/environ.py")
+    ns = environ.run([environ.top(n) for n in ("EnvField", "EnvStr", "_DeprecatedEnvFallback",
+                                               "EnvStrWithAlias")],
+                     _namespace("environ_alias", os=os, warnings=warnings, Any=Any,
+                                contextmanager=contextmanager))
+    envs = type("Envs", (), {
+        "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": ns["EnvStr"](None),
+        "SGLANG_CUSTOM_MEM_POOL": ns["EnvStrWithAlias"](None, deprecated_name="SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
+    })
+    return envs()

@@ -1,0 +1,89 @@
+"""What each side runs (the Mooncake wheel and its version, torch, the SGLang aux layout, this
+tool's version), and what a skew between a prefill's and a decode's means.
+
+Both sides send :func:`local` at bootstrap; :func:`skew` judges the pair: a FAIL where a known
+incompatibility applies, a WARN for any other difference. ``doctor`` prints this side's as one
+line (:func:`as_text`), which the other side's ``doctor --peer-versions`` reads back
+(:func:`from_text`).
+
+The known incompatibility: Mooncake sessions between a side on Mooncake < 0.3.11 and a side on
+0.3.11 or later fail with "Failed to get segment descriptor" (reported as SGLang #26008 and
+Mooncake #2177, after one side of a running deployment was upgraded).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Mapping, Optional
+
+MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
+                   "mooncake-transfer-engine")
+KEYS = ("mooncake_wheel", "mooncake", "torch", "layout", "orchestrator")
+SEGMENT_DESCRIPTOR_BREAK = (0, 3, 11)  # Mooncake #2177 / SGLang #26008
+NONE = "none"
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def local(layout: str) -> dict[str, str]:
+    """This side's versions ({key: value}, every key of KEYS; "none" when not installed)."""
+    wheel = next((d for d in MOONCAKE_WHEELS if _version(d) is not None), None)
+    return {"mooncake_wheel": wheel or NONE,
+            "mooncake": (_version(wheel) if wheel else None) or NONE,
+            "torch": _version("torch") or NONE,
+            "layout": layout,
+            "orchestrator": _version("pd-aux-orchestrator") or NONE}
+
+
+def as_text(v: Mapping[str, str]) -> str:
+    """One line, key=value pairs (what --peer-versions reads)."""
+    return " ".join(f"{k}={v.get(k, NONE)}" for k in KEYS)
+
+
+def from_text(text: str) -> dict[str, str]:
+    """The line as_text printed; ValueError naming what is wrong."""
+    out: dict[str, str] = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or key not in KEYS or not value:
+            raise ValueError(f"{item!r}: expected key=value with a key of {', '.join(KEYS)}")
+        out[key] = value
+    missing = [k for k in KEYS if k not in out]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (paste the line the other side's doctor prints)")
+    return out
+
+
+def release(version: str) -> Optional[tuple[int, ...]]:
+    """The leading release numbers of a version string (0.3.13.post1 -> (0, 3, 13))."""
+    m = re.match(r"(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def skew(mine: Mapping[str, str], peer: Mapping[str, str]) -> list[tuple[bool, str]]:
+    """(fail, text) per difference between this side's versions and the peer's."""
+    out: list[tuple[bool, str]] = []
+    a, b = mine.get("mooncake", NONE), peer.get("mooncake", NONE)
+    ra, rb = release(a), release(b)
+    if ra is not None and rb is not None and (ra < SEGMENT_DESCRIPTOR_BREAK) != (rb < SEGMENT_DESCRIPTOR_BREAK):
+        out.append((True, f"Mooncake {a} here, {b} on the peer: across 0.3.11, sessions fail with "
+                          "\"Failed to get segment descriptor\" (SGLang #26008, Mooncake #2177); "
+                          "install the same Mooncake wheel on both sides"))
+    elif a != b:
+        out.append((False, f"Mooncake {a} here, {b} on the peer: no known incompatibility, but the "
+                           "two engines were not tested together; install the same version on both"))
+    if mine.get("mooncake_wheel") != peer.get("mooncake_wheel") and a == b:
+        out.append((False, f"Mooncake wheel {mine.get('mooncake_wheel')} here, "
+                           f"{peer.get('mooncake_wheel')} on the peer (same version, other build)"))
+    for key, what in (("torch", "torch"), ("orchestrator", "this tool"), ("layout", "the SGLang aux layout")):
+        if mine.get(key) != peer.get(key):
+            extra = (": the layouts are compared field by field too, and a run refuses a "
+                     "difference" if key == "layout" else "")
+            out.append((False, f"{what} {mine.get(key)} here, {peer.get(key)} on the peer{extra}"))
+    return out
