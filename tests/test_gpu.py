@@ -114,3 +114,30 @@ def test_all_pairs_four_by_four_over_nvlink(run_job, tmp_path):
     assert (res.verified, res.failed, res.corrupted) == (800, 0, 0), res
     assert res.transports.effective_transport == "mooncake-nvlink_intra"
     assert len(res.pairs) == 16
+
+
+@pytest.mark.parametrize("mps", ["on", "off"])
+def test_prefill_and_decode_on_one_gpu_under_mps_and_without(run_job, tmp_path, mps):
+    """Both processes on GPU 0: endpoints.mps=on runs them under the run's own MPS daemon (its
+    server serves them; none is left after the run); off time-slices, with one warning line."""
+    import shutil
+
+    if mps == "on" and not shutil.which("nvidia-cuda-mps-control"):
+        pytest.skip("nvidia-cuda-mps-control is not on PATH")
+    res = _nvlink_run(run_job, tmp_path, "workload.requests=300", "endpoints.prefill_gpus=[0]",
+                      "endpoints.decode_gpus=[0]", f"endpoints.mps={mps}")
+    assert (res.verified, res.failed, res.corrupted) == (300, 0, 0), res
+    sharing = res.transports.gpu_sharing
+    print(sharing, res.ending.warnings)
+    assert sharing["shared"] == {"0": ["prefill", "decode"]}
+    warned = [w for w in res.ending.warnings if "endpoints.mps" in w]
+    if mps == "on":
+        assert sharing["mps"] and sharing["daemon"] == "own" and sharing["servers"], sharing
+        assert not warned
+        try:  # (a zombie no one reaps counts as gone)
+            state = open(f"/proc/{sharing['daemon_pid']}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        assert state in ("gone", "Z"), "the run's MPS daemon outlived it"
+    else:
+        assert not sharing["mps"] and len(warned) == 1

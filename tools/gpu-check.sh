@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The GPU results in BENCHMARKS.md, reproduced on a 2-GPU H200 machine (no network there).
+# The GPU results in BENCHMARKS.md, reproduced on an H200 machine, one GPU or two (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
 # STEPS: any of tests,yardstick,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
-# with, run in the same call just before and just after the bench: ../shared does not travel
-# to the device, so copy it first: cp ../shared/tools/handoff_yardstick.py .whl/ ; its path
-# can be given as YARDSTICK=...; IDEAL_GPU_D=1 puts its decode on GPU 1)
+# with, run in the same call just before and just after the bench, plain and with
+# YARDSTICK_ROOM=1 (SGLang's room write and check), each without CUDA MPS and under a daemon of
+# this script's own; then ours/yardstick for each pair: ../shared does not travel to the device,
+# so copy it first: cp ../shared/tools/handoff_yardstick.py .whl/ ; its path can be given as
+# YARDSTICK=...; IDEAL_GPU_D=1 puts its decode on GPU 1)
+# (bench and gate run with and without MPS: the bench gives each path whose processes share a
+# GPU a no-MPS twin (endpoints.mps=off: one in flight and per-request); the gate sweep runs
+# endpoints.mps=off, then its CUDA rows again with endpoints.mps=on. MPS never changes a device
+# setting: a control daemon with its pipe and log dirs in a temp dir, quit at the end.)
 # (tails: for every run dir made before it, the first engine write's cost at start-up and the
 # five slowest handoffs with their request ids and send times: is the tail a cold start or
 # steady state, on the prefill's side or the decode's?)
@@ -26,7 +32,20 @@ pack() {
      ! -name 'decisions*' ! -name 'verdicts*' | tar czf "$dest/gpu-check.tar.gz" -T -)
   cp "$out/machine.txt" "$dest/" 2>/dev/null
 }
-trap pack EXIT
+mps_dir=
+mps_on() {  # a CUDA MPS control daemon of this script's own (for the yardstick); 1: none to be had
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "(nvidia-cuda-mps-control is not on PATH)"; return 1; }
+  mps_dir=$(mktemp -d /tmp/mps-XXXXXX); mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  nvidia-cuda-mps-control -d || { mps_off; return 1; }
+}
+mps_off() {  # quit it (it outlives the call otherwise) and wait until it is gone
+  [ -n "$mps_dir" ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  for _ in $(seq 100); do [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || break; sleep 0.1; done
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; mps_dir=
+}
+trap 'mps_off; pack' EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || exit 1
@@ -42,24 +61,59 @@ want() { [[ ",$steps," == *",$1,"* ]]; }
 cat "$out/machine.txt"
 if want tests; then
   echo "== GPU tests"
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_step.py tests/test_digest.py 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_step.py tests/test_digest.py \
+    tests/test_mps.py 2>&1 | tail -30 | tee "$out/gpu-tests.txt"
 fi
-run_yardstick() {
-  if [ -f "$yardstick" ]; then
-    echo "== yardstick ($1): python3 $(basename "$yardstick") gpu 3000${IDEAL_GPU_D:+ (decode on GPU $IDEAL_GPU_D)}"
-    (cd "$(dirname "$yardstick")" && timeout 120 python3 "$(basename "$yardstick")" gpu 3000) 2>&1 \
-      | grep -E "RESULT|mismatch|Error" | tee -a "$out/yardstick.txt"
-  else
-    echo "== yardstick: $yardstick not found (cp ../shared/tools/handoff_yardstick.py .whl/)"
+run_yardstick() {  # $1: before / after the bench; lines tagged [when mps=off|on room=0|1]
+  if [ ! -f "$yardstick" ]; then
+    echo "== yardstick: $yardstick not found (cp ../shared/tools/handoff_yardstick.py .whl/)"; return
   fi
+  for mps in off on; do
+    if [ $mps = on ]; then mps_on || continue; fi
+    for room in 0 1; do
+      echo "== yardstick ($1, MPS $mps, YARDSTICK_ROOM=$room): python3 $(basename "$yardstick") gpu 3000${IDEAL_GPU_D:+ (decode on GPU $IDEAL_GPU_D)}"
+      (cd "$(dirname "$yardstick")" && YARDSTICK_ROOM=${room/0/} timeout 120 python3 "$(basename "$yardstick")" gpu 3000) 2>&1 \
+        | grep -E "RESULT|mismatch|Error" | sed "s/^/[$1 mps=$mps room=$room] /" | tee -a "$out/yardstick.txt"
+    done
+    [ $mps = on ] && mps_off
+  done
 }
-want yardstick && run_yardstick "before the bench"
+ours_over_yardstick() {  # ours (the bench's one in flight) / the yardstick, for each MPS x room pair
+  python3 - "$out/yardstick.txt" "$out/bench.json" <<'PY' | tee "$out/ours-over-yardstick.md"
+import json, re, statistics, sys
+ys = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"\[(\w+) mps=(\w+) room=(\d)\] RESULT .*? p50 ([\d.]+) us", line)
+    if m:
+        ys.setdefault((m[2], m[3]), []).append(float(m[4]))
+try:
+    paths = json.load(open(sys.argv[2]))["paths"]
+except (OSError, ValueError):
+    paths = []
+ours = {}
+for p in paths:
+    ph = (p.get("phases") or {}).get("handoff 1-in-flight")
+    if ph and p["path"].startswith("engine nvlink_intra"):
+        ours["on" if p["path"].endswith(", MPS") else "off"] = ph["handoff_us"]["p50"]
+print("| MPS | yardstick p50 us (plain) | yardstick p50 us (YARDSTICK_ROOM=1) | ours 1-in-flight NVLink p50 us "
+      "| ours / yardstick ROOM=1 | ours / plain |")
+print("|---|---|---|---|---|---|")
+for mps in ("off", "on"):
+    plain, room = ys.get((mps, "0")), ys.get((mps, "1"))
+    med = lambda v: round(statistics.median(v), 1) if v else None
+    o, pr, rr = ours.get(mps), med(plain), med(room)
+    print(f"| {mps} | {plain} | {room} | {o} | {round(o / rr, 2) if o and rr else '-'} | "
+          f"{round(o / pr, 2) if o and pr else '-'} |")
+print("(yardstick: every run of the call, before and after the bench; ratios use their medians)")
+PY
+}
+want yardstick && run_yardstick "before"
 if want bench; then
   echo "== bench: experiment=deepseek_v3_mtp (10 blocks / 15,872 B per request)"
   timeout 400 python3 -m orchestrator.bench experiment=deepseek_v3_mtp hydra.run.dir="$out/bench" > "$out/bench.log" 2>&1
   cp "$out/bench/bench.md" "$out/bench.md" 2>/dev/null; cp "$out/bench/bench.json" "$out/bench.json" 2>/dev/null
   cat "$out/bench.md" 2>/dev/null || tail -30 "$out/bench.log"
-  want yardstick && run_yardstick "after the bench"
+  want yardstick && run_yardstick "after" && ours_over_yardstick
 fi
 if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
@@ -96,17 +150,22 @@ if want pairs; then
   cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
 fi
 if want gate; then
-  echo "== decode under load: gate.read x decode_load, host rows and CUDA rows, one in flight, fill ahead"
-  timeout 400 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE,INTRA_NODE_NVLINK workload.fill=ahead \
+  echo "== decode under load: gate.read x decode_load, host rows and CUDA rows, one in flight, fill ahead; no MPS"
+  timeout 300 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE,INTRA_NODE_NVLINK workload.fill=ahead \
     workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
-    hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed"
-  python3 - "$out/gate/summary.csv" <<'PY' | tee "$out/gate.txt"
-import csv, sys
-keys = ["mem_pool", "gate_read", "decode_load", "verified", "taken_p50_us", "handoff_p50_us", "gate_read_p50_us",
+    endpoints.mps=off hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed"
+  echo "== the same, CUDA rows, under MPS (endpoints.mps=on; where MPS cannot be had, refused)"
+  timeout 200 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=INTRA_NODE_NVLINK workload.fill=ahead \
+    workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
+    endpoints.mps=on hydra.sweep.dir="$out/gate-mps" 2>&1 | grep -E "sweep summary|job failed|error"
+  python3 - "$out/gate/summary.csv" "$out/gate-mps/summary.csv" <<'PY' | tee "$out/gate.txt"
+import csv, os, sys
+keys = ["mem_pool", "mps", "gate_read", "decode_load", "verified", "taken_p50_us", "handoff_p50_us", "gate_read_p50_us",
         "gate_read_p99_us", "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving"]
-rows = list(csv.DictReader(open(sys.argv[1])))
+rows = [r for f in sys.argv[1:] if os.path.exists(f) for r in csv.DictReader(open(f))]
 for r in rows:
     r["decode_load"] = next((v for k, v in r.items() if k.endswith("decode_load.step_ms")), "")
+    r["mps"] = next((v for k, v in r.items() if k.endswith("endpoints.mps")), "")
 print("| " + " | ".join(keys) + " |")
 for r in rows:
     print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")

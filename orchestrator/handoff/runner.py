@@ -31,9 +31,10 @@ from orchestrator.handoff.endpoints.decode import decode_main
 from orchestrator.handoff.endpoints.prefill import prefill_main
 from orchestrator.handoff.faults import divert_control, strike
 from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
+from orchestrator.handoff.mps import mps_for, record_servers
 from orchestrator.handoff.recovery import decode_from_disk, reconstruct
 from orchestrator.handoff.transport.auth import run_secret
-from orchestrator.profile.config import OrchestratorConfig, Role, resolve_seed
+from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, resolve_seed
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RunResult
@@ -157,8 +158,12 @@ class Job:
         if self.cfg.endpoints.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off
             os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                               NVSHMEM_DISABLE_NVLS="1")
-        with (signals or self.signals) as self.signals:
+        sharing = self.plan.sharing
+        with (signals or self.signals) as self.signals, \
+                mps_for(sharing, self.run_dir, self.log) as out.gpu_sharing:
             try:
+                if sharing.mode is MpsMode.on and not out.gpu_sharing["mps"]:
+                    raise RunFailed(f"endpoints.mps=on: {out.gpu_sharing.get('error')}")
                 self._run()
             except RunFailed as exc:
                 out.error = str(exc)
@@ -186,6 +191,7 @@ class Job:
             self.metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
         infos = self._startup()
+        record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
             serve_bootstrap(cfg, self.secret, infos, self.decodes, out, self.log, self.signals)

@@ -189,6 +189,14 @@ class PollMode(Enum):
         return cores >= SPIN_MIN_CORES
 
 
+class MpsMode(Enum):
+    """endpoints.mps: CUDA MPS for the run's processes that share a GPU (auto | on | off)."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 class DigestKind(Enum):
     """verify.digest: linear = keyed linear digest computed in batch on the device that holds
     the rows (default); blake2b = keyed blake2b per row on the host (host buffers only)."""
@@ -592,6 +600,17 @@ class EndpointsConfig:
     """how long a side waits for its processes and its peer to start up"""
     poll: PollMode = PollMode.auto
     """spin | block | auto (spin where this process may use >= 8 cores: affinity and cgroup quota)"""
+    mps: MpsMode = MpsMode.auto
+    """CUDA MPS for processes of this run that share a GPU. Without it they time-slice the GPU:
+    each device touch of one costs a context switch of the other (about 300-400 us on an
+    H200), and a one-GPU run measures that instead of the transport. auto: where two of the
+    run's processes map to one GPU, join the MPS daemon the user started
+    (CUDA_MPS_PIPE_DIRECTORY set), else start one of the run's own when nvidia-cuda-mps-control
+    is on PATH (pipe and log dirs in the run dir; stopped at the end, on failure, on an
+    interrupt, and by a reaper when the runner itself is killed). on: the same for every GPU
+    process, and refused (exit 2) where MPS cannot be had. off: never starts one. No device
+    setting (compute mode included) is ever changed. The machine's side of the check is the
+    rule book's (profile.sharing)."""
     decode_load: DecodeLoadConfig = field(default_factory=DecodeLoadConfig)
     """a decode that decodes: a synthetic forward loop on each decode GPU (CUDA rows)"""
 

@@ -20,9 +20,12 @@ from orchestrator.profile.config import (
     EngineTransportSetting,
     FallbackPolicy,
     MemPoolType,
+    MpsMode,
     OrchestratorConfig,
+    Role,
     RouteSetting,
 )
+from orchestrator.profile.sharing import GpuSharing, processes_on_gpus, sharing_rule
 
 
 class Device(Enum):
@@ -69,6 +72,8 @@ class Platform:
     env: Mapping[str, str] = field(default_factory=dict)  # snapshot of os.environ
     host_mem_bytes: Optional[int] = None  # MemAvailable (None: not known, not checked)
     gpu_mem_bytes: tuple[int, ...] = ()  # each CUDA device's total memory (empty: not checked)
+    mps_control: Optional[str] = None  # nvidia-cuda-mps-control's path (None: not on PATH)
+    mps_pipe: Optional[str] = None  # the pipe dir of an MPS daemon already running (None: none)
 
     @property
     def cuda(self) -> bool:
@@ -195,6 +200,7 @@ class Plan:
     fallback: FallbackPolicy
     completion: CompletionSetting = CompletionSetting.spin
     events: tuple[PlanEvent, ...] = ()
+    sharing: GpuSharing = GpuSharing(MpsMode.auto)  # the processes on each GPU, and MPS for them
 
     @property
     def declared_transport(self) -> str:
@@ -218,6 +224,7 @@ class Plan:
             "decode_gpus": list(self.decode_gpus) if self.decode_gpus else None,
             "fallback": self.fallback.value,
             "completion": self.completion.value,
+            "gpu_sharing": self.sharing.as_dict(),
             "events": [
                 {"event": e.event, "reason": e.reason.value, "detail": e.detail} for e in self.events
             ],
@@ -296,6 +303,10 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     prefill_gpus = decode_gpus = None
     if device is Device.cuda:
         prefill_gpus, decode_gpus = _gpu_placement(cfg, platform)
+    e = cfg.endpoints
+    here = processes_on_gpus(prefill_gpus if cfg.role is not Role.decode else None,  # this command's own
+                             decode_gpus if cfg.role is not Role.prefill else None, e.decode_ranks, e.decode_tp)
+    sharing = sharing_rule(e.mps, here, platform.mps_control, platform.mps_pipe)
 
     return Plan(
         mem_pool=pool,
@@ -310,6 +321,7 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         fallback=policy,
         completion=completion_rule(cfg.transport.mooncake.completion, platform.cpu_count),
         events=tuple(events),
+        sharing=sharing,
     )
 
 

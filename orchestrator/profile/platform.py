@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import shutil
 from importlib import metadata
 from typing import Iterable, Optional
 
 from orchestrator.profile.plan import Platform
+from orchestrator.profile.sharing import MPS_CONTROL, running_daemon
 
 MOONCAKE_DISTRIBUTIONS = (
     "mooncake-transfer-engine-cuda13",
@@ -157,4 +159,6 @@ def detect() -> Platform:
         env=dict(os.environ),
         host_mem_bytes=host_mem_available(),
         gpu_mem_bytes=gpu_mem,
+        mps_control=shutil.which(MPS_CONTROL),
+        mps_pipe=running_daemon(os.environ, os.path.exists),
     )

@@ -68,6 +68,7 @@ def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "gpus": gpus(),
         "mc_env": dict(plan.mc_env),
+        "gpu_sharing": plan.sharing.as_dict(),  # as planned (results.json: as the run had it)
         "git": git_commit(),
         "seeds": {"workload.seed": cfg.workload.seed},
     }

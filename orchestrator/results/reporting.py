@@ -20,6 +20,7 @@ from typing import Optional
 
 from orchestrator.profile.config import OrchestratorConfig
 from orchestrator.profile.plan import Plan
+from orchestrator.profile.sharing import sharing_line, sharing_warning
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import LATENCIES, STAGES, RankResult, RunResult, counter_dict
 from orchestrator.results.rundir import RunFiles, write_atomic
@@ -144,13 +145,14 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     # this module's own sections first, then what lower modules give (the plan's view last)
     t, workload, auth, tp = _timing(cfg, out, m), _workload(cfg), _authenticated(cfg, out, m), _tp(cfg, out)
     warnings = (batch_caps(cfg, t.sends, sum(m.routes.values()))
-                + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None))
+                + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None)
+                + [w for w in (sharing_warning(out.gpu_sharing),) if w])
     gate = _gate(cfg, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
         counter_dict(m.routes), counter_dict(m.details), m.latency_us(), ranks[0].clock if ranks else None,
         {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
-        Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed),
+        Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
         decode_verified, {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
@@ -257,7 +259,7 @@ def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> De
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),
         {name: DecodeCounts.of(d) for name, d in out.decodes.items()}, Timing(startup_s=out.startup_s),
-        Transports(effective, plan.declared_transport, out.transports, out.engine_exposed),
+        Transports(effective, plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
 
 
@@ -374,6 +376,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path) -> str:
     if results.failure_reasons:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results.failure_reasons.items()))
     lines = _problems(results) + lines
+    lines += [x for x in (sharing_line(results.transports.gpu_sharing),) if x]
     lines += [f"warning: {c}" for c in results.ending.warnings]
     rows, in_flight = w.decode_rows, w.in_flight_max  # (both set by _workload)
     if w.rate is None and in_flight is not None and rows is not None and in_flight > rows:

@@ -304,6 +304,7 @@ class Transports:
     declared_transport: Optional[str] = None
     endpoint_transports: dict[str, str] = field(default_factory=dict)
     engine_listeners_beyond_loopback: list[str] = field(default_factory=list)
+    gpu_sharing: dict = field(default_factory=dict)  # the processes on each GPU, and whether MPS was on
 
 
 @dataclass
@@ -445,7 +446,7 @@ class JobResults(Results):
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
              "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
              "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "wall_s",
-             "workload", "effective_transport", "declared_transport", "endpoint_transports", "pairs",
+             "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
              "authenticated", "decode", "decode_verified", "memory_kb", "faults_applied",
              "engine_listeners_beyond_loopback", "lost", "interrupted", "signal", "slow_to_stop",
              "engine_log", "plan", "error", "tp", "decode_gate", "offered_per_s", "warnings", "exit_code",
@@ -489,7 +490,7 @@ class DecodeSideResults(Results):
 
     ORDER = ("role", "bootstrap", "prefills_seen", "requests", "verified", "corrupted", "failed",
              "failure_reasons", "decode", "startup_s", "effective_transport", "declared_transport",
-             "endpoint_transports", "engine_listeners_beyond_loopback", "lost", "interrupted", "signal",
+             "endpoint_transports", "gpu_sharing", "engine_listeners_beyond_loopback", "lost", "interrupted", "signal",
              "engine_log", "plan", "error", "tp", "exit_code", "run_dir")
 
     @classmethod

@@ -49,6 +49,7 @@ from orchestrator.profile.config import (
     EngineTransportSetting,
     FillMode,
     MemPoolType,
+    MpsMode,
     OrchestratorConfig,
     RouteSetting,
     SetBufMode,
@@ -59,6 +60,7 @@ from orchestrator.profile.config import (
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
+from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
 from orchestrator.results.records import STAGES, RankResult
 from orchestrator.results.schema import EXIT_SIGNAL, Percentiles, each, read_section
@@ -162,6 +164,7 @@ class PathReport:
     blocks: Optional[int] = None
     buffer_device: Optional[str] = None
     completion: Optional[str] = None
+    gpu_sharing: dict = field(default_factory=dict)  # the processes on each GPU, MPS on or not
     phases: dict[str, PhaseResult] = field(default_factory=dict)
     ours_send_aux: Optional[SampleStats] = None  # our send (start + finish) on the engine route
     raw_batch_write: Optional[SampleStats] = None  # Mooncake's batch_transfer_sync_write, same blocks
@@ -172,9 +175,9 @@ class PathReport:
     bulk: Optional[Bulk] = None
 
     @classmethod
-    def of(cls, res: PathResult, plan: Plan) -> "PathReport":
+    def of(cls, res: PathResult, plan: Plan, gpu_sharing: dict) -> "PathReport":
         rep = cls(res.path, res.error, res.transport, res.row_bytes, res.blocks, plan.buffer_device.value,
-                  plan.completion.value, res.phases, bulk=res.bulk)
+                  plan.completion.value, gpu_sharing, res.phases, bulk=res.bulk)
         if res.ours_us:
             rep.ours_send_aux, rep.raw_batch_write = ours, raw = SampleStats.of(res.ours_us), SampleStats.of(res.raw_us)
             assert ours.p50 is not None and raw.p50 is not None  # a raw write for each send (BenchDriver._raw)
@@ -194,7 +197,7 @@ class PathReport:
             return {"path": self.path, "error": self.error}
         d: dict[str, Any] = {"path": self.path, "transport": self.transport, "row_bytes": self.row_bytes,
                              "blocks": self.blocks, "buffer_device": self.buffer_device,
-                             "completion": self.completion,
+                             "completion": self.completion, "gpu_sharing": self.gpu_sharing,
                              "phases": {k: asdict(v) for k, v in self.phases.items()}}
         if self.ours_send_aux is not None:
             assert self.raw_batch_write is not None and self.raw_run is not None  # all set together (of)
@@ -246,6 +249,7 @@ class BenchDriver:
     iters: int
     raw: bool  # engine route: compare with raw Mooncake calls
     bulk_bytes: int
+    only: Optional[tuple[str, ...]] = None  # run only these phases (a path's no-MPS twin)
 
     def __call__(self, ep: PrefillEndpoint, conn) -> PathResult:
         out = PathResult(self.name, ep.side.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
@@ -262,6 +266,8 @@ class BenchDriver:
             plan.append(("inline staged", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline,
                                                 set_buf=SetBufMode.staged)))
         for name, phase in plan:
+            if self.only is not None and name not in self.only:
+                continue
             # the bench's progress line
             conn.send(protocol.Phase(label=f"{name} ({phase.requests} requests)"))
             phase.rid_base = base
@@ -331,14 +337,19 @@ class Path_:
     name: str
     cfg: OrchestratorConfig
     plan: Plan
+    only: Optional[tuple[str, ...]] = None  # BenchDriver.only
+
+
+NO_MPS_PHASES = ("handoff 1-in-flight", "per-request")  # what a path's no-MPS twin runs
 
 
 def _label(p: Plan) -> str:
     where = p.buffer_device.value
+    mps = (", MPS" if p.sharing.mps else ", no MPS") if p.sharing.shared else ""
     if p.route is Route.tcp:
-        return f"tcp route (ZMQ), {where}->{where}"
+        return f"tcp route (ZMQ), {where}->{where}{mps}"
     assert p.engine_transport is not None  # (the engine route)
-    return f"engine {p.engine_transport.value}, {where}->{where}"
+    return f"engine {p.engine_transport.value}, {where}->{where}{mps}"
 
 
 def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
@@ -363,6 +374,12 @@ def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
     def add(c: OrchestratorConfig) -> None:
         p = check_profile(c, platform)
         out.append(Path_(_label(p), c, p))
+        if p.sharing.shared and p.sharing.mps:  # its twin without MPS: what time-slicing costs
+            twin = copy.deepcopy(c)
+            twin.endpoints.mps = MpsMode.off
+            q = check_profile(twin, platform)
+            if not q.sharing.mps:
+                out.append(Path_(_label(q), twin, q, NO_MPS_PHASES))
 
     if plan.route is Route.engine:
         assert plan.engine_transport is not None  # (the engine route)
@@ -384,9 +401,9 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
     todo = paths(cfg, platform)
     for k, ph in enumerate(todo, 1):
         phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
-        engine = ph.plan.route is Route.engine
+        engine = ph.plan.route is Route.engine and ph.only is None
         bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
-        driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk)
+        driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk, ph.only)
         progress = _BenchProgress(f"[{k}/{len(todo)}] {ph.name}")
         progress.say("starting its processes")
         out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
@@ -402,7 +419,10 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
             err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
             results.paths.append(PathReport(ph.name, err))
             continue
-        results.paths.append(PathReport.of(res, ph.plan))
+        results.paths.append(PathReport.of(res, ph.plan, out.gpu_sharing))
+        warn = sharing_warning(out.gpu_sharing) if ph.only is None else None
+        if warn:
+            progress.say(f"warning: {warn}")
     results.ratios = ratios(results.paths)
     (run_dir / "bench.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
     table = markdown(results)
@@ -460,6 +480,16 @@ def ratios(paths: list[PathReport]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tcp = next((p for p in ok if p.path.startswith("tcp route")), None)
     first = ok[0] if ok else None
+    for p in ok:  # a path and its no-MPS twin (next to it)
+        twin = next((q for q in ok if q.path == p.path.replace(", MPS", ", no MPS") and q is not p), None)
+        if twin is None:
+            continue
+        h, ht = _handoff_p50(p), _handoff_p50(twin)
+        if h and ht:
+            out[f"handoff p50 without MPS / with MPS, {p.path}"] = round(ht / h, 2)
+        r, rt = _rate(p, "per-request"), _rate(twin, "per-request")
+        if r and rt:
+            out[f"per-request handoffs/s with MPS / without, {p.path}"] = round(r / rt, 2)
     host = next((q for q in ok if q.buffer_device == "cpu" and "inline" in q.phases), None)
     host_sb = _set_buf_p50(host, "inline") if host else None
     for p in ok:
@@ -534,6 +564,18 @@ def _raw_rows(paths: list[PathReport], batch: int) -> list[str]:
     return raw + stages
 
 
+def _sharing_rows(paths: list[PathReport]) -> list[str]:
+    rows = ["", "| path | processes on each GPU | CUDA MPS |", "|---|---|---|"]
+    for p in paths:
+        g = p.gpu_sharing or {}
+        if g.get("gpus"):
+            on = "; ".join(f"GPU {gpu}: {', '.join(names)}" for gpu, names in g["gpus"].items())
+            servers = g.get("servers")
+            rows.append(f"| {p.path} | {on} | {'on' if g.get('mps') else 'off'} ({g.get('error') or g.get('why')}"
+                        + (f"; server pid {', '.join(servers)}" if servers else "") + ") |")
+    return rows if len(rows) > 3 else []
+
+
 def markdown(results: BenchResults) -> str:
     paths = results.paths
     sb = ["", "set_buf per request (p50 us, on the scheduler's thread; inline phases):", "",
@@ -545,7 +587,7 @@ def markdown(results: BenchResults) -> str:
             sb.append(f"| {p.path} | {p.buffer_device} | {_set_buf_p50(p, 'inline')} | "
                       f"{_cell(st) if 'inline staged' in p.phases else 'same as sglang (host rows)'} |")
     first = next((p for p in paths if p.row_bytes is not None), None)
-    lines = _phase_rows(paths) + _raw_rows(paths, results.batch_size) + sb + [
+    lines = _phase_rows(paths) + _raw_rows(paths, results.batch_size) + sb + _sharing_rows(paths) + [
         "", (f"{first.row_bytes} B per request in {first.blocks} blocks; " if first else "no path finished; ")
         + "handoff = row ready on the prefill -> verified on the decode", "", "Ratios:"]
     lines += [f"- {k}: {v}" for k, v in results.ratios.items()]
