@@ -11,8 +11,8 @@
 # so copy it first: cp ../shared/tools/handoff_yardstick.py .whl/ ; its path can be given as
 # YARDSTICK=...; IDEAL_GPU_D=1 puts its decode on GPU 1)
 # (bench and gate run with and without MPS: the bench gives each path whose processes share a
-# GPU a no-MPS twin (endpoints.mps=off: one in flight and per-request); the gate sweep runs
-# endpoints.mps=off, then its CUDA rows again with endpoints.mps=on. MPS never changes a device
+# GPU a no-MPS twin (endpoints.mps=off: one in flight and per-request); the gate sweep runs its
+# CUDA rows with endpoints.mps=off and on, its host rows once. MPS never changes a device
 # setting: a control daemon with its pipe and log dirs in a temp dir, quit at the end.)
 # (tails: for every run dir made before it, the first engine write's cost at start-up and the
 # five slowest handoffs with their request ids and send times: is the tail a cold start or
@@ -150,15 +150,15 @@ if want pairs; then
   cp "$out/pd-4x4/summary.md" "$out/pd-4x4-summary.md" 2>/dev/null
 fi
 if want gate; then
-  echo "== decode under load: gate.read x decode_load, host rows and CUDA rows, one in flight, fill ahead; no MPS"
-  timeout 300 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE,INTRA_NODE_NVLINK workload.fill=ahead \
+  echo "== decode under load: gate.read x decode_load x MPS, CUDA rows, one in flight, fill ahead"
+  timeout 300 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=INTRA_NODE_NVLINK workload.fill=ahead \
     workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
-    endpoints.mps=off hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed"
-  echo "== the same, CUDA rows, under MPS (endpoints.mps=on; where MPS cannot be had, refused)"
-  timeout 200 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=INTRA_NODE_NVLINK workload.fill=ahead \
-    workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang,batched,side_stream \
-    endpoints.mps=on hydra.sweep.dir="$out/gate-mps" 2>&1 | grep -E "sweep summary|job failed|error"
-  python3 - "$out/gate/summary.csv" "$out/gate-mps/summary.csv" <<'PY' | tee "$out/gate.txt"
+    endpoints.mps=off,on hydra.sweep.dir="$out/gate" 2>&1 | grep -E "sweep summary|job failed|error"
+  echo "== the same on host rows (no GPU process: every gate.read is the same there)"
+  timeout 100 python3 -m orchestrator -m experiment=deepseek_v3_mtp mem_pool=NONE workload.fill=ahead \
+    workload.concurrency=1 workload.requests=300 endpoints.decode_load.step_ms=0,8 gate.read=sglang \
+    hydra.sweep.dir="$out/gate-host" 2>&1 | grep -E "sweep summary|job failed|error"
+  python3 - "$out/gate-host/summary.csv" "$out/gate/summary.csv" <<'PY' | tee "$out/gate.txt"
 import csv, os, sys
 keys = ["mem_pool", "mps", "gate_read", "decode_load", "verified", "taken_p50_us", "handoff_p50_us", "gate_read_p50_us",
         "gate_read_p99_us", "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving"]
