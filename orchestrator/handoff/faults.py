@@ -73,6 +73,7 @@ FAULTS: dict[FaultKind, Traits] = {
     FaultKind.stale_room: _t(Site.send, Site.decode_rows, per_request=True, engine_only=True),
     FaultKind.corrupt_byte: _t(Site.send, per_request=True, split=True),
     FaultKind.status_first: _t(Site.send),
+    FaultKind.aux_lost: _t(Site.send, per_request=True, split=True),
 }
 
 
@@ -174,6 +175,9 @@ class FaultyRouter:
             send.t0 = time.monotonic()
             done = self._held[id(send)] = threading.Event()
             self._delayer.q.put((time.monotonic() + self.cfg.margin_us / 1e6, send, done))
+            return
+        if kind is FaultKind.aux_lost:  # no block, no frame: the status alone goes out after it
+            send.t0 = time.monotonic()
             return
         srcs, dsts, lens = inner.blocks(send)
         if kind is FaultKind.bad_destination:

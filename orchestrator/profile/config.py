@@ -239,6 +239,9 @@ class FaultKind(Enum):
     """one byte of the row changes after its digest was taken"""
     status_first = "status_first"
     """decode TP rank `rank`: the status overtakes the aux by margin_us"""
+    aux_lost = "aux_lost"
+    """from `at_request`, every `every`-th request: the status is delivered, the row never is
+    (SGLang 0.5.23's decode would hold such a request in Transferring for ever)"""
 
 
 class HiddenStatesDtype(Enum):

@@ -158,7 +158,19 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
                           **{name: d.memory for name, d in out.decodes.items()}},
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
     res.ending.warnings = warnings
+    res.sglang_0_5_23 = _held(cfg, res)
     return res
+
+
+def _held(cfg: OrchestratorConfig, res: JobResults):
+    """What SGLang 0.5.23's decode would hold in Transferring for ever (orchestrator.results.transferring)."""
+    from orchestrator.profile.config import FaultKind
+    from orchestrator.results.transferring import held
+
+    f = cfg.faults
+    exact = f.kind is FaultKind.aux_lost and cfg.endpoints.prefill_ranks == 1
+    return held(res.failure_reasons, res.requests - res.not_started, res.workload.decode_rows or cfg.buffers.size,
+                (f.at_request, f.every) if exact else None)
 
 
 def _gate(cfg: OrchestratorConfig, out: RunResult) -> DecodeGate:
@@ -375,6 +387,8 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path) -> str:
         lines += [_latency_line(results), _rate_line(results)]
     if results.failure_reasons:
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results.failure_reasons.items()))
+    if results.sglang_0_5_23 is not None:
+        lines.append(results.sglang_0_5_23.line())
     lines = _problems(results) + lines
     lines += [x for x in (sharing_line(results.transports.gpu_sharing),) if x]
     lines += [f"warning: {c}" for c in results.ending.warnings]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 from orchestrator.results.records import DecodeResult, RunResult, counter_dict
 from orchestrator.results.rundir import RunFiles
 from orchestrator.results.stats import LatencyHistogram
+from orchestrator.results.transferring import Held
 
 EXIT_OK, EXIT_NOT_VERIFIED, EXIT_REFUSED, EXIT_LOST = 0, 1, 2, 3
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
@@ -442,9 +443,11 @@ class JobResults(Results):
     decode_gate: DecodeGate
     role: Optional[str] = None  # set by orchestrator.app
     run_dir: Optional[str] = None
+    # what SGLang 0.5.23's decode would hold in Transferring for ever (None: nothing)
+    sglang_0_5_23: Optional[Held] = None
 
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
-             "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
+             "sglang_0_5_23", "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
              "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "wall_s",
              "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
              "authenticated", "decode", "decode_verified", "memory_kb", "faults_applied",
@@ -462,7 +465,8 @@ class JobResults(Results):
                       "authenticated": read_section(Authenticated, d.get("authenticated")),
                       "decode": each(DecodeCounts.from_json)(d.get("decode")),
                       "plan": PlanInfo(d.get("plan") or {}), "tp": TpSummary.from_json(d.get("tp")),
-                      "decode_gate": DecodeGate.from_json(d.get("decode_gate"))})
+                      "decode_gate": DecodeGate.from_json(d.get("decode_gate")),
+                      "sglang_0_5_23": read_section(Held, d["sglang_0_5_23"]) if d.get("sglang_0_5_23") else None})
 
 
 @dataclass

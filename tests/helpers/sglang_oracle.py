@@ -508,3 +508,88 @@ def pool_envs_pr38024() -> Any:
         "SGLANG_CUSTOM_MEM_POOL": ns["EnvStrWithAlias"](None, deprecated_name="SGLANG_MOONCAKE_CUSTOM_MEM_POOL"),
     })
     return envs()
+
+
+# ---- what the decode makes of a request at each poll (the gate and the receiver) -------------
+class FakeClock:
+    """The `time` module the extracted receiver reads: time() is whatever the test sets."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+class _KVManagerState:
+    """What CommonKVReceiver._poll reads of its kv_mgr: one request's status, the timeout."""
+
+    def __init__(self, status: int, waiting_timeout: float):
+        self.status, self.waiting_timeout = status, waiting_timeout
+        self.failures: List[str] = []
+
+    def check_status(self, room: int) -> int:
+        return self.status
+
+    def record_failure(self, room: int, reason: str) -> None:
+        self.failures.append(reason)
+
+    def update_status(self, room: int, status: int) -> None:
+        self.status = status
+
+
+class ReceiverState:
+    """The attributes CommonKVReceiver._poll / _check_waiting_timeout read and write."""
+
+    def __init__(self, status: int, waiting_timeout: float, prefill_wait_start: Optional[float],
+                 init_time: Optional[float]):
+        self.kv_mgr = _KVManagerState(status, waiting_timeout)
+        self.bootstrap_room = 1234
+        self.conclude_state = None
+        self._prefill_wait_start = prefill_wait_start
+        self.init_time = init_time
+        self.abort_notified = False
+        self.bootstrap_infos = None  # no abort notification to send
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def invalidate_cached_bootstrap_infos(self) -> None:
+        pass
+
+
+@dataclass
+class DecodeRules:
+    """SGLang 0.5.23's decode-side poll rules, compiled from the shipped source (unchanged):
+    `gate` is disaggregation/utils.py:_apply_metadata_gate (polls, decode_reqs, metadata_buffers);
+    `poll(receiver)` is common/conn.py CommonKVReceiver._poll (with its _check_waiting_timeout)
+    on a ReceiverState, reading `clock` as its `time` module; KVPoll is base/conn.py's."""
+
+    gate: Callable[..., None]
+    poll: Callable[[Any], Any]
+    KVPoll: Any
+    clock: FakeClock
+
+
+def decode_rules() -> DecodeRules:
+    root = package_dir()
+    utils = _Source(root, f"{_DISAGG}/utils.py")
+    base = _Source(root, f"{_DISAGG}/base/conn.py")
+    common = _Source(root, f"{_DISAGG}/common/conn.py")
+    kvpoll = base.run([base.top("KVPoll")], _namespace("rules.base.conn"))["KVPoll"]
+    gate = utils.run([utils.top("_apply_metadata_gate")], _namespace(
+        "rules.utils", KVPoll=kvpoll, _is_fake_transfer=lambda req: False))["_apply_metadata_gate"]
+    clock = FakeClock()
+    ns = common.run([common.method("CommonKVReceiver", "_poll"),
+                     common.method("CommonKVReceiver", "_check_waiting_timeout")],
+                    _namespace("rules.common.conn", time=clock, KVPoll=kvpoll, Optional=Optional,
+                               logger=_Logger("sglang_oracle.rules")))
+    check = ns["_check_waiting_timeout"]
+    poll_fn = ns["_poll"]
+
+    def poll(receiver: Any) -> Any:
+        receiver._check_waiting_timeout = lambda: check(receiver)
+        return poll_fn(receiver)
+
+    return DecodeRules(gate, poll, kvpoll, clock)
