@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,7 +135,12 @@ def test_mooncake_wrapper_moves_bytes_and_raises_on_bad_destination():
         eng.register(src.data_ptr(), src.numel())
         assert eng.probe(session)
         eng.batch_write(session, [src.data_ptr(), src.data_ptr() + 128], [dst, dst + 128], [128, 128])
-        eng.wait(eng.submit(session, [src.data_ptr() + 256], [dst + 256], [256]))  # asynchronous
+        eng.wait(eng.submit(session, [src.data_ptr() + 256], [dst + 256], [128]))  # asynchronous
+        # numpy address arrays: 0.3.14's *_arrays calls where the wheel has them, else as lists
+        a = np.array([src.data_ptr() + 384, src.data_ptr() + 448], dtype=np.uint64)
+        b = np.array([dst + 384, dst + 448], dtype=np.uint64)
+        eng.wait(eng.submit(session, a[:1], b[:1], np.array([64], dtype=np.uint64)))
+        eng.batch_write(session, a[1:], b[1:], np.array([64], dtype=np.int64))
         with pytest.raises(EngineError) as info:
             eng.batch_write(session, [src.data_ptr()], [dst + (1 << 40)], [64])
         assert info.value.rc != 0 and info.value.context["blocks"] == 1

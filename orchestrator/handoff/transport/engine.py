@@ -15,7 +15,9 @@ import re
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Union
+
+import numpy as np
 
 from orchestrator.handoff.transport.ports import any_free_port
 from orchestrator.profile.config import is_loopback
@@ -176,8 +178,26 @@ def _unique_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+Addresses = Union[Sequence[int], np.ndarray]
+
+
+def _as_list(values: Addresses) -> Sequence[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+def _as_u64(values: Addresses) -> np.ndarray:
+    """Contiguous uint64, as the 0.3.14 `*_arrays` calls take (no copy when it already is)."""
+    return np.ascontiguousarray(values, dtype=np.uint64)
+
+
 class MooncakeEngine:
-    """One initialized TransferEngine. Create one per process and reuse it (teardown ~1 s)."""
+    """One initialized TransferEngine. Create one per process and reuse it (teardown ~1 s).
+
+    Block addresses and lengths may be Python lists or numpy integer arrays. Mooncake 0.3.14
+    (the CUDA 13 wheel) takes contiguous 8-byte integer arrays in its
+    `batch_transfer_{async,sync}_write_arrays` calls; where the installed wheel has them
+    (feature-detected), arrays go to them as they are, with no Python list built per call.
+    0.3.13 (the CPU wheel) has only the list calls: arrays are turned into lists for it."""
 
     def __init__(
         self,
@@ -215,6 +235,13 @@ class MooncakeEngine:
         self.rpc_port = self._engine.get_rpc_port()
         self.session_id = f"{host}:{self.rpc_port}" if local == host else local
         self.effective_transport = transport_from_log(self.init_log)
+        self._async_arrays = getattr(self._engine, "batch_transfer_async_write_arrays", None)
+        self._sync_arrays = getattr(self._engine, "batch_transfer_sync_write_arrays", None)
+
+    @property
+    def has_arrays(self) -> bool:
+        """The wheel takes numpy address arrays (Mooncake 0.3.14's `*_arrays` calls)."""
+        return self._async_arrays is not None
 
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self._engine.register_memory(ptr, nbytes)
@@ -224,13 +251,16 @@ class MooncakeEngine:
     def probe(self, session: str) -> bool:
         return self._engine.send_probe(session) == 0
 
-    def submit(self, session: str, srcs: Sequence[int], dsts: Sequence[int],
-               lengths: Sequence[int]) -> int:
+    def submit(self, session: str, srcs: Addresses, dsts: Addresses, lengths: Addresses) -> int:
         """Start one batch write; returns its batch id (wait() for it)."""
-        batch = self._engine.batch_transfer_async_write(session, srcs, dsts, lengths)
+        if self._async_arrays is not None and isinstance(srcs, np.ndarray):
+            batch = self._async_arrays(session, _as_u64(srcs), _as_u64(dsts), _as_u64(lengths))
+        else:
+            batch = self._engine.batch_transfer_async_write(session, _as_list(srcs), _as_list(dsts),
+                                                            _as_list(lengths))
         if batch == 0:
             raise EngineError("batch_transfer_async_write", -1, session=session,
-                              blocks=len(srcs), bytes=sum(lengths))
+                              blocks=len(srcs), bytes=int(sum(_as_list(lengths))))
         return batch
 
     def wait(self, batch: int, **context) -> None:
@@ -241,13 +271,16 @@ class MooncakeEngine:
         if rc != 0:
             raise EngineError("get_batch_transfer_status", rc, **context)
 
-    def batch_write(self, session: str, srcs: Sequence[int], dsts: Sequence[int],
-                    lengths: Sequence[int]) -> None:
+    def batch_write(self, session: str, srcs: Addresses, dsts: Addresses, lengths: Addresses) -> None:
         """One synchronous batch write (SGLang's call)."""
-        rc = self._engine.batch_transfer_sync_write(session, srcs, dsts, lengths)
+        if self._sync_arrays is not None and isinstance(srcs, np.ndarray):
+            rc = self._sync_arrays(session, _as_u64(srcs), _as_u64(dsts), _as_u64(lengths))
+        else:
+            rc = self._engine.batch_transfer_sync_write(session, _as_list(srcs), _as_list(dsts),
+                                                        _as_list(lengths))
         if rc != 0:
             raise EngineError("batch_transfer_sync_write", rc, session=session,
-                              blocks=len(srcs), bytes=sum(lengths))
+                              blocks=len(srcs), bytes=int(sum(_as_list(lengths))))
 
     @property
     def raw(self):
