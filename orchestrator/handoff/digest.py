@@ -278,6 +278,8 @@ class RowDigest:
         if self.device.type == "cpu":
             self._u16 = buffers.arena.numpy().view(np.int16)
             self._w = weights
+            # every slot's gather positions, taken once (a step indexes rows of this table)
+            self._idx = np.arange(buffers.size, dtype=np.int64)[:, None] * self.step + self.base
         else:
             dev = self.device
             self._u16 = buffers.arena.view(torch.int16)
@@ -308,10 +310,12 @@ class RowDigest:
         slots = list(slots)
         k = len(slots)
         if self.device.type == "cpu":
-            idx = np.asarray(slots, dtype=np.int64)[:, None] * self.step + self.base
-            x = self._u16[idx]
+            x = self._u16[self._idx[slots]]
+            n = x.shape[1]
+            if n <= CHUNK_WORDS + 8:  # one product, exact in float64
+                return (x.astype(np.float64) @ self._w).astype(np.int64)
             out = np.zeros((k, 12), dtype=np.int64)
-            for lo in range(0, x.shape[1], CHUNK_WORDS):
+            for lo in range(0, n, CHUNK_WORDS):
                 out += (x[:, lo:lo + CHUNK_WORDS].astype(np.float64) @ self._w[lo:lo + CHUNK_WORDS]).astype(np.int64)
             return out
         first = slots[0]
