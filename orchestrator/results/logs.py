@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping, Optional
@@ -106,13 +107,17 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
 
 class DecisionLog:
     """decisions.jsonl: one JSON line per routing decision (event, timestamp, logger, role,
-    then the decision's fields), a step's lines in one write. `static` holds the fields that
-    every decision of this process shares (rendered once)."""
+    then the decision's fields), a step's lines in one write, flushed to the file at most every
+    FLUSH_S and at close (not a syscall per step). `static` holds the fields that every
+    decision of this process shares (rendered once)."""
+
+    FLUSH_S = 0.05  # lines reach the file at least this often (and at close), not per step
 
     def __init__(self, path: Path, role: str, static: dict):
-        self.fh = open(path, "w")
+        self.fh = open(path, "w", buffering=1 << 16)
         self.role = json.dumps(role)
         self.static = json.dumps(static)[1:-1]
+        self._flushed = time.monotonic()
 
     def write(self, decisions: list[dict]) -> None:
         if not decisions:
@@ -125,7 +130,10 @@ class DecisionLog:
             fields = json.dumps(d)[1:-1]
             lines.append(f"{head}{fields}, {self.static}}}")
         self.fh.write("\n".join(lines) + "\n")
-        self.fh.flush()
+        now = time.monotonic()
+        if now - self._flushed >= self.FLUSH_S:
+            self.fh.flush()
+            self._flushed = now
 
     def close(self) -> None:
         self.fh.close()
