@@ -42,9 +42,9 @@ NIC_VAR = "SGLANG_LOCAL_IP_NIC"
 REMOTE_TARGETS = (("8.8.8.8", 80), ("2001:4860:4860::8888", 80))  # SGLang's get_local_ip_by_remote
 # interfaces of a container runtime or a CNI plugin: an address on one is reachable from this
 # host (and its containers), not from a peer on another host
-BRIDGE_KINDS = frozenset({"bridge", "veth", "vxlan", "geneve", "macvlan", "ipvlan"})
-BRIDGE_PREFIXES = ("docker", "br-", "cni", "flannel", "cali", "weave", "virbr", "kube-bridge",
-                   "podman", "cilium", "lxc", "lxd", "vxlan")
+# (a pod's own eth0 is a veth: its address is the pod's, which is right; the bridge is on the node)
+BRIDGE_KINDS = frozenset({"bridge"})
+BRIDGE_PREFIXES = ("docker", "br-", "cni", "virbr", "podman", "kube-bridge", "lxcbr", "lxdbr")
 
 
 class Step(Enum):

@@ -176,7 +176,8 @@ class NetnsPair:
         return [ln.strip() for ln in out.splitlines() if ln.strip()]
 
 
-MGMT_DEV = "mgmt0"  # each multi-homed host's management interface (a dummy), the default route's
+MGMT_DEV = "mgmt0"  # each multi-homed host's management interface, the default route's
+MGMT_PEER = "mgmt0x"  # its veth peer, left in the same namespace without an address: a dead end
 MGMT_NETS = {"prefill": ("198.51.100.1/24", "198.51.100.254"),  # TEST-NET-2
              "decode": ("203.0.113.1/24", "203.0.113.254")}  # TEST-NET-3
 
@@ -184,16 +185,18 @@ MGMT_NETS = {"prefill": ("198.51.100.1/24", "198.51.100.254"),  # TEST-NET-2
 @dataclass
 class MultiHomedPair(NetnsPair):
     """Two "hosts" with two interfaces each: the default route goes through a management
-    interface (a dummy: what is routed there goes nowhere), the peer is reachable only through
-    the data interface (the veth, 192.0.2.0/24). SGLang's default-route step picks the
-    management address, which the peer cannot reach."""
+    interface (one end of a veth pair whose other end stays in the namespace, unaddressed: the
+    gateway never answers ARP, so what is routed there goes nowhere), the peer is reachable only
+    through the data interface (the veth between the two, 192.0.2.0/24). SGLang's default-route
+    step picks the management address, which the peer cannot reach."""
 
     def _build(self) -> None:
         super()._build()
         for ns, side in ((self.prefill_ns, "prefill"), (self.decode_ns, "decode")):
             addr, gateway = MGMT_NETS[side]
-            _run([self.ip, "-n", ns, "link", "add", MGMT_DEV, "type", "dummy"])
+            _run([self.ip, "-n", ns, "link", "add", MGMT_DEV, "type", "veth", "peer", "name", MGMT_PEER])
             _run([self.ip, "-n", ns, "addr", "add", addr, "dev", MGMT_DEV])
+            _run([self.ip, "-n", ns, "link", "set", MGMT_PEER, "up"])
             _run([self.ip, "-n", ns, "link", "set", MGMT_DEV, "up"])
             _run([self.ip, "-n", ns, "route", "add", "default", "via", gateway, "dev", MGMT_DEV])
 
