@@ -31,6 +31,10 @@ def test_replay_reports_identical_then_catches_a_changed_checksum(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "deterministic outputs: IDENTICAL (60 request checksums, 60 decisions)" in proc.stdout
     assert "send_aux.p50" in proc.stdout
+    # each run's load at start beside the ratios (fingerprint.json's host), never a "difference"
+    assert {"cpu_count", "cpus_usable", "load_avg"} <= set(fp["host"])
+    assert "  original: load " in proc.stdout and "  replay:   load " in proc.stdout
+    assert "host.load_avg" not in proc.stdout
     rep = json.loads((out / "replay.json").read_text())
     assert rep["requests_identical"] and rep["decisions_identical"]
 

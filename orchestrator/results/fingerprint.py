@@ -9,7 +9,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from orchestrator.profile.config import OrchestratorConfig
 from orchestrator.profile.plan import Plan
@@ -53,6 +53,24 @@ def gpus() -> dict[str, Any]:
     }
 
 
+def host_load() -> dict[str, Any]:
+    """The machine's load when the run started: its CPU count (the ones this process may run
+    on, and all of them) and the 1/5/15-minute load averages; latency drift between two runs
+    reads against these (orchestrator.replay prints them beside its ratios)."""
+    import os
+
+    usable: Optional[int]
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"cpu_count": os.cpu_count(), "cpus_usable": usable, "load_avg": load}
+
+
 def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
     import torch
 
@@ -63,6 +81,7 @@ def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": _platform.platform(),
         "hostname": socket.gethostname(),
+        "host": host_load(),
         "packages": packages,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

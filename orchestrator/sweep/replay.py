@@ -67,6 +67,21 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _host(run_dir: Path) -> dict[str, Any]:
+    """fingerprint.json's `host` (CPU count, load averages at start; {} for a run dir written
+    before it was recorded)."""
+    host = json.loads((run_dir / "fingerprint.json").read_text()).get("host")
+    return host if isinstance(host, dict) else {}
+
+
+def _load_line(host: dict[str, Any]) -> str:
+    load = host.get("load_avg")
+    if not host:
+        return "not recorded"
+    avg = "/".join(f"{x:g}" for x in load) if isinstance(load, list) else "?"
+    return f"load {avg} (1/5/15 min) on {host.get('cpu_count', '?')} CPUs"
+
+
 def compare(original: Path, replay: Path) -> dict[str, Any]:
     a, b = deterministic(original), deterministic(replay)
     ra, rb = Results.read(original), Results.read(replay)
@@ -79,7 +94,7 @@ def compare(original: Path, replay: Path) -> dict[str, Any]:
                                         "ratio": round(y / x, 3) if x and y else None}
     fa = _flatten(json.loads((original / "fingerprint.json").read_text()))
     fb = _flatten(json.loads((replay / "fingerprint.json").read_text()))
-    ignore = ("hostname",)
+    ignore = ("hostname", "host.load_avg")  # the load is printed beside the ratios instead
     env_diff = {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb))
                 if fa.get(k) != fb.get(k) and not k.startswith(ignore)}
     return {
@@ -91,6 +106,7 @@ def compare(original: Path, replay: Path) -> dict[str, Any]:
         "decision_differences": _diff(a["decisions"], b["decisions"]),
         "latency": latency,
         "fingerprint_differences": env_diff,
+        "host": {"original": _host(original), "replay": _host(replay)},
         "exit_codes": {"original": ra.exit_code, "replay": rb.exit_code},
     }
 
@@ -112,7 +128,10 @@ def render(rep: dict[str, Any]) -> str:
                      + ("" if same_code else "  (DIFFERENT)")
                      + ("; this command exits 0: the outputs are identical, the run's own outcome "
                         "is the exit code above" if same_code and codes.get("original") else ""))
-    lines.append("latency (replay / original):")
+    host = rep.get("host") or {}
+    lines.append("latency (replay / original), read against each run's load at start:")
+    lines.append(f"  original: {_load_line(host.get('original') or {})}")
+    lines.append(f"  replay:   {_load_line(host.get('replay') or {})}")
     for name, v in rep["latency"].items():
         lines.append(f"  {name:<15} {v['original_us']} -> {v['replay_us']} us  x{v['ratio']}")
     if rep["fingerprint_differences"]:
