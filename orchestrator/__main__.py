@@ -101,11 +101,12 @@ def entry() -> None:
         _entry()
     except _SweepStopped as exc:
         code, sweep_dir = exc.args
-        from orchestrator.sweep.sweep import SweepError, summarize
+        from orchestrator.sweep.sweep import SweepError, summarize, sweep_status
 
         try:
             for path in summarize(Path(sweep_dir), png=False):
                 print(f"sweep summary: {path}", flush=True)
+            print(f"sweep: {sweep_status(Path(sweep_dir))}", flush=True)
         except SweepError:
             pass
         print(f"sweep interrupted: the jobs not yet started were not run (summary.png: python -m "

@@ -221,6 +221,7 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert set(res.failure_reasons) <= {"interrupted"}
     assert sum(res.routes.values()) >= res.verified and res.ending.lost == {}
     assert res.timing.handoffs_per_s is not None
+    assert (run_dir / "latency.png").exists() and not (run_dir / ".run.lock").exists()
 
 
 def test_a_job_gives_back_the_signal_handlers_it_found(tmp_path):
@@ -252,6 +253,11 @@ def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
     assert not (sweep_dir / "1").exists()  # no further job started
     assert (sweep_dir / "summary.csv").exists() and "sweep interrupted" in err
     assert Results.read(sweep_dir / "0").ending.signal == "SIGINT"
+    # every combination listed, each as it ended (issue 33: the unstarted ones were left out)
+    assert "sweep: 3 combinations: 1 interrupted, 2 not started" in out, out
+    rows = (sweep_dir / "summary.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in rows] == ["0", "1", "2"]
+    assert ",interrupted," in rows[0] and all(",not started," in r for r in rows[1:])
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5])

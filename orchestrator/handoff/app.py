@@ -18,8 +18,8 @@ from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
 from orchestrator.results.logs import configure
-from orchestrator.results.progress import Progress
-from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, write_atomic
+from orchestrator.results.progress import Progress, mode_for
+from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, unlock_run_dir, write_atomic
 from orchestrator.results.schema import DecodeSideResults, JobResults, NotRun, Results
 
 R = TypeVar("R", bound=Results)
@@ -33,7 +33,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
         with Signals() as signals:
             return _run_job(cfg, run_dir, signals)
     finally:
-        lock.close()
+        unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
 
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
@@ -51,8 +51,11 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     fp["seeds"]["drawn"] = drawn  # replay passes a drawn seed back (orchestrator.replay)
     write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
 
-    total = obj.workload.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
-    progress = Progress(total, log) if obj.role is not Role.decode else None
+    w, lg = obj.workload, obj.logging
+    total = w.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
+    progress = (Progress(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
+                         mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
+                if obj.role is not Role.decode else None)
     try:
         out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
     finally:
@@ -67,29 +70,49 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
         results.failed_writing(str(exc))
         return _no_space(run_dir, results, exc)
     log.info("results", **results.headline())
-    print(reporting.summary(results, run_dir), flush=True)
+    late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
+            and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
+    print(reporting.summary(results, run_dir, plot=late), flush=True)
+    if late:  # after the summary: a stop ends in about 2 s
+        assert isinstance(results, JobResults)
+        try:
+            _latency_png(obj, run_dir, results)
+        except NoSpace as exc:
+            print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
     return results
+
+
+def _plotted(obj: OrchestratorConfig, results) -> bool:
+    """Whether this run draws latency.png (a run of the prefill side)."""
+    return obj.role is not Role.decode and isinstance(results, JobResults)
 
 
 def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
     reporting.write(run_dir, results)
-    if obj.role is not Role.decode and not results.ending.interrupted:  # an interrupt ends in 2 s
-        assert isinstance(results, JobResults)  # reporting.build_results
-        plan = results.plan
-        png = run_dir / plots.LATENCY_PNG
-        lat = results.latency_us
-        try:
-            transport = results.transports.effective_transport or plan.declared_transport
-            plots.run_latency_png(run_dir, f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, "
-                                           f"{transport}   run {plots.short_dir(run_dir)}",
-                                  marks={"send_aux": lat.send_aux, "taken": lat.taken,
-                                         "handoff": lat.handoff, "from arrival": lat.e2e},
-                                  arrival=obj.workload.rate is not None)
-        except OSError as exc:
-            png.unlink(missing_ok=True)  # no torn or empty image left behind
-            if exc.errno in (28, 122):
-                raise NoSpace(png) from None
-            raise
+    if _plotted(obj, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
+        assert isinstance(results, JobResults)  # (_plotted)
+        _latency_png(obj, run_dir, results)
+
+
+def _latency_png(obj: OrchestratorConfig, run_dir: Path, results: JobResults) -> None:
+    """latency.png: the CDFs of the run's latencies, the summary's own marks on them."""
+    plan, e = results.plan, obj.endpoints
+    png = run_dir / plots.LATENCY_PNG
+    lat = results.latency_us
+    try:
+        transport = results.transports.effective_transport or plan.declared_transport
+        ended = " (interrupted: what ran)" if results.ending.interrupted else ""
+        layout = plots.layout_label(e.prefill_ranks, e.decode_ranks, e.decode_tp)
+        plots.run_latency_png(run_dir, f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, "
+                                       f"{transport}; {layout}\nrun {plots.short_dir(run_dir)}{ended}",
+                              marks={"send_aux": lat.send_aux, "taken": lat.taken,
+                                     "handoff": lat.handoff, "from arrival": lat.e2e},
+                              arrival=obj.workload.rate is not None, qs=obj.report.percentiles)
+    except OSError as exc:
+        png.unlink(missing_ok=True)  # no torn or empty image left behind
+        if exc.errno in (28, 122):
+            raise NoSpace(png) from None
+        raise
 
 
 def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:

@@ -46,9 +46,11 @@ class Running:
 
 @dataclass(frozen=True)
 class Progress:
-    """A prefill's count of finished requests."""
+    """A prefill's count of finished requests, and of those verified (the rest failed or
+    were corrupted): counters its loop keeps anyway."""
 
     finished: int
+    verified: int = 0
 
 
 @dataclass(frozen=True)

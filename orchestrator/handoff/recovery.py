@@ -32,7 +32,8 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     After an interrupt (`missing` is interrupted), a request past the last one with any
     trace never arrived (requests arrive in id order): not_started, with no line; a rank
     that never reached its handoff phase (`ran` false) started none. `phase` (the runner's
-    clock: the handoff phase began, the run stopped) times a rate over the phase that ran."""
+    clock: the handoff phase began, the run stopped) times a rate over the phase that ran.
+    A workload.duration_s run's count is what arrived: the requests up to the last traced."""
     n = cfg.workload.requests
     base = rank * n
     path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
@@ -53,6 +54,10 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
         end = (max(traced) + 1) if traced and ran else base
         res.not_started = base + n - end
         res.interrupted = True
+    elif cfg.workload.duration_s is not None:  # a duration run's count is what arrived: as far as traced
+        traced = [r for r in (*seen, *judged) if base <= r < base + n]
+        end = (max(traced) + 1) if traced and ran else base
+        res.requests = end - base
     added = []
     for rid in range(base, end):
         if rid in seen:

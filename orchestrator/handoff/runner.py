@@ -37,7 +37,7 @@ from orchestrator.handoff.transport.auth import run_secret
 from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, resolve_seed
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
-from orchestrator.results.records import RunResult
+from orchestrator.results.records import RankResult, RunResult
 from orchestrator.results.rundir import RunFiles, proc_name
 
 _clock = time.monotonic
@@ -107,12 +107,13 @@ def _said(msg) -> str:
 
 
 class _Progress(Protocol):
-    """What run_handoffs reports to (orchestrator.progress.Progress, the bench's line; one
-    with a `phase` method is told each phase's label too)."""
+    """What run_handoffs reports to (orchestrator.results.progress.Progress, the bench's line;
+    one with a `phase` method is told each driver phase's label too, one with `stage` and
+    `tick` the runner's own stages and a beat from its loops)."""
 
     def start(self) -> None: ...
 
-    def __call__(self, done: int) -> None: ...
+    def __call__(self, done: int, verified: Optional[int] = None) -> None: ...
 
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
@@ -145,6 +146,9 @@ class Job:
         self.stopped_at: Optional[float] = None  # the interrupt, as the watch saw it
         self.gone: set[int] = set()  # decode instances whose process the runner saw exit
         self.finished: dict[str, int] = Counter()  # per prefill, its requests done
+        self.verified: dict[str, int] = Counter()  # per prefill, of those verified
+        self._stage = getattr(progress, "stage", None)  # the progress line's phases and beat
+        self._tick = getattr(progress, "tick", None)
         self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
         self.metadata = None  # the metadata server this run started
 
@@ -190,6 +194,8 @@ class Job:
         if cfg.transport.mooncake.start_metadata_server:
             self.metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
+        if self._stage is not None:
+            self._stage("starting processes")
         infos = self._startup()
         record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
         if role is Role.decode:
@@ -202,6 +208,8 @@ class Job:
         out.faults_applied.extend(applied)
         for p in self.prefills:
             p.conn.send(protocol.Decodes(infos=infos))
+        if self._stage is not None:
+            self._stage("bootstrapping")
         self._await(self.prefills, cfg.endpoints.startup_timeout_s, "while bootstrapping",
                     "did not bootstrap in time", self._on_running)
         out.startup_s = round(_clock() - self.t_spawn, 3)
@@ -209,6 +217,8 @@ class Job:
         if self.progress is not None:
             self.progress.start()
         self._watch()
+        if self._stage is not None:
+            self._stage("collecting results")
 
     def _close(self) -> None:
         if self.silent is not None:
@@ -255,6 +265,8 @@ class Job:
         while pending:
             if self.signals.caught:
                 raise Interrupted
+            if self._tick is not None:
+                self._tick()
             for p in list(pending):
                 if p.conn.poll(0.02):
                     try:
@@ -306,6 +318,8 @@ class Job:
         """Until every prefill sent its result or is lost; after an interrupt, at most
         STOP_GRACE_S more."""
         while not all(p.done for p in self.prefills):
+            if self._tick is not None:
+                self._tick()
             if self.stopped_at is None and not self.signals.caught:  # (a group signal also ends the decodes)
                 self._watch_decodes()
             if self.signals.caught and self.stopped_at is None:
@@ -347,10 +361,10 @@ class Job:
     def _on_prefill(self, p: _Proc, msg) -> None:
         progress = self.progress
         match msg:
-            case protocol.Progress(finished=n):
-                self.finished[p.name] = n
+            case protocol.Progress(finished=n, verified=v):
+                self.finished[p.name], self.verified[p.name] = n, v
                 if progress is not None:
-                    progress(sum(self.finished.values()))
+                    progress(sum(self.finished.values()), sum(self.verified.values()))
             case protocol.FaultReached(kind=kind):
                 self._fault(p, kind)
             case protocol.Phase(label=label):  # a driver with several phases (the bench) began one
@@ -359,6 +373,9 @@ class Job:
             case protocol.Result(result=result):
                 self.out.add(p.name, result)
                 p.done = True
+                if progress is not None and isinstance(result, RankResult):  # its final count
+                    self.finished[p.name], self.verified[p.name] = result.finished, result.verified
+                    progress(sum(self.finished.values()), sum(self.verified.values()))
             case _:
                 self._lose(p, f"endpoint failed: {_said(msg)}")
 

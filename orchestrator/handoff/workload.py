@@ -165,11 +165,31 @@ class RequestPool:
         return req
 
 
-def arrival_offsets(rate: Optional[float], seed: Optional[int], n: int, rank: int = 0) -> Optional[np.ndarray]:
-    """Open loop: seconds from the start at which request i arrives (Poisson at `rate` per
-    second, seeded per rank); None for a closed loop (which needs no seed)."""
+def arrival_offsets(rate: Optional[float], seed: Optional[int], n: int, rank: int = 0,
+                    burstiness: float = 1.0, duration_s: Optional[float] = None) -> Optional[np.ndarray]:
+    """Open loop: seconds from the start at which request i arrives, seeded per rank; None for
+    a closed loop (which needs no seed). The gaps are gamma-distributed with shape
+    `burstiness` and mean 1/rate, as vLLM's --burstiness (1: exponential, a Poisson process,
+    drawn exactly as before the knob existed). With `duration_s`, the arrivals up to it (at
+    most `n`), drawn in chunks: a long run's ceiling is never allocated."""
     if rate is None:
         return None
     assert seed is not None  # an open loop runs with its seed resolved (config.resolve_seed)
     rng = np.random.Generator(np.random.Philox(key=[seed & ((1 << 64) - 1), rank]))
-    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+    def gaps(k: int) -> np.ndarray:
+        if burstiness == 1:
+            return rng.exponential(1.0 / rate, size=k)
+        return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=k)
+
+    if duration_s is None:
+        return np.cumsum(gaps(n))
+    chunks: list[np.ndarray] = []
+    t, drawn = 0.0, 0
+    chunk = max(1024, min(n, int(rate * duration_s * 1.1) + 1))
+    while drawn < n and t <= duration_s:
+        c = t + np.cumsum(gaps(min(chunk, n - drawn)))
+        chunks.append(c)
+        t, drawn = float(c[-1]), drawn + len(c)
+    offsets = np.concatenate(chunks) if chunks else np.empty(0)
+    return offsets[offsets <= duration_s][:n]

@@ -515,7 +515,7 @@ class WorkloadConfig:
     concurrency: int = 8
     """closed loop: requests in flight (arrived, not yet verified)"""
     rate: Optional[float] = None
-    """open loop: Poisson arrivals per second (per prefill rank)"""
+    """open loop: arrivals per second (per prefill rank); Poisson unless workload.burstiness"""
     batch_size: int = 1
     """requests that finish in one prefill forward step"""
     fill: FillMode = FillMode.inline
@@ -539,6 +539,17 @@ class WorkloadConfig:
     """Rooms and synthetic content derive from it. null: every run draws its own (so rooms
     differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
     seed repeats its rooms."""
+    duration_s: Optional[float] = None
+    """Run for this many seconds instead of a request count: arrivals stop once the handoff
+    phase (start-up excluded) has run this long, and what arrived is finished. null: run
+    workload.requests. workload.requests stays each rank's ceiling (request ids are per rank):
+    a rank that reaches it first stops there, and the summary says so; raise it for long runs.
+    An open loop draws its whole seeded arrival schedule up to duration_s before it starts."""
+    burstiness: float = 1.0
+    """Open loop: the shape of the gamma distribution that inter-arrival gaps are drawn from,
+    as vLLM's `bench serve --burstiness`: 1 = Poisson (exponential gaps), below 1 burstier,
+    above 1 more even; the mean rate stays workload.rate. Seeded per rank (workload.seed):
+    a replay draws the same arrivals."""
 
     def check(self, buffers: BuffersConfig) -> None:
         _positive("workload.requests", self.requests,
@@ -558,6 +569,14 @@ class WorkloadConfig:
                  self.sampling_mask, "false unless buffers.enable_sampling_mask=true")
         _require(self.seed is None or 0 <= self.seed <= MAX_SEED, "workload.seed", self.seed,
                  f"null (drawn per run) or a whole number in 0..{MAX_SEED}")
+        if self.duration_s is not None:
+            _seconds("workload.duration_s", self.duration_s, high=7 * 24 * 3600.0,
+                     unit="null (run workload.requests) or seconds")
+        _require(isinstance(self.burstiness, (int, float)) and math.isfinite(self.burstiness)
+                 and 0 < self.burstiness <= 1000, "workload.burstiness", self.burstiness,
+                 "a gamma shape in (0, 1000]: 1 = Poisson, < 1 burstier, > 1 more even")
+        _require(self.burstiness == 1 or self.rate is not None, "workload.burstiness", self.burstiness,
+                 "1 unless workload.rate is set (burstiness shapes an open loop's arrivals)")
 
 
 @dataclass
@@ -685,12 +704,41 @@ class BenchConfig:
         _require(self.bulk_mib >= 0, "bench.bulk_mib", self.bulk_mib, "0 (skip) or MiB > 0")
 
 
+MAX_PERCENTILES = 12
+
+
+@dataclass
+class ReportConfig:
+    """report: what a run's report holds beyond its fixed numbers."""
+
+    percentiles: List[float] = field(default_factory=lambda: [50.0, 90.0, 99.0, 99.9])
+    """The latency percentiles reported besides p50/p99/p999 (always there), with the mean and
+    the max: results.json's `percentiles` of each latency, summary.csv's `<metric>_p<q>_us`
+    columns, the marks in latency.png. Each in (0, 100], ascending, at most 12."""
+
+    def check(self) -> None:
+        qs = list(self.percentiles)
+        _require(0 < len(qs) <= MAX_PERCENTILES and all(0 < q <= 100 for q in qs)
+                 and all(a < b for a, b in zip(qs, qs[1:])), "report.percentiles",
+                 qs, f"1 to {MAX_PERCENTILES} percentiles in (0, 100], ascending, e.g. [50,90,99,99.9]")
+
+
 @dataclass
 class LoggingConfig:
     """logging: where the structured log lines go (always to the run dir)."""
 
     console: bool = False
     """also print the structured log lines on the console"""
+    progress: Optional[bool] = None
+    """The live progress line on stderr while a run is long (phase, verified/failed so far,
+    rate). null: drawn in place when stderr is a terminal; where it is not (CI, a pipe, a
+    file), a line every progress_every_s only with logging.console=true. true: always (a
+    line every progress_every_s where stderr is not a terminal); false: never."""
+    progress_every_s: float = 5.0
+    """Seconds between two progress lines where stderr is not a terminal."""
+
+    def check(self) -> None:
+        _seconds("logging.progress_every_s", self.progress_every_s, 0.0, MAX_WAIT_S)
 
 
 @dataclass
@@ -719,6 +767,8 @@ class OrchestratorConfig:
     """a failure injected on purpose (conf/faults/)"""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """where the structured log lines go"""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """the report's chosen latency percentiles"""
     role: Role = Role.both
     """both | prefill | decode (one side of a run across hosts)"""
     peer: Optional[str] = None
@@ -734,6 +784,8 @@ class OrchestratorConfig:
         self.faults.check()
         self.gate.check()
         self.bench.check()
+        self.report.check()
+        self.logging.check()
         if self.role is Role.prefill:
             _require((self.peer is not None and _host_port(self.peer) is not None)
                      or (self.peer is None and self.transport.bootstrap_file is not None), "peer",
@@ -809,7 +861,7 @@ def resolve_host(cfg: OrchestratorConfig) -> None:
 _SCHEMAS = {c.__name__: c for c in (MemPoolConfig, FieldConfig, LayoutConfig, BuffersConfig,
                                     GateConfig, VerifyConfig, MooncakeConfig, TransportConfig,
                                     WorkloadConfig, EndpointsConfig, BenchConfig, FaultsConfig,
-                                    LoggingConfig, OrchestratorConfig)}
+                                    LoggingConfig, ReportConfig, OrchestratorConfig)}
 
 
 def register_configs() -> None:

@@ -37,11 +37,17 @@ _FIRST = ("event", "timestamp", "level", "logger", "role")
 # Events the summary repeats in its own words: on the quiet console they would be said twice
 # (the run dir's logs keep them).
 SUMMARIZED = frozenset({"run_failed", "interrupted", "process_lost", "peer_lost", "slow_to_stop"})
+# Events the console never shows: the progress line (orchestrator.results.progress) says them
+FILE_ONLY = frozenset({"progress"})
 
 
 class _NotSummarized(logging.Filter):
+    def __init__(self, events: frozenset = SUMMARIZED):
+        super().__init__()
+        self.events = events
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, dict) and record.msg.get("event") in SUMMARIZED)
+        return not (isinstance(record.msg, dict) and record.msg.get("event") in self.events)
 
 
 def _event_first(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
@@ -142,5 +148,4 @@ class DecisionLog:
 def _quiet(handler: logging.Handler, console_level: int) -> None:
     for f in [f for f in handler.filters if isinstance(f, _NotSummarized)]:
         handler.removeFilter(f)
-    if console_level > logging.INFO:
-        handler.addFilter(_NotSummarized())
+    handler.addFilter(_NotSummarized(FILE_ONLY | SUMMARIZED if console_level > logging.INFO else FILE_ONLY))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Protocol
@@ -17,7 +18,8 @@ LATENCY_PNG = "latency.png"
 
 
 class LatencyMarks(Protocol):
-    """A metric's measured percentiles, as results.Percentiles gives them."""
+    """A metric's measured percentiles, as results.Percentiles gives them: p50/p99/p999,
+    mean, max and, where chosen (report.percentiles), `percentiles` {"p90": .., ...}."""
 
     @property
     def measured(self) -> bool: ...
@@ -31,7 +33,41 @@ class LatencyMarks(Protocol):
     @property
     def p999(self) -> Optional[float]: ...
 
+    @property
+    def mean(self) -> Optional[float]: ...
+
+    @property
+    def max(self) -> Optional[float]: ...
+
+    @property
+    def percentiles(self) -> Optional[dict[str, Optional[float]]]: ...
+
+
 QUANTILES = ((0.5, "p50"), (0.99, "p99"), (0.999, "p999"))
+DEFAULT_QS = (50.0, 90.0, 99.0, 99.9)  # report.percentiles' default
+
+
+def layout_label(prefill_ranks: int, decode_ranks: int, decode_tp: int = 1) -> str:
+    """The rank/TP layout a title names: "1 prefill rank -> 2 decode instances (TP 2 each)"."""
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}" + ("s" if k != 1 else "")
+
+    return (f"{n(prefill_ranks, 'prefill rank')} -> {n(decode_ranks, 'decode instance')}"
+            + (f" (TP {decode_tp} each)" if decode_tp > 1 else " (TP 1)"))
+
+
+def log_ticks(axis, lo: float, hi: float) -> None:
+    """Enough labelled ticks on a log axis from `lo` to `hi`: every digit within less than a
+    decade, 1-2-3-5 up to two, 1-2-5 up to four and a half, decades beyond; plain numbers."""
+    from matplotlib import ticker
+
+    decades = math.log10(hi / lo) if lo > 0 and hi > lo else 0.0
+    subs = (tuple(range(1, 10)) if decades < 0.8 else (1.0, 2.0, 3.0, 5.0) if decades < 2 else
+            (1.0, 2.0, 5.0) if decades < 4.5 else (1.0,))
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+    axis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(range(1, 10))))
+    axis.set_minor_formatter(ticker.NullFormatter())
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}"))
 
 
 def pyplot():
@@ -82,22 +118,42 @@ def percentiles(values) -> dict[str, Optional[float]]:
     return LatencyHistogram(values).summary()
 
 
+def _marks_of(values, qs) -> SimpleNamespace:
+    """What results.Percentiles would hold for these values (one computation for both)."""
+    from orchestrator.results.stats import LatencyHistogram
+
+    h = LatencyHistogram(values)
+    return SimpleNamespace(**h.summary(), mean=h.mean, max=h.peak, percentiles=h.chosen(qs), measured=True)
+
+
+def _shown(pcts, n: int) -> list[tuple[str, float, float]]:
+    """(name, value, q) of the percentiles to mark: the chosen ones where the marks have them
+    (else p50/p99/p999), each only where n requests can tell it apart from the max."""
+    chosen = getattr(pcts, "percentiles", None)
+    named = ([(name, v, float(name[1:]) / 100) for name, v in chosen.items()] if chosen else
+             [(name, getattr(pcts, name), q) for q, name in QUANTILES])
+    return [(name, v, q) for name, v, q in named if v is not None and n * (1 - q) >= 1]
+
+
 def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
-                marks: Optional[dict[str, LatencyMarks]] = None) -> Optional[Path]:
-    """One panel per metric: the CDF of each route's latencies on a log x axis, its p50, p99
-    and p999 marked and labelled beside their lines, below the curve (where a CDF leaves
-    room), the legend under the panel. `marks` ({metric: LatencyMarks}, the job's
-    latency_us) are the summary's own percentiles: a panel of one route marks those; several
-    routes get theirs from the same computation. Returns the path, or None when nothing was
-    measured."""
+                marks: Optional[dict[str, LatencyMarks]] = None, qs=DEFAULT_QS) -> Optional[Path]:
+    """One panel per metric (up to three in a row, four as two by two): the CDF of each
+    route's latencies on a log x axis, its chosen percentiles (report.percentiles: `qs`)
+    marked and labelled beside their lines, each label at its own height below the curve
+    (where a CDF leaves room), the mean dash-dotted, the max a marker at the top; the legend
+    under the panel. `marks` ({metric: LatencyMarks}, the job's latency_us) are the summary's
+    own numbers: a panel of one route marks those; several routes get theirs from the same
+    computation. Returns the path, or None when nothing was measured."""
     panels = [(metric, routes) for metric, routes in data.items() if any(routes.values())]
     if not panels:
         return None
     plt = pyplot()
-    from matplotlib import ticker
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 5.2), squeeze=False)
-    for ax, (metric, routes) in zip(axes[0], panels):
+    cols = 2 if len(panels) == 4 else len(panels)
+    rows = math.ceil(len(panels) / cols)
+    width = 5.0 if cols > 1 else 6.0
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, 5.4 * rows + 0.4), squeeze=False)
+    for ax, (metric, routes) in zip(axes.flat, panels):
         drawn = [(r, v) for r, v in sorted(routes.items()) if v]
         for k, (route, values) in enumerate(drawn):
             xs = sorted(values)
@@ -105,34 +161,41 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
             ys = [(i + 1) / n for i in range(n)]
             step = max(1, n // 4000)  # the curve needs no more points than pixels
             given = (marks or {}).get(metric) if len(drawn) == 1 else None
-            pcts = given if given and given.measured else SimpleNamespace(**percentiles(xs))
-            shown = [(name, getattr(pcts, name), q) for q, name in QUANTILES
-                     if getattr(pcts, name) is not None and n * (1 - q) >= 1]
-            label = f"{route} (n={n:,}): " + ", ".join(f"{name} {x:,.0f}" for name, x, _ in shown) + " us"
+            pcts = given if given and given.measured else _marks_of(xs, qs)
+            shown = _shown(pcts, n)
+            mean, top = getattr(pcts, "mean", None), getattr(pcts, "max", None)
+            stats = ([f"{name} {x:,.0f}" for name, x, _ in shown]
+                     + ([f"mean {mean:,.0f}"] if mean is not None else [])
+                     + ([f"max {top:,.0f}"] if top is not None else []))
+            label = f"{route} (n={n:,}), us:\n" + "\n".join(textwrap.wrap(", ".join(stats), 52))
             line, = ax.plot(xs[::step] + [xs[-1]], ys[::step] + [1.0], label=label)
-            span = math.log(max(xs[-1], xs[0] * 1.01) / xs[0])
+            color = line.get_color()
             for j, (name, x, q) in enumerate(shown):
-                ax.axvline(x, color=line.get_color(), linestyle=":", linewidth=0.9)
-                ax.plot([x], [q], marker="o", markersize=4, color=line.get_color())
-                # low, beside its line: the CDF is above q >= 0.5 there, so the text meets no
-                # curve; on the left when the next mark is too close on the right
-                nxt = shown[j + 1][1] if j + 1 < len(shown) else None
-                prev = shown[j - 1][1] if j else None
-                crowded = nxt is not None and math.log(nxt / x) < 0.05 * span
-                left = crowded and (prev is None or math.log(x / prev) > 0.05 * span) and j > 0
-                ax.text(x, 0.03 + 0.16 * k, f"{name} {x:,.0f}" if left else f" {name} {x:,.0f}",
-                        rotation=90, va="bottom", ha="right" if left else "left",
-                        fontsize="x-small", color=line.get_color())
+                ax.axvline(x, color=color, linestyle=":", linewidth=0.9)
+                ax.plot([x], [q], marker="o", markersize=4, color=color)
+                # right of its line, each mark at its own height: right of the q-th
+                # percentile the CDF is above q, so a label below q meets no curve, and two
+                # close marks never share a height
+                ax.text(x, 0.03 + 0.2 * (j % 4) + 0.05 * k, f" {name} {x:,.0f}", rotation=90,
+                        va="bottom", ha="left", fontsize="x-small", color=color)
+            if mean is not None:
+                ax.axvline(mean, color=color, linestyle="-.", linewidth=0.8, alpha=0.7)
+            if top is not None:
+                ax.plot([top], [1.0], marker="v", markersize=6, color=color)
+        lo = min(min(v) for _, v in drawn)
+        hi = max(max(v) for _, v in drawn)
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        log_ticks(ax.xaxis, max(lo, 1e-3), max(hi, lo * 1.01, 1e-3))
+        ax.tick_params(axis="x", labelsize="small", labelrotation=30)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel(f"{metric} latency (us, log scale)")
         ax.set_ylabel("fraction of requests (CDF)")
         ax.set_title(f"{metric}" + (" (verified)" if metric != "send_aux" else " (every send)"), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
-    fig.suptitle(title, fontsize=10)
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title + "\nmarks: percentiles dotted, mean dash-dotted, max a triangle", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -140,8 +203,8 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
 
 
 def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, LatencyMarks]] = None,
-                    arrival: bool = False) -> Optional[Path]:
-    return latency_cdf(Path(run_dir) / LATENCY_PNG, run_latencies(run_dir, arrival), title, marks)
+                    arrival: bool = False, qs=DEFAULT_QS) -> Optional[Path]:
+    return latency_cdf(Path(run_dir) / LATENCY_PNG, run_latencies(run_dir, arrival), title, marks, qs)
 
 
 def short_dir(path) -> str:

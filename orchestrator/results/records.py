@@ -131,6 +131,7 @@ class RankResult:
     not_started: int = 0  # never arrived (an interrupt came first): no record, not failed
     error: Optional[str] = None
     lost: dict[int, str] = field(default_factory=dict)  # decode instance -> why it was declared lost
+    ended_by: Optional[str] = None  # workload.duration_s: "duration", or "requests" (its ceiling first)
 
     def add(self, rec: Record) -> None:
         self.outcomes[rec.outcome] += 1

@@ -16,7 +16,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from orchestrator.profile.config import OrchestratorConfig
 from orchestrator.profile.plan import Plan
@@ -89,8 +89,9 @@ class _Merged:
         self.rejected += r.rejected
         self.replayed += r.replayed
 
-    def latency_us(self) -> LatencyUs:
-        return LatencyUs(*(Percentiles.of(self.lat[k]) for k in
+    def latency_us(self, qs: Sequence[float] = ()) -> LatencyUs:
+        """Every latency's percentiles, with the chosen ones (report.percentiles) too."""
+        return LatencyUs(*(Percentiles.of(self.lat[k], qs) for k in
                            ("set_buf_us", "send_us", "taken_us", "handoff_us", "e2e_us")))
 
 
@@ -108,18 +109,26 @@ def _timing(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Timing:
     wall = (max(lasts) - min(starts)) if starts and lasts and max(lasts) > min(starts) else None
     row_bytes = max((r.row_bytes for r in ranks), default=0)
     w = cfg.workload
+    per_send = _per_send(cfg, m.sends, sum(m.routes.values()))
     return Timing(out.startup_s, out.startup_by_process, round(wall, 4) if wall else None,
                   round(verified / wall, 1) if wall and verified else None,
                   round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
                   row_bytes, m.sends, round(m.blocks / m.sends, 2) if m.sends else None,
-                  w.rate * cfg.endpoints.prefill_ranks if w.rate is not None else None)
+                  w.rate * cfg.endpoints.prefill_ranks if w.rate is not None else None,
+                  round(per_send, 2) if per_send is not None else None)
+
+
+def _per_send(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> Optional[float]:
+    """Request rows per send call: `routed` requests went to every decode TP rank in `sends`."""
+    return routed * cfg.endpoints.decode_tp / sends if sends else None
 
 
 def _workload(cfg: OrchestratorConfig) -> Workload:
     w, t = cfg.workload, cfg.transport
     return Workload(w.concurrency, w.rate, w.batch_size, w.fill.value, t.coalesce, t.status.value,
                     w.duplicate_rooms, w.seed, cfg.layout.name, cfg.verify.digest.value,
-                    w.concurrency * cfg.endpoints.prefill_ranks, cfg.buffers.size * cfg.endpoints.decode_ranks)
+                    w.concurrency * cfg.endpoints.prefill_ranks, cfg.buffers.size * cfg.endpoints.decode_ranks,
+                    w.duration_s, w.burstiness)
 
 
 def _authenticated(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Authenticated:
@@ -136,6 +145,8 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     for r in out.ranks.values():
         m.add(r)
     requests = cfg.workload.requests * cfg.endpoints.prefill_ranks
+    if cfg.workload.duration_s is not None:  # what arrived (a rank that left no trace: none)
+        requests = sum(r.requests for r in out.ranks.values())
     verified, corrupted = m.outcomes[Outcome.verified], m.outcomes[Outcome.corrupted]
     accounted = sum(m.outcomes.values()) + m.not_started
     if accounted < requests:  # a rank that left no trace at all (cannot start)
@@ -146,11 +157,13 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     t, workload, auth, tp = _timing(cfg, out, m), _workload(cfg), _authenticated(cfg, out, m), _tp(cfg, out)
     warnings = (batch_caps(cfg, t.sends, sum(m.routes.values()))
                 + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None)
-                + [w for w in (sharing_warning(out.gpu_sharing),) if w])
+                + [w for w in (sharing_warning(out.gpu_sharing),) if w]
+                + _ceiling_warnings(cfg, out))
     gate = _gate(cfg, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
-        counter_dict(m.routes), counter_dict(m.details), m.latency_us(), ranks[0].clock if ranks else None,
+        counter_dict(m.routes), counter_dict(m.details), m.latency_us(cfg.report.percentiles),
+        ranks[0].clock if ranks else None,
         {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
         Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
@@ -205,13 +218,22 @@ def batch_caps(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> li
         caps.append(f"workload.batch_size={w.batch_size} is capped at {max(1, window)} requests per step "
                     f"by transport.max_inflight_blocks={t.max_inflight_blocks} ({per_request} blocks per "
                     f"request): raise transport.max_inflight_blocks")
-    sends = sends or 0
-    per_send = routed * cfg.endpoints.decode_tp / sends if sends else None
+    per_send = _per_send(cfg, sends, routed)
     if t.coalesce and per_send is not None and not caps and per_send < 0.5 * w.batch_size:
         caps.append(f"coalesced sends carried {per_send:.1f} requests each, workload.batch_size="
                     f"{w.batch_size}: a step takes what is ready; raise workload.concurrency={w.concurrency} "
                     f"and buffers.size={b.size} (16x the batch fills most steps)")
     return caps
+
+
+def _ceiling_warnings(cfg: OrchestratorConfig, out: RunResult) -> list[str]:
+    """workload.duration_s: the ranks that reached workload.requests before the clock."""
+    w = cfg.workload
+    early = sorted(name for name, r in out.ranks.items() if r.ended_by == "requests")
+    if w.duration_s is None or not early:
+        return []
+    return [f"workload.duration_s={w.duration_s:g}: {', '.join(early)} stopped at the workload.requests="
+            f"{w.requests} ceiling before the duration ran out: raise workload.requests to run for the time"]
 
 
 def _open_loop_warnings(offered: Optional[float], achieved: Optional[float],
@@ -310,8 +332,10 @@ def _rate_line(results: JobResults) -> str:
         return (f"rate not measured ({results.verified} verified, no handoff phase to time); "
                 f"{t.bytes_per_request} B per request; {start}")
     phase = f" over {_num(t.wall_s)} s" if t.wall_s else ""
+    sends = (f", {_num(t.requests_per_send)} requests per send" if results.workload.coalesce
+             and t.requests_per_send is not None else "")
     return (f"{_num(t.handoffs_per_s)} handoffs/s, {t.mb_per_s} MB/s{phase} "
-            f"({t.bytes_per_request} B per request); {start}")
+            f"({t.bytes_per_request} B per request{sends}); {start}")
 
 
 def _latency_line(results: JobResults) -> str:
@@ -369,8 +393,9 @@ def _tp_line(tp: Optional[TpSummary]) -> list[str]:
             + (f"{tp.allreduce_us_mean} us" if tp.allreduce_us_mean is not None else "not timed")]
 
 
-def summary(results: JobResults | DecodeSideResults, run_dir: Path) -> str:
-    """At most 8 lines for a default run: what ran, what happened, how fast, where."""
+def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False) -> str:
+    """At most 8 lines for a default run: what ran, what happened, how fast, where. `plot`:
+    latency.png is drawn after this prints (an interrupted run's)."""
     if isinstance(results, DecodeSideResults):
         return decode_summary(results, run_dir)
     plan, w = results.plan, results.workload
@@ -404,7 +429,8 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path) -> str:
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    files = "results.json, requests.jsonl" + (", latency.png" if (Path(run_dir) / "latency.png").exists() else "")
+    png = plot or (Path(run_dir) / "latency.png").exists()
+    files = "results.json, requests.jsonl" + (", latency.png" if png else "")
     lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")
     return "\n".join(lines)
 

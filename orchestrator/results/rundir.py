@@ -118,23 +118,47 @@ def _holder(path: Path) -> str:
 def lock_run_dir(run_dir: Path):
     """Hold `run_dir`'s lock for as long as the returned file stays open (one run per run
     dir; the kernel drops the lock when the process ends, however it ends). Raises
-    RunDirBusy when another process holds it."""
+    RunDirBusy when another process holds it. A lock file that its holder removed at its end
+    (unlock_run_dir) while this process was opening it is opened again: the lock held is
+    always the one on the file the path names."""
     import fcntl
     import os
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    fh = open(path, "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fh.close()
-        raise RunDirBusy(f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); "
-                         "give this one its own hydra.run.dir") from None
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            raise RunDirBusy(f"{run_dir} is in use by another run (pid {_holder(path)} holds {path}); "
+                             "give this one its own hydra.run.dir") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        fh.close()  # its holder removed it between our open and our lock: take the new one
     fh.truncate(0)
     fh.write(f"{os.getpid()}\n")
     fh.flush()
     return fh
+
+
+def unlock_run_dir(fh) -> None:
+    """The run's last act: remove the lock file while still holding its lock (a run that
+    opened it meanwhile sees it gone and takes a new one, lock_run_dir), then let go."""
+    import os
+
+    path = Path(fh.name)
+    try:
+        if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+            path.unlink()
+    except OSError:
+        pass
+    fh.close()
 
 
 def run_dir_busy(run_dir: Path) -> Optional[str]:

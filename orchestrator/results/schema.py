@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from orchestrator.results.records import DecodeResult, RunResult, counter_dict
 from orchestrator.results.rundir import RunFiles
@@ -25,8 +25,10 @@ class RunStatus(Enum):
 
     ok = "ok"  # every request verified, no error
     failed = "failed"  # ran, but not every request was verified
+    interrupted = "interrupted"  # SIGINT/SIGTERM ended it (counts so far)
     error = "error"  # results.json carries an error, or cannot be read
     missing = "missing"  # no results.json: the job crashed before writing one
+    not_started = "not started"  # a combination of the sweep whose job never began
 
 
 def _plain(v: Any) -> Any:
@@ -58,19 +60,30 @@ def each(read):
 
 @dataclass(frozen=True)
 class Percentiles:
-    """p50 / p99 / p999 of a latency in us (None: nothing measured)."""
+    """p50 / p99 / p999 of a latency in us (None: nothing measured), its mean and max, and
+    where asked for (report.percentiles) `percentiles`: {"p50": .., "p90": .., "p99.9": ..}."""
 
     p50: Optional[float] = None
     p99: Optional[float] = None
     p999: Optional[float] = None
+    mean: Optional[float] = None
+    max: Optional[float] = None
+    percentiles: Optional[dict[str, Optional[float]]] = None
 
     @classmethod
-    def of(cls, h: LatencyHistogram) -> "Percentiles":
-        return cls(**h.summary())
+    def of(cls, h: LatencyHistogram, qs: Sequence[float] = ()) -> "Percentiles":
+        return cls(**h.summary(), mean=h.mean, max=h.peak, percentiles=h.chosen(qs) if qs else None)
 
     @classmethod
     def from_json(cls, d: Any) -> "Percentiles":
         return read_section(cls, d)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"p50": self.p50, "p99": self.p99, "p999": self.p999, "mean": self.mean,
+                             "max": self.max}
+        if self.percentiles is not None:
+            d["percentiles"] = dict(self.percentiles)
+        return d
 
     @property
     def measured(self) -> bool:
@@ -109,6 +122,8 @@ class Workload:
     digest: Optional[str] = None
     in_flight_max: Optional[int] = None  # workload.concurrency x prefill ranks
     decode_rows: Optional[int] = None  # buffers.size x decode ranks
+    duration_s: Optional[float] = None  # workload.duration_s (null: a request count ran)
+    burstiness: Optional[float] = None  # workload.burstiness (open loop; 1 = Poisson)
 
 
 @dataclass
@@ -295,6 +310,7 @@ class Timing:
     sends: Optional[int] = None
     blocks_per_send: Optional[float] = None
     offered_per_s: Optional[float] = None  # open loop: workload.rate x prefill ranks
+    requests_per_send: Optional[float] = None  # request rows per send call (per decode TP rank)
 
 
 @dataclass
@@ -393,6 +409,8 @@ class Results:
 
     @property
     def status(self) -> RunStatus:
+        if self.ending.interrupted:
+            return RunStatus.interrupted
         if self.error is not None:
             return RunStatus.error
         return RunStatus.ok if self.requests and self.verified == self.requests else RunStatus.failed
@@ -452,8 +470,8 @@ class JobResults(Results):
              "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
              "authenticated", "decode", "decode_verified", "memory_kb", "faults_applied",
              "engine_listeners_beyond_loopback", "lost", "interrupted", "signal", "slow_to_stop",
-             "engine_log", "plan", "error", "tp", "decode_gate", "offered_per_s", "warnings", "exit_code",
-             "role", "run_dir")
+             "engine_log", "plan", "error", "tp", "decode_gate", "offered_per_s", "requests_per_send",
+             "warnings", "exit_code", "role", "run_dir")
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "JobResults":

@@ -36,6 +36,7 @@ class LatencyHistogram:
         self.counts: dict[int, int] = {}
         self.n = 0
         self.total = 0.0
+        self.max: Optional[float] = None  # exact (the buckets round)
         self._pending: list[float] = []
         for v in values:
             self.add(v)
@@ -57,6 +58,8 @@ class LatencyHistogram:
             self.counts[k] = self.counts.get(k, 0) + c
         self.n += len(v)
         self.total += float(v.sum())
+        top = float(v.max())
+        self.max = top if self.max is None else max(self.max, top)
         return self
 
     def __getstate__(self):
@@ -70,6 +73,8 @@ class LatencyHistogram:
             self.counts[b] = self.counts.get(b, 0) + c
         self.n += other.n
         self.total += other.total
+        if other.max is not None:
+            self.max = other.max if self.max is None else max(self.max, other.max)
         return self
 
     def percentile(self, q: float) -> Optional[float]:
@@ -80,13 +85,24 @@ class LatencyHistogram:
         seen = 0
         for b in sorted(self.counts):
             seen += self.counts[b]
-            if seen >= rank:
-                return round(_BASE_US * _RATIO ** (b + 0.5), 2)
+            if seen >= rank:  # the bucket's middle, never past the largest value seen
+                mid = _BASE_US * _RATIO ** (b + 0.5)
+                return round(min(mid, self.max) if self.max is not None else mid, 2)
         return None  # unreachable
 
     def summary(self) -> dict[str, Optional[float]]:
         return {"p50": self.percentile(50), "p99": self.percentile(99),
                 "p999": self.percentile(99.9)}
+
+    def chosen(self, qs: Sequence[float]) -> dict[str, Optional[float]]:
+        """{"p<q>": value} for each q (report.percentiles), named as `q` prints: p90, p99.9."""
+        return {f"p{q:g}": self.percentile(q) for q in qs}
+
+    @property
+    def peak(self) -> Optional[float]:
+        """The largest value, exactly, rounded as the percentiles are."""
+        self.fold()
+        return None if self.max is None else round(self.max, 2)
 
     @property
     def mean(self) -> Optional[float]:
@@ -95,12 +111,13 @@ class LatencyHistogram:
 
     def to_dict(self) -> dict:
         self.fold()
-        return {"n": self.n, "total": self.total, "counts": {str(b): c for b, c in self.counts.items()}}
+        return {"n": self.n, "total": self.total, "max": self.max,
+                "counts": {str(b): c for b, c in self.counts.items()}}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "LatencyHistogram":
         h = cls()
         if d:
             h.counts = {int(b): c for b, c in d["counts"].items()}
-            h.n, h.total = d["n"], d["total"]
+            h.n, h.total, h.max = d["n"], d["total"], d.get("max")
         return h

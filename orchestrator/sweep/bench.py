@@ -451,7 +451,7 @@ class _BenchProgress:
     def phase(self, name: str) -> None:
         self.say(f"phase {name}")
 
-    def __call__(self, done: int) -> None:
+    def __call__(self, done: int, verified: Optional[int] = None) -> None:
         pass
 
 

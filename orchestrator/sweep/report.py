@@ -10,7 +10,7 @@ from pathlib import Path
 
 from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
-from orchestrator.sweep.sweep import SweepError, summarize
+from orchestrator.sweep.sweep import SweepError, summarize, sweep_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in paths:
         print(rel(path), flush=True)
+    print(sweep_status(args.dirs[0]), file=sys.stderr, flush=True)  # (stdout: the files)
     return 0
 
 

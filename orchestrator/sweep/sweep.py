@@ -8,8 +8,11 @@ rebuilds the same files.
 A job dir is a subdir whose name is a whole number (Hydra's `hydra.job.num`). Its row
 carries the swept values (from `.hydra/overrides.yaml`, `hydra.*` keys left out) and a
 status (orchestrator.results.RunStatus): `ok` (every request verified, no error), `failed`
-(ran, but not every request was verified), `error` (results.json carries an error, or
-cannot be read) or `missing` (no results.json: the job crashed before writing one).
+(ran, but not every request was verified), `interrupted` (SIGINT/SIGTERM ended it),
+`error` (results.json carries an error, or cannot be read) or `missing` (no results.json:
+the job crashed before writing one). Every combination of the sweep (from the sweep dir's
+multirun.yaml, as Hydra's basic sweeper numbers them) without a job dir is a row too, `not
+started`: an interrupted sweep lists what it never ran.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from orchestrator.results.plots import pyplot, short_dir
+from orchestrator.results.plots import layout_label, log_ticks, pyplot, short_dir
 from orchestrator.results.rundir import RunFiles
 from orchestrator.results.schema import DecodeSideResults, JobResults, Results, RunStatus
 
@@ -42,7 +45,12 @@ RESULT_COLUMNS = [
     "silent_corruptions", "steps_disagreed", "exit_code", "error",
     "taken_p50_us", "taken_p99_us", "taken_p999_us", "gate_read", "gate_read_p50_us", "gate_read_p99_us",
     "stall_p50_us", "stall_p99_us", "forward_steps_per_s_idle", "forward_steps_per_s_serving",
+    "send_aux_mean_us", "send_aux_max_us", "taken_mean_us", "taken_max_us", "handoff_mean_us",
+    "handoff_max_us", "e2e_mean_us", "e2e_max_us", "requests_per_send", "duration_s", "burstiness",
+    "layout",
 ]
+# After RESULT_COLUMNS: each job's report.percentiles, `<metric>_p<q>_us` for these metrics
+PERCENTILE_METRICS = ("send_aux", "taken", "handoff", "e2e")
 RATE_KEY = "workload.rate"
 
 
@@ -66,6 +74,31 @@ def _overrides(job_dir: Path) -> dict[str, str]:
         items = yaml.safe_load(path.read_text()) or []
     except (OSError, yaml.YAMLError):
         return {}
+    return _pairs(items)
+
+
+def combinations(sweep_dir: Path) -> list[dict[str, str]]:
+    """Every job of the sweep, in Hydra's job order, as {key: value} (hydra.* left out): the
+    basic sweeper's product of the sweep's overrides (multirun.yaml). [] where it cannot tell
+    (no or an unreadable multirun.yaml, another sweeper)."""
+    try:
+        conf = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text()) or {}
+        hydra_conf = conf["hydra"]
+        if not str(hydra_conf["sweeper"]["_target_"]).endswith("BasicSweeper"):
+            return []
+        params = hydra_conf["sweeper"].get("params") or {}
+        args = [f"{k}={v}" for k, v in params.items()] + list(hydra_conf["overrides"]["task"] or [])
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+    except Exception:  # noqa: BLE001 - a summary never fails on what it cannot enumerate
+        return []
+    return [_pairs(job) for job in batches[0]] if batches else []
+
+
+def _pairs(items: Any) -> dict[str, str]:
+    """["key=value", ...] as {key: value}; hydra.* keys skipped."""
     out: dict[str, str] = {}
     if not isinstance(items, list):
         return out
@@ -126,7 +159,30 @@ def _measured(res: JobResults) -> dict[str, Any]:
     for kind in ("send_aux", "taken", "handoff"):
         p = getattr(lat, kind)
         row.update({f"{kind}_p50_us": p.p50, f"{kind}_p99_us": p.p99, f"{kind}_p999_us": p.p999})
+    for kind in PERCENTILE_METRICS:
+        p = getattr(lat, kind)
+        row.update({f"{kind}_mean_us": p.mean, f"{kind}_max_us": p.max})
+        row.update({f"{kind}_{q}_us": v for q, v in (p.percentiles or {}).items()})
+    row.update(requests_per_send=res.timing.requests_per_send, duration_s=res.workload.duration_s,
+               burstiness=res.workload.burstiness, layout=_layout(res))
     return row
+
+
+def _layout(res: JobResults) -> Optional[str]:
+    """The job's rank/TP layout, from its pairs ("p0->d1") and TP summary."""
+    if not res.pairs:
+        return None
+    prefill = {k.split("->")[0] for k in res.pairs}
+    decode = {k.split("->")[-1] for k in res.pairs}
+    return layout_label(len(prefill), len(decode), res.tp.ranks if res.tp else 1)
+
+
+def _title(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """summary.png's title: the sweep, how its combinations ended, the rank/TP layout."""
+    layouts = {r.get("layout") for r in rows if r.get("layout")}
+    where = (f"\n{layouts.pop()}" if len(layouts) == 1 else
+             "\nrank/TP layouts differ (summary.csv: layout)" if layouts else "")
+    return f"sweep {short_dir(sweep_dir)}: {status_line(rows)}{where}"
 
 
 def _number(value: Any) -> Optional[float]:
@@ -152,22 +208,39 @@ def swept_column(key: str) -> str:
     return f"override:{key}" if key in RESULT_COLUMNS or key == "job" else key
 
 
+def _percentile_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The chosen-percentile columns any row has, metric by metric, in increasing q."""
+    have = {k for row in rows for k in row}
+    out = []
+    for kind in PERCENTILE_METRICS:
+        named = [k for k in have if k.startswith(f"{kind}_p") and k.endswith("_us") and k not in RESULT_COLUMNS]
+        qs = sorted({(_number(k[len(kind) + 2:-3]), k) for k in named if _number(k[len(kind) + 2:-3]) is not None})
+        out += [k for _, k in qs]
+    return out
+
+
 def collect(sweep_dir: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """(columns, rows) for a sweep dir, one row per job dir sorted by job number. Columns:
-    job, the swept keys (in order of first appearance), then RESULT_COLUMNS."""
+    job, the swept keys (in order of first appearance), RESULT_COLUMNS, then the jobs'
+    chosen percentiles (report.percentiles) not already among them."""
     rows, swept = [], []
-    for job_dir in job_dirs(sweep_dir):
-        overrides = _overrides(job_dir)
+    dirs = {int(d.name): d for d in job_dirs(sweep_dir)}
+    combos = combinations(sweep_dir)
+    for num in sorted(set(dirs) | set(range(len(combos)))):
+        if num in dirs:
+            row, overrides = _row(dirs[num]), _overrides(dirs[num])
+        else:
+            row, overrides = {"job": num, "status": RunStatus.not_started}, combos[num]
         for key in overrides:
             if key not in swept:
                 swept.append(key)
-        rows.append((_row(job_dir), overrides))
+        rows.append((row, overrides))
     out = []
     for row, ov in rows:
         for key in swept:
             row[swept_column(key)] = ov.get(key)
         out.append(row)
-    return ["job", *(swept_column(k) for k in swept), *RESULT_COLUMNS], out
+    return ["job", *(swept_column(k) for k in swept), *RESULT_COLUMNS, *_percentile_columns(out)], out
 
 
 def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
@@ -182,10 +255,16 @@ def _md_cell(value: Any) -> str:
     return _cell(value).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
 
 
+def status_line(rows: list[dict[str, Any]]) -> str:
+    """"3 combinations: 1 ok, 1 interrupted, 1 not started" (every status present, in
+    RunStatus order)."""
+    counts = [(st, sum(r["status"] is st for r in rows)) for st in RunStatus]
+    return f"{len(rows)} combinations: " + ", ".join(f"{n} {st.value}" for st, n in counts if n)
+
+
 def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    ok = sum(r["status"] is RunStatus.ok for r in rows)
     lines = [f"# Sweep summary: {sweep_dir}", "",
-             f"{len(rows)} jobs, {ok} ok.", "",
+             f"{status_line(rows)}.", "",
              "| " + " | ".join(columns) + " |",
              "|" + "|".join("---" for _ in columns) + "|"]
     for row in rows:
@@ -225,7 +304,7 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     labels = ["\n".join([f"job {r['job']}"] + [pair(k, r.get(k)) for k in keys]) for r in rows]
     x = list(range(len(rows)))
     fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * len(rows) + 6), 5.6))
-    ran = [r["status"] in (RunStatus.ok, RunStatus.failed) for r in rows]
+    ran = [r["status"] in (RunStatus.ok, RunStatus.failed, RunStatus.interrupted) for r in rows]
     top = max([_number(r.get("requests")) or 0.0 for r in rows] + [1.0])
     bottom = [0.0] * len(rows)
     for key, color in (("verified", "tab:green"), ("corrupted", "tab:red"), ("failed", "tab:gray")):
@@ -257,8 +336,7 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     axes[0].set_ylim(0, top * 1.18)  # headroom for the legend, above every bar
     axes[1].set_ylim(0, rate_top * 1.18)
     axes[0].legend(fontsize="small", loc="upper center", ncol=3, framealpha=0.9)
-    ok = sum(r["status"] is RunStatus.ok for r in rows)
-    fig.suptitle(f"sweep {short_dir(sweep_dir)}: {ok}/{len(rows)} jobs ok", fontsize=10)
+    fig.suptitle(_title(sweep_dir, rows), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -288,8 +366,8 @@ def _lines(ax, key: str, series: dict, load: bool) -> None:
     """A panel's lines: `key` against x for each series (with a load sweep's p99 dashed)."""
     for n_series, (label, pts) in enumerate(sorted(series.items())):
         marker, style = STYLES[n_series % len(STYLES)]
-        if load and key == "e2e_p50_us":
-            style = "-"  # p50 solid, p99 dashed, the marker tells the lines apart
+        if load:
+            style = "-"  # p50 solid, p99 dashed (both panels: dashed means p99); the marker tells lines apart
         pts.sort(key=lambda p: p[0])
         px = [x for x, r in pts if _number(r.get(key)) is not None]
         py = [_number(r.get(key)) for x, r in pts if _number(r.get(key)) is not None]
@@ -327,6 +405,7 @@ def _axes(ax, key: str, title: str, x_label: str, xs: list[float], has_series: b
     ax.grid(True, which="both", alpha=0.3)
     if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
         ax.set_xscale("log")
+        log_ticks(ax.xaxis, min(xs), max(xs))
     ticks = sorted(set(xs))
     if 0 < len(ticks) <= 8:  # label the swept values themselves
         ax.set_xticks(ticks, [f"{x:.0f}" if x.is_integer() else repr(x) for x in ticks])
@@ -334,6 +413,8 @@ def _axes(ax, key: str, title: str, x_label: str, xs: list[float], has_series: b
     if has_series:
         if load and key == "e2e_p50_us":
             ax.set_yscale("log")
+            lo, hi = ax.get_ylim()
+            log_ticks(ax.yaxis, lo, hi)
         elif not clipped:
             ax.set_ylim(bottom=0)
         ax.legend(title="mem_pool / route", fontsize="small")
@@ -365,7 +446,7 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
         _lines(ax, key, series, load)
         clipped = _offered_line(ax, xs, measured_top) if load and key == "handoffs_per_s" and xs else False
         _axes(ax, key, title, x_label, xs, bool(series), load, clipped)
-    fig.suptitle(f"sweep {short_dir(sweep_dir)}: {len(ok)}/{len(rows)} jobs ok", fontsize=10)
+    fig.suptitle(_title(sweep_dir, rows), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -383,7 +464,7 @@ def summarize(sweep_dir: Path, png: bool = True) -> list[Path]:
     columns, rows = collect(sweep_dir)
     if not rows:
         raise SweepError(f"{sweep_dir} holds no job subdirs (0, 1, ...): not a sweep dir")
-    swept = columns[1:len(columns) - len(RESULT_COLUMNS)]
+    swept = columns[1:columns.index(RESULT_COLUMNS[0])]
     csv_path, md_path, png_path = (sweep_dir / CSV_NAME, sweep_dir / MD_NAME,
                                    sweep_dir / PNG_NAME)
     _write_csv(csv_path, columns, rows)
@@ -394,11 +475,18 @@ def summarize(sweep_dir: Path, png: bool = True) -> list[Path]:
     return [csv_path, md_path, png_path]
 
 
+def sweep_status(sweep_dir: Path) -> str:
+    """The sweep's status line: every combination counted by its status."""
+    return status_line(collect(sweep_dir)[1])
+
+
 def worst_exit(sweep_dir: Path) -> Optional[int]:
     """The worst exit code of a sweep's jobs (a job without a readable results.json counts
     as lost: 3); None when the directory holds no job."""
     codes = []
     for row in collect(sweep_dir)[1]:
+        if row["status"] is RunStatus.not_started:
+            continue
         code = row.get("exit_code")
         codes.append(code if isinstance(code, int) else 3)
     return max(codes) if codes else None
@@ -440,3 +528,4 @@ class SweepSummary(Callback):
             return
         for path in paths:
             print(f"sweep summary: {path}", flush=True)
+        print(f"sweep: {sweep_status(sweep_dir)}", flush=True)

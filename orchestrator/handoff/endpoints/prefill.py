@@ -83,12 +83,15 @@ class Phase:
     status: StatusMode = StatusMode.per_request
     rid_base: int = 0  # request ids of this phase start here (unique per prefill rank)
     set_buf: SetBufMode = SetBufMode.sglang
+    duration_s: Optional[float] = None  # arrivals stop this long after the phase began
+    burstiness: float = 1.0  # open loop: the gamma shape of the gaps (1: Poisson)
 
     @classmethod
     def of(cls, cfg: OrchestratorConfig, rank: int) -> "Phase":
         w, t = cfg.workload, cfg.transport
         return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, t.coalesce, t.status,
-                   rid_base=rank * w.requests, set_buf=cfg.buffers.set_buf)
+                   rid_base=rank * w.requests, set_buf=cfg.buffers.set_buf, duration_s=w.duration_s,
+                   burstiness=w.burstiness)
 
 
 @dataclass(slots=True)
@@ -571,8 +574,16 @@ class _Loop:
         self.ep, self.phase, self.conn, self.faults = ep, phase, conn, faults
         self.w = w = ep.cfg.workload
         self.total = phase.requests
-        self.res = RankResult(ep.rank, phase.requests, row_bytes=ep.buffers.row_bytes)
-        self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, ep.rank)
+        self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, ep.rank, phase.burstiness,
+                                       phase.duration_s)
+        if self.offsets is not None:  # (with a duration: the arrivals it holds)
+            self.total = len(self.offsets)
+        self.res = RankResult(ep.rank, self.total, row_bytes=ep.buffers.row_bytes)
+        # a closed loop's workload.duration_s: the clock (set at the start) that ends its arrivals
+        self.deadline: Optional[float] = None
+        if phase.duration_s is not None:
+            hit = self.offsets is not None and self.total == phase.requests
+            self.res.ended_by = "requests" if hit else "duration"
         self.outstanding: dict[int, Req] = {}
         self.ready: collections.deque[Req] = collections.deque()
         self.next_i = 0
@@ -777,6 +788,8 @@ class _Loop:
             ep.fill_ahead()
         t0 = _clock()
         self.res.t_start = t0
+        if self.phase.duration_s is not None and self.offsets is None:
+            self.deadline = t0 + self.phase.duration_s
         self.res.clock = "one_way" if all(i.same_clock for i in ep.instances) else "round_trip"
         for inst in ep.instances:
             inst.last_heard = t0
@@ -818,7 +831,7 @@ class _Loop:
                 self.keepalive(now)
                 self.faults.progress(self.finished, len(self.outstanding))
                 if self.conn is not None and now - last_progress >= 0.25:
-                    self.conn.send(protocol.Progress(finished=self.finished))
+                    self.conn.send(protocol.Progress(finished=self.finished, verified=self.res.verified))
                     last_progress = now
         finally:
             if conn_fd is not None:
@@ -858,9 +871,16 @@ class _Loop:
             if not inst.lost and now - inst.told >= every:
                 ep._send(inst, wire.encode("arrive", reqs=[], contiguous=self.phase.coalesce))
 
+    def end_arrivals(self) -> None:
+        """A closed loop's workload.duration_s ran out: what arrived is the phase's count."""
+        self.deadline = None
+        self.total = self.res.requests = self.next_i
+
     def issue(self, now: float, t0: float) -> None:
         if self.stopping:
             return
+        if self.deadline is not None and now >= self.deadline:
+            self.end_arrivals()
         holds = self.faults.holds
         # at most ISSUE_BUDGET arrivals per pass: with a decode lost, each fails at once and the
         # rest of the phase would pass here without the loop reporting progress to the runner
@@ -871,6 +891,8 @@ class _Loop:
                 self.arrive(self.next_i, now)
                 self.next_i += 1
             self.more_now = self.next_i == end < self.total
+            if self.deadline is not None and self.next_i == self.total:
+                self.res.ended_by = "requests"  # the ceiling came before the clock
         else:
             while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
                    and not holds(self.next_i)):
@@ -944,6 +966,8 @@ class _Loop:
             if req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
                 self.finish(req)
+        if self.deadline is not None:  # a duration's ceiling was never a count to start
+            self.end_arrivals()
         self.skip_unarrived()
 
     def skip_unarrived(self) -> None:
