@@ -50,7 +50,8 @@ def test_progress_mode_follows_the_terminal_and_the_keys(setting, console, tty, 
     assert mode_for(setting, console, _Stream(tty)) is mode
 
 
-def test_live_line_redraws_in_place_with_phase_counts_and_rate():
+def test_live_line_redraws_in_place_with_phase_counts_and_rate(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width
     out, clock = _Stream(True), _Clock()
     p = Progress(1000, stream=out, mode=Mode.live, clock=clock)
     p.stage("starting processes")
@@ -73,6 +74,12 @@ def test_live_line_redraws_in_place_with_phase_counts_and_rate():
     assert "328 handoffs/s  3.0 s" in out.getvalue().split("\r")[-1]  # 1,000 over the 3.05 s it ran
     p.close()
     assert out.getvalue().endswith("\r") and "\n" not in out.getvalue()
+    monkeypatch.setenv("COLUMNS", "40")
+    narrow = Progress(1000, stream=_Stream(True), mode=Mode.live, clock=clock)
+    narrow.start()
+    clock.t += 1
+    narrow(500, 500)
+    assert max(len(part) for part in narrow.stream.getvalue().split("\r")) <= 39
 
 
 def test_lines_mode_writes_a_line_every_few_seconds_and_off_writes_nothing():
