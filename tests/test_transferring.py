@@ -68,6 +68,9 @@ def test_the_figure():
     exact = held({"room_never_landed": 20}, 200, 64, (0, 10))
     assert (exact.held_in_transferring, exact.slots_held, exact.no_slot_left_after) == (20, 20, 631)
     assert held({"room_never_landed": 20}, 200, 64).no_slot_left_after == 640  # measured rate
+    full = held({"room_never_landed": 19}, 200, 16, (10, 10))
+    assert (full.slots_held, full.no_slot_left_after) == (16, 161)
+    assert "all 16 decode slots held: no slot left after 161 requests" in full.line()
 
 
 @pytest.mark.integration

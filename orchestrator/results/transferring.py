@@ -53,8 +53,8 @@ HELD_DETAIL = Detail.room_never_landed
 class Held:
     """results.json `sglang_0_5_23`: what SGLang 0.5.23's decode would hold of this run."""
 
-    held_in_transferring: int  # requests it would keep in Transferring for ever
-    slots_held: int  # one metadata slot each, never freed
+    held_in_transferring: int  # this run's requests it would keep in Transferring for ever
+    slots_held: int  # one metadata slot each, never freed (at most decode_slots)
     decode_slots: int  # buffers.size x decode instances
     no_slot_left_after: Optional[int]  # requests, at this run's rate of such requests
     how: str  # how no_slot_left_after was reached
@@ -62,10 +62,15 @@ class Held:
     def line(self) -> str:
         text = (f"SGLang 0.5.23 would keep {self.held_in_transferring} of these requests in Transferring "
                 f"for ever (its receiver times out Bootstrapping and WaitingForInput only; the gate "
-                f"holds Success with room 0), holding {self.slots_held} of {self.decode_slots} decode slots")
-        if self.no_slot_left_after is not None:
-            text += f"; at this rate no slot is left after {self.no_slot_left_after} requests ({self.how})"
-        return text + "; this run failed them after transport.timeout_s"
+                f"holds Success with room 0), ")
+        if self.slots_held >= self.decode_slots:
+            text += (f"all {self.decode_slots} decode slots held: no slot left after "
+                     f"{self.no_slot_left_after} requests ({self.how}), the decode takes nothing after")
+        else:
+            text += f"holding {self.slots_held} of {self.decode_slots} decode slots"
+            if self.no_slot_left_after is not None:
+                text += f"; at this rate no slot is left after {self.no_slot_left_after} requests ({self.how})"
+        return text + "; this run failed each after transport.timeout_s"
 
 
 def held(details: dict[str, int], requests: int, decode_slots: int, fault: Optional[tuple[int, int]] = None
@@ -83,4 +88,4 @@ def held(details: dict[str, int], requests: int, decode_slots: int, fault: Optio
     else:
         after = math.ceil(decode_slots * requests / stuck)
         how = f"{stuck} of {requests} requests, {decode_slots} slots"
-    return Held(stuck, stuck, decode_slots, after, how)
+    return Held(stuck, min(stuck, decode_slots), decode_slots, after, how)
