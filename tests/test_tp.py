@@ -11,6 +11,8 @@ import pytest
 
 from orchestrator.sweep.replay import deterministic
 
+from .helpers.bounds import bound
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TIMEOUT = "transport.timeout_s=5"
 RACE = ("endpoints.decode_tp=2", "faults=status_first", "faults.every=3")
@@ -31,18 +33,76 @@ def test_decode_tp2_verifies_end_to_end(run_job, tmp_path, route):
 
 
 def test_gate_off_lets_the_race_through_reproducibly(run_job, tmp_path):
+    """The race is ordered, not timed: each hit request's aux to rank 1 is held until its
+    verdict is back at the prefill (faults.margin_us, 60 s here, is only the
+    longest wait), so rank 1 reads every such row before it lands, however loaded the box.
+    On a stalled decode loop a time lead let the row land first (46 of 50 under load)."""
     runs = []
     for i in range(2):
-        # a 100 ms lead (the default is 20 ms): a loaded 2-core box can stall the decode loop
-        # past 20 ms, and the row then lands before the read that should take it unready
         res = run_job(tmp_path / str(i), TIMEOUT, *RACE, "gate.readiness=false", "workload.requests=150",
-                      "workload.concurrency=1", "workload.seed=0", "faults.margin_us=100000")  # one seed: same rooms
+                      "workload.concurrency=1", "workload.seed=0",  # one seed: same rooms
+                      "faults.margin_us=60e6")  # released by the verdict; this is the cap
         runs.append(res)
         assert res.corrupted == 50 and res.verified == 100  # every third request
         tp = res.tp
         assert tp.steps_disagreed > 0 and tp.silent_corruptions == 50
+        # taken_unready, or room_mismatch: the held row lands in its freed slot after the
+        # verdict, before or after rank 1 zeroed it, and a later hit there reads that room
         assert set(res.failure_reasons) <= {"taken_unready", "room_mismatch"}
     assert deterministic(tmp_path / "0") == deterministic(tmp_path / "1")  # replays IDENTICAL
+
+
+def test_status_first_holds_the_aux_until_its_verdict():
+    """The hook that orders the race: a status_first send starts only once every request in
+    it has its verdict (or the margin, here 60 s, passed); statuses go at once."""
+    import threading
+    from types import SimpleNamespace
+
+    from orchestrator.handoff.faults import FaultyRouter
+    from orchestrator.handoff.transport.router import Send, Transfer
+    from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
+
+    class Inner:
+        route = SimpleNamespace(value="engine")
+
+        def __init__(self):
+            self.statuses, self.started, self.judged_rids = [], [], []
+            self.went = threading.Event()
+
+        def connected_peer(self):
+            return SimpleNamespace(tp_rank=1)
+
+        def sends(self, transfers, coalesce=False, status=StatusMode.per_request):
+            return [Send([t]) for t in transfers]
+
+        def send_status(self, transfers, per_step):
+            self.statuses += [t.rid for t in transfers]
+
+        def start(self, send, push=None):
+            self.started += [t.rid for t in send.transfers]
+            if send.fault is not None:
+                self.went.set()
+
+        def finish(self, send):
+            pass
+
+        def judged(self, rid):
+            self.judged_rids.append(rid)
+
+    inner = Inner()
+    router = FaultyRouter(inner, FaultsConfig(kind=FaultKind.status_first, at_request=0, every=2,
+                                              margin_us=60e6, rank=1))
+    sends = router.sends([Transfer(rid, 100 + rid, rid, rid) for rid in (0, 1)])
+    for send in sends:
+        router.start(send)
+    held = next(s for s in sends if s.fault is not None)
+    assert inner.statuses == [0] and inner.started == [1]  # rid 0's status went; its row did not
+    router.judged(1)  # another request's verdict releases nothing
+    assert not router.ready(held) and inner.started == [1]
+    router.judged(0)
+    assert inner.went.wait(bound())  # the delayer thread starts it (the margin would be 60 s)
+    router.finish(held)
+    assert inner.started == [1, 0] and inner.judged_rids == [1, 0]
 
 
 def test_gate_on_same_race_verifies_everything(run_job, tmp_path):

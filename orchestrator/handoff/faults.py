@@ -90,10 +90,21 @@ class Injector:
         return rid >= self.at and (rid - self.at) % self.every == 0
 
 
+class _Held:
+    """status_first: one send held back, and the requests whose verdicts let it go early."""
+
+    def __init__(self, rids):
+        self.waiting = set(rids)  # no verdict yet
+        self.go = threading.Event()  # every verdict is back: start now
+        self.done = threading.Event()  # started and landed: finish() may go on
+
+
 class _Delayer(threading.Thread):
-    """status_first: starts a target rank's sends `margin` after their statuses went out,
-    off the transfer thread (which goes on with the other ranks). The tcp route's frames go
-    on a socket of its own (a ZMQ socket belongs to one thread)."""
+    """status_first: starts a target rank's sends once their statuses went out and either
+    `margin` passed or every request of the send has its verdict back (the decode judged the
+    row before it landed: without the readiness gate, whatever the load), off the transfer
+    thread (which goes on with the other ranks). The tcp route's frames go on a socket of its
+    own (a ZMQ socket belongs to one thread)."""
 
     def __init__(self, inner: AuxRouter):
         super().__init__(name="delayer", daemon=True)
@@ -105,17 +116,15 @@ class _Delayer(threading.Thread):
 
         push = None
         while True:
-            due, send, done = self.q.get()
-            left = due - time.monotonic()
-            if left > 0:
-                time.sleep(left)
+            due, send, held = self.q.get()
+            held.go.wait(max(0.0, due - time.monotonic()))
             if push is None and self.inner.route.value == "tcp":
                 endpoint = self.inner.push.getsockopt_string(zmq.LAST_ENDPOINT)
                 push = self.inner.push.context.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 0)
                 push.connect(endpoint)
             self.inner.start(send, push=push)
-            done.set()
+            held.done.set()
 
 
 class FaultyRouter:
@@ -127,7 +136,9 @@ class FaultyRouter:
         self.kind = faults.kind
         self.inj = Injector(faults)
         self._lead: dict[int, list[Transfer]] = {}  # status_first: a step's first hit send
-        self._held: dict[int, threading.Event] = {}  # status_first: sends the delayer starts
+        self._held: dict[int, _Held] = {}  # status_first: sends the delayer starts, by id(send)
+        self._by_rid: dict[int, _Held] = {}  # status_first: held sends by request, until judged
+        self._lock = threading.Lock()  # _by_rid: the transfer thread adds, the main loop takes
         self._delayer: Optional[_Delayer] = None
 
     def __getattr__(self, name):  # connect, peer, route, item_lens, ... come from the real router
@@ -166,6 +177,10 @@ class FaultyRouter:
             inner.buffers.sync()
             return inner.start(send)
         if kind is FaultKind.status_first:  # every hit status goes now, the rows margin_us later
+            held = self._held[id(send)] = _Held(t.rid for t in send.transfers)
+            with self._lock:  # before the statuses go: a verdict may come back at once
+                for rid in held.waiting:
+                    self._by_rid[rid] = held
             lead = self._lead.pop(id(send), None)
             if lead is not None:
                 inner.send_status(lead, send.per_step)
@@ -173,8 +188,7 @@ class FaultyRouter:
                 self._delayer = _Delayer(inner)
                 self._delayer.start()
             send.t0 = time.monotonic()
-            done = self._held[id(send)] = threading.Event()
-            self._delayer.q.put((time.monotonic() + self.cfg.margin_us / 1e6, send, done))
+            self._delayer.q.put((time.monotonic() + self.cfg.margin_us / 1e6, send, held))
             return
         if kind is FaultKind.aux_lost:  # no block, no frame: the status alone goes out after it
             send.t0 = time.monotonic()
@@ -191,14 +205,29 @@ class FaultyRouter:
                                              [lens[i] for i in keep]))
         raise ValueError(f"{kind} is not a send-path fault")
 
+    def judged(self, rid: int) -> None:
+        """The main loop has request `rid`'s verdict while its send is unfinished: a held
+        status_first send whose requests are all judged goes now (the decode took its row
+        before it landed; the margin is only the longest wait)."""
+        with self._lock:
+            held = self._by_rid.pop(rid, None)
+            if held is not None:
+                held.waiting.discard(rid)
+                if not held.waiting:
+                    held.go.set()
+        self.inner.judged(rid)
+
     def ready(self, send: Send) -> bool:
         held = self._held.get(id(send))
-        return held is None or held.is_set()
+        return held is None or held.done.is_set()
 
     def finish(self, send: Send) -> None:
         held = self._held.pop(id(send), None)
         if held is not None:
-            held.wait()
+            held.done.wait()
+            with self._lock:  # released by the margin: forget the requests still waiting
+                for rid in held.waiting:
+                    self._by_rid.pop(rid, None)
         self.inner.finish(send)
         if send.fault is FaultKind.corrupt_byte:  # the source row stays as it was filled
             self.inner.buffers.flip_byte(send.transfers[0].src_slot, len(self.inner.buffers.fields) // 2)

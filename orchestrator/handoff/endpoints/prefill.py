@@ -738,6 +738,9 @@ class _Loop:
                 inst.ungranted -= 1
             if req.sent or req.src_slot < 0:
                 self.finish(req)
+            else:  # judged before its send finished (a held send may go now)
+                for link in inst.links:
+                    link.router.judged(rid)
 
     def finish(self, req: Req) -> None:
         if req.done:

@@ -216,6 +216,10 @@ class AuxRouter:
         """Whether finish() may be called now (a started send can always be waited for)."""
         return True
 
+    def judged(self, rid: int) -> None:
+        """A verdict on request `rid` came back before its send finished (a decode shed it);
+        nothing to do here (a fault holding the send back acts on it: FaultyRouter)."""
+
     def finish(self, send: Send) -> None:
         """Wait until a started send has landed; record its latency and error."""
         for batch in send.handles:
