@@ -117,18 +117,9 @@ def entry() -> None:
 
 
 def _entry() -> None:
-    from orchestrator.preflight.compose import precheck
+    from orchestrator.preflight.compose import hydra_command
 
-    problem = precheck(sys.argv[1:])
-    if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
-        print(f"error: {' '.join(problem.split())}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    try:
-        main()
-    except SystemExit as exc:
-        if exc.code == 1 and not _EXIT:  # Hydra refused before any job ran
-            sys.exit(2)
-        raise
+    hydra_command(main, sys.argv[1:], started=lambda: bool(_EXIT))
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes

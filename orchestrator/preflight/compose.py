@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from orchestrator.profile.config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
 
@@ -20,23 +20,9 @@ class ProfileError(Exception):
 
 def config_keys() -> list[str]:
     """Every key of the schema, dotted (buffers.size, transport.mooncake.transport, ...)."""
-    import dataclasses
+    from orchestrator.profile.keys import schema_keys
 
-    out: list[str] = []
-
-    def walk(cls, prefix: str) -> None:
-        for f in dataclasses.fields(cls):
-            t = f.type if not isinstance(f.type, str) else None
-            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-            if t is None and sub is not None and dataclasses.is_dataclass(sub):
-                t = sub
-            if t is not None and dataclasses.is_dataclass(t):
-                walk(t, f"{prefix}{f.name}.")
-            else:
-                out.append(f"{prefix}{f.name}")
-
-    walk(OrchestratorConfig, "")
-    return out
+    return [k.name for k in schema_keys()]
 
 
 def closest_key(key: str) -> Optional[str]:
@@ -65,8 +51,23 @@ def _no_append_hint(text: str) -> str:
     return text[:m.start()] + hint + text[m.end():]
 
 
+def ambiguous(override: str) -> str:
+    """The line for KEY=A,B where no sweep is asked for (Hydra's own message is five lines
+    that end in a hint to set HYDRA_FULL_ERROR)."""
+    key, _, value = override.partition("=")
+    return (f"{override} is ambiguous: a sweep over {value} needs -m (python -m orchestrator -m "
+            f"{override}), a list is {key}=[{value}], a string {key}='{value}'")
+
+
+def _ambiguous_hint(text: str) -> str:
+    import re
+
+    m = re.match(r"Ambiguous value for argument '([^']*)'", text)
+    return ambiguous(m.group(1)) if m else text
+
+
 def one_line(exc: BaseException) -> str:
-    return _no_append_hint(_one_line(exc))
+    return _ambiguous_hint(_no_append_hint(_one_line(exc)))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -200,11 +201,53 @@ def yaml_problem(directory: Path) -> Optional[str]:
     return None
 
 
+_MODES = (("run", "--run"), ("multirun", "-m"), ("cfg", "--cfg"), ("info", "--info"),
+          ("shell_completion", "--shell-completion"))
+
+
+class _ArgError(Exception):
+    pass
+
+
+def hydra_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line as Hydra's own parser reads it; ProfileError (one line) for what it
+    or Hydra would refuse with a usage text or a traceback: an unknown flag, two modes at
+    once (--cfg with -m), --resolve without --cfg."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def fail(message: str) -> None:
+        raise _ArgError(message)
+
+    setattr(parser, "error", fail)  # noqa: B010 - argparse prints usage and exits otherwise
+    try:
+        args = parser.parse_args(list(argv))
+    except _ArgError as exc:
+        raise ProfileError(f"{exc} (--help lists the flags and keys)") from None
+    modes = [flag for dest, flag in _MODES if getattr(args, dest) not in (None, False)]
+    if len(modes) > 1:
+        hint = (" (--cfg job with the values of one job, without -m, prints what that job gets)"
+                if {"-m", "--cfg"} <= set(modes) else "")
+        raise ProfileError(f"{' and '.join(modes)} cannot be given together: one of --run, -m, --cfg, "
+                           f"--info, --shell-completion{hint}")
+    if args.resolve and args.cfg is None and not args.help:
+        raise ProfileError("--resolve goes with --cfg (or --help)")
+    return args
+
+
 def precheck(argv: Sequence[str]) -> Optional[str]:
     """One line naming what Hydra or validate would refuse in these overrides, else None.
     Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
-    single run also goes through the rule book here (a sweep's refused job is a row). YAML
-    files of a --config-dir that do not parse are named with their line."""
+    single run also goes through the rule book here (a sweep's refused job is a row; --cfg,
+    --info and --help only compose). YAML files of a --config-dir that do not parse are
+    named with their line."""
+    try:
+        args = hydra_args(argv)
+    except ProfileError as exc:
+        return str(exc)
+    if args.help or args.hydra_help or args.shell_completion:
+        return None
     for directory in config_dirs(argv):
         problem = yaml_problem(directory)
         if problem is not None:
@@ -228,6 +271,8 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
         return one_line(exc)
     choices = []
     for text, override in zip(ours, parsed):
+        if override.is_sweep_override() and not args.multirun:
+            return ambiguous(text)
         if override.is_sweep_override():
             key = text.split("=", 1)[0]
             try:
@@ -243,7 +288,7 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
             cfg = load_profile(combo)
         except ProfileError as exc:
             return str(exc)
-    if len(combos) == 1 and not ({"-m", "--multirun"} & set(argv)):
+    if len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None:
         from orchestrator.profile.config import resolve_host
         from orchestrator.profile.platform import detect
         from orchestrator.profile.rules import check_profile
@@ -255,9 +300,38 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
             return str(exc)
     return None
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage mistake said as every refusal is: one `error:` line, exit 2."""
+
+    def error(self, message: str):
+        error_exit(f"{message} ({self.prog} --help lists the flags)")
+        raise AssertionError("unreachable")
+
+
 def profile_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """An argument parser whose positional arguments are the Hydra overrides of a profile."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides selecting the profile, e.g. mem_pool=INTRA_NODE_NVLINK")
     return parser
+
+
+def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool]) -> None:
+    """How a Hydra command (python -m orchestrator, orchestrator.bench) starts: anything
+    Hydra or the rule book would refuse is one `error:` line and exit 2 before Hydra writes
+    a run dir; --help adds every key with its default and meaning (profile.keys); Hydra's
+    own exit 1 before `started()` (a refusal precheck did not foresee) becomes 2."""
+    problem = precheck(argv)
+    if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
+        error_exit(problem)
+    asked_help = "--help" in argv or "-h" in argv
+    try:
+        main()
+    except SystemExit as exc:
+        if asked_help and exc.code in (0, None):
+            from orchestrator.profile.keys import help_text
+
+            print("\n" + help_text(), flush=True)
+        if exc.code == 1 and not started():
+            raise SystemExit(2) from None
+        raise

@@ -595,19 +595,27 @@ def markdown(results: BenchResults) -> str:
 
 
 register_configs()
+_STARTED: list[bool] = []
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    try:
+def _bench(cfg: DictConfig) -> None:
+    _STARTED.append(True)
+    try:  # checked before Hydra started (compose.precheck); a sweep's jobs are checked here
         obj = validate(cfg)
         check_profile(obj, detect())
     except ConfigError as exc:
-        import sys
-
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     run_bench(obj, Path(HydraConfig.get().runtime.output_dir))
+
+
+def main() -> None:
+    """`python -m orchestrator.bench [overrides]`: refused as the main command refuses (one
+    `error:` line, exit 2, no run dir), then Hydra runs the bench."""
+    from orchestrator.preflight.compose import hydra_command
+
+    hydra_command(_bench, sys.argv[1:], started=lambda: bool(_STARTED))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Exit 0 when the deterministic outputs are identical, 1 when they differ, 2 on ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.records import read_jsonl
 from orchestrator.results.rundir import RunFiles
 from orchestrator.results.schema import JobResults, Results
@@ -144,7 +144,7 @@ def render(rep: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.replay", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m orchestrator.replay", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="where the replay runs")
     args = ap.parse_args(argv)

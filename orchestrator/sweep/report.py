@@ -4,10 +4,10 @@ across hosts (each side's results.json, merged)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
 from orchestrator.sweep.sweep import SweepError, summarize, sweep_status
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m orchestrator.report SWEEP_DIR`: rebuild summary.csv, .md and .png;
     `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run
     split across hosts."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m orchestrator.report",
         description="Rebuild the summary of a Hydra sweep dir, or merge the run dirs of the two "
                     "sides of a run across hosts into one summary.")
