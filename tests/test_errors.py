@@ -118,7 +118,6 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys, monkeypatch, 
     assert len(every) > 70 and set(listed) == {k.name for k in every}
     for k in every:
         assert listed[k.name].startswith(f"{k.name}={value_text(k.default)}")
-    documented = [k for k in every if k.doc or k.choices]
-    assert len(documented) >= len(every) // 2  # the schema says what most keys decide
+    assert [k.name for k in every if not k.doc] == []  # the schema says what each key decides
     assert "buffers.size=64" in out and "slots" in listed["buffers.size"]
-    assert "[auto, tcp, engine]" in listed["transport.route"]
+    assert all(c in listed["transport.route"] for c in ("auto", "tcp", "engine"))

@@ -667,7 +667,8 @@ class FaultsConfig:
     duration_s: float = 2.0
     """decode_stopped: how long the process stays stopped"""
     margin_us: float = 20000.0
-    """status_first: how far the status runs ahead of the aux"""
+    """status_first: how far the status runs ahead of the aux at most (the aux goes as soon as
+    its request's verdict is back: without the gate, after the decode took the row unready)"""
     rank: int = 1
     """status_first: the decode TP rank whose aux is delayed"""
 

@@ -156,7 +156,7 @@ def help_text(cfg: Optional[OrchestratorConfig] = None) -> str:
     rows = []
     for k in keys(cfg):
         doc = first_sentence(k.doc)
-        if k.choices:
+        if k.choices and not all(c in doc for c in k.choices):  # unless the doc names them
             doc = (doc + " " if doc else "") + f"[{', '.join(k.choices)}]"
         rows.append((f"{k.name}={value_text(k.default)}", doc))
     col = 40
