@@ -1,4 +1,4 @@
-"""The address a side would advertise (orchestrator.preflight.address): SGLang 0.5.23's
+"""The address a side would advertise (orchestrator.profile.address): SGLang 0.5.23's
 get_local_ip_auto, compiled from the installed release, is the oracle on this host under
 every variable the rule reads; the rule's steps and the flags on made-up hosts. The same
 rule in network namespaces where the default route is not the peer's network:
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.preflight.address import (
+from orchestrator.profile.address import (
     Host,
     Interface,
     Step,

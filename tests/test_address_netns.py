@@ -29,7 +29,7 @@ _COMPARE = """
 import json, os, sys
 sys.path.insert(0, os.getcwd())
 from tests.helpers import sglang_oracle
-from orchestrator.preflight.address import advertise, probe_host
+from orchestrator.profile.address import advertise, probe_host
 rule = sglang_oracle.local_ip_rule()
 out = []
 for env in json.load(sys.stdin):

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Optional, Sequence
 
-from orchestrator.preflight.address import HOST_IP_VARS, NIC_VAR, Host, advertise
-from orchestrator.preflight.address import judge as address_judge
 from orchestrator.preflight.compose import ProfileError
 from orchestrator.preflight.serving import (
     NEW_POOL_VAR,
@@ -37,6 +35,8 @@ from orchestrator.preflight.serving import (
     profile_from_env,
     sglang_bool,
 )
+from orchestrator.profile.address import HOST_IP_VARS, NIC_VAR, Host, advertise
+from orchestrator.profile.address import judge as address_judge
 from orchestrator.profile.config import ConfigError, MemPoolType, OrchestratorConfig
 from orchestrator.profile.plan import (
     ALLOC_CONF_VARS,

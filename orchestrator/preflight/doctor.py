@@ -731,9 +731,9 @@ def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optio
 def check_address(env: Mapping[str, str], peer_address: Optional[str] = None, host=None) -> Check:
     """The address this side would advertise under SGLang 0.5.23's rule (SGLANG_HOST_IP /
     HOST_IP, SGLANG_LOCAL_IP_NIC, the default route, the hostname), the step that chose it, and
-    what a peer would trip on (orchestrator.preflight.address). `peer_address`: the address the
+    what a peer would trip on (orchestrator.profile.address). `peer_address`: the address the
     other side advertises (its doctor prints it)."""
-    from orchestrator.preflight import address
+    from orchestrator.profile import address
 
     host = host if host is not None else address.probe_host(env)
     adv = address.advertise(host)
