@@ -225,7 +225,14 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert set(res.failure_reasons) <= {"interrupted"}
     assert sum(res.routes.values()) >= res.verified and res.ending.lost == {}
     assert res.timing.handoffs_per_s is not None
-    assert (run_dir / "latency.png").exists() and not (run_dir / ".run.lock").exists()
+    assert not (run_dir / ".run.lock").exists()
+    # its latency.png is drawn by a process of its own after the stop (seconds on a busy box)
+    assert "latency.png in a few seconds" in out
+    deadline = time.monotonic() + 120
+    while not (run_dir / "latency.png").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (run_dir / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(run_dir.glob(".latency.png.partial*"))
 
 
 def test_a_job_gives_back_the_signal_handlers_it_found(tmp_path):

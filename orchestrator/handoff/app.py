@@ -73,12 +73,10 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
     print(reporting.summary(results, run_dir, plot=late), flush=True)
-    if late:  # after the summary: a stop ends in about 2 s
+    if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
         assert isinstance(results, JobResults)
-        try:
-            _latency_png(obj, run_dir, results)
-        except NoSpace as exc:
-            print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
+        plots.draw_later(run_dir, _latency_title(obj, run_dir, results), obj.workload.rate is not None,
+                         obj.report.percentiles)
     return results
 
 
@@ -94,17 +92,22 @@ def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults |
         _latency_png(obj, run_dir, results)
 
 
+def _latency_title(obj: OrchestratorConfig, run_dir: Path, results: JobResults) -> str:
+    """latency.png's title: the plan, the transport, the rank/TP layout, the run."""
+    plan, e = results.plan, obj.endpoints
+    transport = results.transports.effective_transport or plan.declared_transport
+    ended = " (interrupted: what ran)" if results.ending.interrupted else ""
+    layout = plots.layout_label(e.prefill_ranks, e.decode_ranks, e.decode_tp)
+    return (f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, {transport}; {layout}\n"
+            f"run {plots.short_dir(run_dir)}{ended}")
+
+
 def _latency_png(obj: OrchestratorConfig, run_dir: Path, results: JobResults) -> None:
     """latency.png: the CDFs of the run's latencies, the summary's own marks on them."""
-    plan, e = results.plan, obj.endpoints
     png = run_dir / plots.LATENCY_PNG
     lat = results.latency_us
     try:
-        transport = results.transports.effective_transport or plan.declared_transport
-        ended = " (interrupted: what ran)" if results.ending.interrupted else ""
-        layout = plots.layout_label(e.prefill_ranks, e.decode_ranks, e.decode_tp)
-        plots.run_latency_png(run_dir, f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, "
-                                       f"{transport}; {layout}\nrun {plots.short_dir(run_dir)}{ended}",
+        plots.run_latency_png(run_dir, _latency_title(obj, run_dir, results),
                               marks={"send_aux": lat.send_aux, "taken": lat.taken,
                                      "handoff": lat.handoff, "from arrival": lat.e2e},
                               arrival=obj.workload.rate is not None, qs=obj.report.percentiles)

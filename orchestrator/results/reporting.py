@@ -395,7 +395,7 @@ def _tp_line(tp: Optional[TpSummary]) -> list[str]:
 
 def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False) -> str:
     """At most 8 lines for a default run: what ran, what happened, how fast, where. `plot`:
-    latency.png is drawn after this prints (an interrupted run's)."""
+    latency.png is being drawn beside the exit (an interrupted run's)."""
     if isinstance(results, DecodeSideResults):
         return decode_summary(results, run_dir)
     plan, w = results.plan, results.workload
@@ -429,8 +429,9 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    png = plot or (Path(run_dir) / "latency.png").exists()
-    files = "results.json, requests.jsonl" + (", latency.png" if png else "")
+    png = ", latency.png" if (Path(run_dir) / "latency.png").exists() else \
+        ", latency.png in a few seconds" if plot else ""
+    files = "results.json, requests.jsonl" + png
     lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")
     return "\n".join(lines)
 
