@@ -58,6 +58,7 @@ from orchestrator.profile.plan import (
     make_plan,
 )
 from orchestrator.profile.rules import check_profile
+from orchestrator.profile.sharing import MPS_CONTROL
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -103,7 +104,8 @@ def intended_plan(cfg: OrchestratorConfig, platform: Platform) -> Optional[Plan]
     declared = (e.prefill_gpus or []) + (e.decode_gpus or [])
     gpus = max(platform.cuda_devices, e.prefill_ranks + e.decode_procs, max(declared, default=0) + 1)
     try:
-        return make_plan(cfg, dataclasses.replace(platform, cuda_devices=gpus, mooncake_cuda=True, env={}))
+        return make_plan(cfg, dataclasses.replace(platform, cuda_devices=gpus, mooncake_cuda=True, env={},
+                                                  mps_control=platform.mps_control or MPS_CONTROL))
     except ConfigError:
         return None
 
