@@ -540,16 +540,15 @@ class WorkloadConfig:
     differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
     seed repeats its rooms."""
     duration_s: Optional[float] = None
-    """Run for this many seconds instead of a request count: arrivals stop once the handoff
-    phase (start-up excluded) has run this long, and what arrived is finished. null: run
-    workload.requests. workload.requests stays each rank's ceiling (request ids are per rank):
-    a rank that reaches it first stops there, and the summary says so; raise it for long runs.
-    An open loop draws its whole seeded arrival schedule up to duration_s before it starts."""
+    """Seconds the handoff phase runs for, instead of a request count (null: workload.requests).
+    Arrivals stop once the phase (start-up excluded) has run this long; what arrived is
+    finished and is the run's count. Workload.requests stays each rank's ceiling (request ids
+    are per rank): a rank that reaches it first stops there and the summary warns; raise it
+    for long runs. An open loop draws its seeded arrival schedule up to duration_s."""
     burstiness: float = 1.0
-    """Open loop: the shape of the gamma distribution that inter-arrival gaps are drawn from,
-    as vLLM's `bench serve --burstiness`: 1 = Poisson (exponential gaps), below 1 burstier,
-    above 1 more even; the mean rate stays workload.rate. Seeded per rank (workload.seed):
-    a replay draws the same arrivals."""
+    """Open loop: the gamma shape of the gaps between arrivals, as vLLM's --burstiness (1 =
+    Poisson, below 1 burstier, above 1 more even). The mean rate stays workload.rate; the gaps
+    are seeded per rank (workload.seed), so a replay draws the same arrivals."""
 
     def check(self, buffers: BuffersConfig) -> None:
         _positive("workload.requests", self.requests,
@@ -713,9 +712,9 @@ class ReportConfig:
     """report: what a run's report holds beyond its fixed numbers."""
 
     percentiles: List[float] = field(default_factory=lambda: [50.0, 90.0, 99.0, 99.9])
-    """The latency percentiles reported besides p50/p99/p999 (always there), with the mean and
-    the max: results.json's `percentiles` of each latency, summary.csv's `<metric>_p<q>_us`
-    columns, the marks in latency.png. Each in (0, 100], ascending, at most 12."""
+    """Latency percentiles reported with the mean and the max, besides p50/p99/p999 (always).
+    They go to results.json (each latency's `percentiles`), summary.csv (`<metric>_p<q>_us`)
+    and latency.png's marks. Each in (0, 100], ascending, at most 12."""
 
     def check(self) -> None:
         qs = list(self.percentiles)
@@ -731,10 +730,10 @@ class LoggingConfig:
     console: bool = False
     """also print the structured log lines on the console"""
     progress: Optional[bool] = None
-    """The live progress line on stderr while a run is long (phase, verified/failed so far,
-    rate). null: drawn in place when stderr is a terminal; where it is not (CI, a pipe, a
-    file), a line every progress_every_s only with logging.console=true. true: always (a
-    line every progress_every_s where stderr is not a terminal); false: never."""
+    """The live progress line on stderr (phase, verified/failed so far, rate): null, true, false.
+    Null draws it in place when stderr is a terminal; where it is not (CI, a pipe, a file) it
+    writes a line every progress_every_s only with logging.console=true. True: always (those
+    lines where stderr is not a terminal); false: never."""
     progress_every_s: float = 5.0
     """Seconds between two progress lines where stderr is not a terminal."""
 
