@@ -316,3 +316,16 @@ def test_a_timed_coalesced_run_shows_progress_and_keeps_its_run_dir_clean(tmp_pa
     host = json.loads((run_dir / "fingerprint.json").read_text())["host"]
     assert host["cpu_count"] >= 1 and len(host["load_avg"]) == 3
     assert (run_dir / "latency.png").exists()
+
+
+def test_a_lost_rank_of_a_timed_run_counts_what_arrived_not_its_ceiling(tmp_path):
+    from orchestrator.handoff.recovery import reconstruct
+    from orchestrator.results.outcomes import Detail, Outcome
+    from orchestrator.results.records import Record
+
+    cfg = typed_cfg("workload.duration_s=5", "workload.requests=10000000")
+    lines = [Record(rid, rid, 0, rid, "engine", 1.0, 2.0, 3.0, 4.0, Outcome.verified, Detail.none, "c").line()
+             for rid in range(12)]
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    res = reconstruct(cfg, tmp_path, 0, "prefill", Detail.prefill_lost, route="engine")
+    assert (res.requests, res.verified, res.finished, res.not_started) == (12, 12, 12, 0)
