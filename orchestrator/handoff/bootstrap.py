@@ -58,14 +58,18 @@ class _Bootstrap:
     """The bootstrap socket of one role=decode run and what the decodes told the runner."""
 
     def __init__(self, cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log):
+        from orchestrator.handoff.peercheck import PeerCheck
         from orchestrator.handoff.transport import wire
         from orchestrator.handoff.transport.auth import Authenticator
 
         self.cfg, self.out, self.log, self.decodes = cfg, out, log, decodes
         self.auth = Authenticator(secret)
         self.want = cfg.endpoints.prefill_ranks
+        self.check = PeerCheck(cfg, "decode", secret, log)
+        self.judged: Optional[tuple[Optional[str], float]] = None  # the peer checks' verdict, and when
+        self.refusals = 0
         self.reply = wire.encode("decodes", infos=[[_public(i) for i in inst] for inst in infos],
-                                 prefill_ranks=self.want)
+                                 prefill_ranks=self.want, **self.check.fields())
         self.leaders = [d for d in decodes if d.tp_rank == 0]
         self.byes: dict[int, set[int]] = {}
         self.answered = False
@@ -92,6 +96,7 @@ class _Bootstrap:
                                     f"peer={self.out.bootstrap} and the same transport.secret_env?)")
                 if self.sock.poll(20):
                     self._answer(self.sock.recv_multipart())
+                self._refused()
                 for d in self.decodes:
                     self._read(d)
                 if self.leaders and all(len(self.byes.get(d.index, ())) >= self.want for d in self.leaders):
@@ -101,6 +106,7 @@ class _Bootstrap:
             self.sock.close(0)
             zctx.term()
             self._forget()
+            self.check.close()
 
     def _listen(self) -> None:
         """Bind, and tell where: bootstrap.json, transport.bootstrap_file, the console."""
@@ -156,9 +162,26 @@ class _Bootstrap:
             sock.send_multipart([frames[0], auth.seal(wire.encode(
                 "error", detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
                                 f"the prefill side has {msg['prefill_ranks']}"))])
+        elif (why := self._judge(msg)) is not None:  # before any handoff
+            sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail=why))])
+            self.refusals += 1
         else:
             sock.send_multipart([frames[0], auth.seal(self.reply)])
             self.answered = True
+
+    def _judge(self, msg) -> Optional[str]:
+        """The peer checks, once: the probe may take seconds, and the prefill side asks again
+        meanwhile (each ask gets the same answer)."""
+        if self.judged is None:
+            self.judged = (self.check.judge(msg, self.out), _clock())
+        return self.judged[0]
+
+    def _refused(self) -> None:
+        """A refusal ends this side once the prefill side got it (it asks again while the
+        probe runs, so the first answer may have gone to a socket it closed), or 3 s after."""
+        if self.judged is not None and self.judged[0] is not None and (
+                self.refusals >= 2 or _clock() > self.judged[1] + 3.0):
+            raise RunFailed(f"refused before any handoff: {self.judged[0]}")
 
     def _read(self, d) -> None:
         """What decode process `d` told the runner: a prefill rank done with it, or a failure."""
@@ -184,9 +207,24 @@ class _Bootstrap:
             raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
 
 
-def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
+def lookup(cfg: OrchestratorConfig, secret: bytes, signals, out: Optional[RunResult] = None,
+           log=None) -> list[list[dict]]:
     """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
-    again every second until endpoints.startup_timeout_s: that side may start later)."""
+    again every second until endpoints.startup_timeout_s: that side may start later). The
+    two sides' peer checks (handoff.peercheck: versions, the address SGLang would advertise)
+    run on the way; warnings go to `out`."""
+    import structlog
+
+    from orchestrator.handoff.peercheck import PeerCheck
+
+    check = PeerCheck(cfg, "prefill", secret, log or structlog.get_logger())
+    try:
+        return _lookup(cfg, secret, signals, check, out if out is not None else RunResult())
+    finally:
+        check.close()
+
+
+def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResult) -> list[list[dict]]:
     import zmq
 
     from orchestrator.handoff.transport import wire
@@ -211,7 +249,8 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
             sock.connect(f"tcp://{host}:{port}")
-            sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks)))
+            sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks,
+                                            **check.fields())))
             got = sock.poll(1000)
             frame = sock.recv() if got else None
             sock.close(0)
@@ -223,6 +262,9 @@ def lookup(cfg: OrchestratorConfig, secret: bytes, signals) -> list[list[dict]]:
             msg = wire.decode(body)
             if msg["type"] == "error":
                 raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
+            why = check.judge(msg, out)
+            if why is not None:
+                raise RunFailed(f"refused before any handoff: {why}")
             return msg["infos"]
         if signals.caught:
             raise Interrupted

@@ -203,7 +203,7 @@ class Job:
             serve_bootstrap(cfg, self.secret, infos, self.decodes, out, self.log, self.signals)
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
-            infos = lookup(cfg, self.secret, self.signals)
+            infos = lookup(cfg, self.secret, self.signals, out, self.log)
         self.silent, applied = divert_control(cfg.faults, cfg.transport.host, infos)
         out.faults_applied.extend(applied)
         for p in self.prefills:

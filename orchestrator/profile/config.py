@@ -244,6 +244,14 @@ class FaultKind(Enum):
     (SGLang 0.5.23's decode would hold such a request in Transferring for ever)"""
 
 
+class AddressCheck(Enum):
+    """transport.address_check: what an unreachable advertised address does in a split run."""
+
+    fail = "fail"
+    warn = "warn"
+    off = "off"
+
+
 class HiddenStatesDtype(Enum):
     """buffers.hidden_states_dtype: the dtype of the hidden-states row."""
 
@@ -478,6 +486,12 @@ class TransportConfig:
     bootstrap_file: Optional[str] = None
     """role=decode also writes its bootstrap address to this file; role=prefill without a
     peer waits for the file and reads it (a shared filesystem, e.g. one Slurm sweep dir)"""
+    address_check: AddressCheck = AddressCheck.warn
+    """Split runs: each side sends at bootstrap the address SGLang 0.5.23 would advertise on
+    its host (SGLANG_HOST_IP / HOST_IP, SGLANG_LOCAL_IP_NIC, the default route, the hostname)
+    and the peer probes it before any handoff. fail: one it cannot reach ends the run there
+    (naming the interface and the variable to set); warn: it is a warning in the summary and
+    results.json; off: not probed. This tool's own planes use transport.host either way."""
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
     """the Mooncake transfer engine of the engine route"""
 

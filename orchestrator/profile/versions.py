@@ -22,6 +22,9 @@ MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engin
 KEYS = ("mooncake_wheel", "mooncake", "torch", "layout", "orchestrator")
 SEGMENT_DESCRIPTOR_BREAK = (0, 3, 11)  # Mooncake #2177 / SGLang #26008
 NONE = "none"
+# a test hook: a line as as_text prints it, which this process then reports as its own (a
+# version skew between two sides of one install can only be shown so)
+TEST_HOOK_VAR = "ORCHESTRATOR_TEST_VERSIONS"
 
 
 def _version(dist: str) -> Optional[str]:
@@ -33,12 +36,18 @@ def _version(dist: str) -> Optional[str]:
 
 def local(layout: str) -> dict[str, str]:
     """This side's versions ({key: value}, every key of KEYS; "none" when not installed)."""
+    import os
+
     wheel = next((d for d in MOONCAKE_WHEELS if _version(d) is not None), None)
-    return {"mooncake_wheel": wheel or NONE,
+    mine = {"mooncake_wheel": wheel or NONE,
             "mooncake": (_version(wheel) if wheel else None) or NONE,
             "torch": _version("torch") or NONE,
             "layout": layout,
             "orchestrator": _version("pd-aux-orchestrator") or NONE}
+    hook = os.environ.get(TEST_HOOK_VAR)
+    if hook:
+        mine.update(dict(item.partition("=")[::2] for item in hook.split()))
+    return mine
 
 
 def as_text(v: Mapping[str, str]) -> str:

@@ -264,6 +264,7 @@ class RunResult:
     t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
     t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
     slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
+    warnings: list[str] = field(default_factory=list)  # said before any handoff (the bootstrap's peer checks)
 
     def add(self, name: str, value: Any) -> None:
         """A prefill's "result" message: its RankResult, or what a driver returned."""

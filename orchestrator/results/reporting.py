@@ -170,7 +170,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
         decode_verified, {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
-    res.ending.warnings = warnings
+    res.ending.warnings += warnings
     res.sglang_0_5_23 = _held(cfg, res)
     return res
 
@@ -446,6 +446,7 @@ def decode_summary(results: DecodeSideResults, run_dir: Path) -> str:
         lines.insert(0, f"ERROR: {results.error}")
     if results.ending.interrupted:
         lines.insert(0, f"interrupted ({results.ending.signal}): counts so far")
+    lines += [f"warning: {w}" for w in results.ending.warnings]
     lines.append(f"run dir: {rel(run_dir)}")
     return "\n".join(lines)
 

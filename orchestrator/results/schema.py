@@ -341,7 +341,7 @@ class Ending:
     @classmethod
     def of(cls, out: RunResult) -> "Ending":
         return cls(out.faults_applied, out.lost, out.interrupted is not None, out.interrupted,
-                   out.slow_to_stop, out.engine_log)
+                   out.slow_to_stop, out.engine_log, list(out.warnings))
 
 
 _GROUPS = (Timing, Transports, Ending)
@@ -513,7 +513,7 @@ class DecodeSideResults(Results):
     ORDER = ("role", "bootstrap", "prefills_seen", "requests", "verified", "corrupted", "failed",
              "failure_reasons", "decode", "startup_s", "effective_transport", "declared_transport",
              "endpoint_transports", "gpu_sharing", "engine_listeners_beyond_loopback", "lost", "interrupted", "signal",
-             "engine_log", "plan", "error", "tp", "exit_code", "run_dir")
+             "engine_log", "plan", "error", "tp", "warnings", "exit_code", "run_dir")
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DecodeSideResults":

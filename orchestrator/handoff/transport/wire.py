@@ -5,8 +5,10 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
     prefill -> decode: hello {rank, layout, fingerprint, nonce, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
                        contiguous} (an empty one is the prefill's keepalive), bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
-    lookup {rank, prefill_ranks} -> decodes {infos: [[{control_endpoint, data_endpoint,
-    transport, session_id}, ...], ...], prefill_ranks}
+    lookup {rank, prefill_ranks, versions, advertised} -> decodes {infos: [[{control_endpoint,
+    data_endpoint, transport, session_id}, ...], ...], prefill_ranks, versions, advertised}
+    (versions: what each side runs; advertised: the address SGLang would advertise on its host
+    and a port it answers probes on there: orchestrator.handoff.peercheck)
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns], ...]} (new
@@ -103,6 +105,22 @@ def _infos(v: Any) -> bool:
             for d in inst) for inst in v)
 
 
+_ADVERTISED = {"address": _str, "step": _str, "interface": _str, "port": _u64, "fix": _str, "error": _str}
+_VERSION_KEYS = frozenset({"mooncake_wheel", "mooncake", "torch", "layout", "orchestrator"})
+
+
+def _advertised(v: Any) -> bool:
+    """The address SGLang would advertise on the sender's host (orchestrator.handoff.transport.reach);
+    {} when the sender does not check addresses."""
+    return isinstance(v, dict) and (not v or (set(v) == set(_ADVERTISED) and all(
+        f(v[k]) for k, f in _ADVERTISED.items())))
+
+
+def _versions(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) <= _VERSION_KEYS and all(
+        isinstance(x, str) and len(x) <= 256 for x in v.values())
+
+
 SCHEMA: dict[str, dict[str, Any]] = {
     "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce, "pid_ns": _str, "boot_id": _str},
     "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
@@ -113,8 +131,9 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "update": {"grants": _rows(2), "v": _rows(6)},
     "error": {"detail": _str},
     # the bootstrap address of a decode side started alone (role=decode)
-    "lookup": {"rank": _u64, "prefill_ranks": _u64},
-    "decodes": {"infos": _infos, "prefill_ranks": _u64},
+    # with what each side runs and the address SGLang would advertise there (handoff.peercheck)
+    "lookup": {"rank": _u64, "prefill_ranks": _u64, "versions": _versions, "advertised": _advertised},
+    "decodes": {"infos": _infos, "prefill_ranks": _u64, "versions": _versions, "advertised": _advertised},
 }
 
 
@@ -128,7 +147,9 @@ def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
 
 # Keys a sender may leave out (a peer that predates them): the PID namespace and boot id a
 # side sends at bootstrap (plan.same_process_space_rule).
-OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"})}
+OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"}),
+                                   "lookup": frozenset({"versions", "advertised"}),
+                                   "decodes": frozenset({"versions", "advertised"})}
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

@@ -1,0 +1,86 @@
+"""The peer checks of a split run's bootstrap (role=prefill's lookup, role=decode's answer).
+
+Each side sends what it runs (orchestrator.profile.versions: the Mooncake wheel and version,
+torch, the SGLang layout, this tool's version) and the address SGLang 0.5.23 would advertise on
+its host, with a port it listens on there (orchestrator.handoff.transport.reach). Each side
+then judges the peer's before any handoff:
+
+- versions: a known incompatibility (Mooncake across 0.3.11) ends the run; any other skew is
+  a warning;
+- the address: a ZMQ probe of it (transport.address_check: fail ends the run, naming the
+  interface and the variable to set on the side that advertises it; warn makes it a warning;
+  off skips it). Mooncake's send_probe towards that address is the prefill endpoint's, which
+  holds an engine (reach.mooncake_probe).
+
+Warnings land in RunResult.warnings (the summary and results.json); a failure is a RunFailed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from orchestrator.handoff.lifecycle import RunFailed
+from orchestrator.handoff.transport import reach
+from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.profile import versions
+from orchestrator.profile.config import AddressCheck, OrchestratorConfig
+from orchestrator.results.records import RunResult
+
+PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the address probe
+
+
+class PeerCheck:
+    """One side's part: what it sends (`fields()`), and its verdict on the peer's (`judge`)."""
+
+    def __init__(self, cfg: OrchestratorConfig, side: str, secret: bytes, log, env: Optional[Mapping[str, str]] = None):
+        self.cfg, self.side, self.log = cfg, side, log
+        self.auth = Authenticator(secret)
+        self.mode = cfg.transport.address_check
+        self.versions = versions.local(cfg.layout.name)
+        self.advertised: dict[str, Any] = {}
+        self.echo: Optional[reach.Echo] = None
+        if self.mode is not AddressCheck.off:
+            self.advertised = reach.advertisement(env if env is not None else reach.environment(),
+                                                  cfg.transport.host)
+            self.echo = reach.listen(self.advertised, self.auth)
+            log.info("address_advertised", side=side, **self.advertised)
+
+    def fields(self) -> dict[str, Any]:
+        return {"versions": self.versions, "advertised": self.advertised}
+
+    def judge(self, msg: Mapping[str, Any], out: RunResult) -> Optional[str]:
+        """The peer's fields: None when the run may go on (warnings added to `out`), else the
+        reason it may not."""
+        peer = "decode" if self.side == "prefill" else "prefill"
+        theirs = msg.get("versions")
+        if theirs:
+            self.log.info("peer_versions", side=self.side, mine=versions.as_text(self.versions),
+                          peer=versions.as_text(theirs))
+            for fail, text in versions.skew(self.versions, theirs):
+                line = f"versions: {text}"
+                if fail:
+                    return line
+                out.warnings.append(line)
+                self.log.warning("version_skew", detail=text)
+        adv = msg.get("advertised")
+        if self.mode is AddressCheck.off or not adv:
+            return None
+        why = reach.probe(adv, self.auth, min(PROBE_S, self.cfg.transport.timeout_s))
+        if why is None:
+            self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), step=adv.get("step"))
+            return None
+        line = reach.unreachable(peer, adv, why)
+        self.log.warning("peer_address_unreachable", detail=line)
+        if self.mode is AddressCheck.fail:
+            return line + " (transport.address_check=fail)"
+        out.warnings.append(line)
+        return None
+
+    def close(self) -> None:
+        if self.echo is not None:
+            self.echo.close()
+            self.echo = None
+
+
+def refuse(why: str) -> RunFailed:
+    return RunFailed(f"refused before any handoff: {why}")
