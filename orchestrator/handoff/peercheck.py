@@ -9,8 +9,9 @@ then judges the peer's before any handoff:
   a warning;
 - the address: a ZMQ probe of it (transport.address_check: fail ends the run, naming the
   interface and the variable to set on the side that advertises it; warn makes it a warning;
-  off skips it). Mooncake's send_probe towards that address is the prefill endpoint's, which
-  holds an engine (reach.mooncake_probe).
+  off skips it). Once it answered, the prefill endpoints (which hold an engine) also probe the
+  decode's Mooncake handshake port on that address with Mooncake's send_probe (the decode
+  infos carry the advertisement as "advertised"; feature-detected: an older wheel lacks it).
 
 Warnings land in RunResult.warnings (the summary and results.json); a failure is a RunFailed.
 """
@@ -39,6 +40,7 @@ class PeerCheck:
         self.versions = versions.local(cfg.layout.name)
         self.advertised: dict[str, Any] = {}
         self.echo: Optional[reach.Echo] = None
+        self.reached: Optional[dict[str, Any]] = None  # the peer's advertisement, once probed fine
         if self.mode is not AddressCheck.off:
             self.advertised = reach.advertisement(env if env is not None else reach.environment(),
                                                   cfg.transport.host)
@@ -68,6 +70,7 @@ class PeerCheck:
         why = reach.probe(adv, self.auth, min(PROBE_S, self.cfg.transport.timeout_s))
         if why is None:
             self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), step=adv.get("step"))
+            self.reached = dict(adv)
             return None
         line = reach.unreachable(peer, adv, why)
         self.log.warning("peer_address_unreachable", detail=line)

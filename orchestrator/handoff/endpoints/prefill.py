@@ -402,7 +402,7 @@ class PrefillEndpoint:
                     inst = Instance(i, ctl)
                     self.poller.register(ctl, zmq.POLLIN)
                 inst.links.append(Link(i, t, push, wrap(router, self.cfg.faults), name))
-                self._bootstrap(inst, inst.links[-1], ctl)
+                self._bootstrap(inst, inst.links[-1], ctl, info.get("advertised"))
                 if t > 0:
                     ctl.close(0)
             assert inst is not None, "an instance has at least one rank"
@@ -415,7 +415,7 @@ class PrefillEndpoint:
         self.log.info("prefill_loop", transfer_thread="spin" if spin else "block")
         self._sender.start()
 
-    def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket) -> None:
+    def _bootstrap(self, inst: Instance, link: Link, ctl: zmq.Socket, advertised: Optional[dict] = None) -> None:
         me = self.me
         ctl.send(me.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
                                            fingerprint=fingerprint(self.layout), nonce=me.nonce,
@@ -441,7 +441,7 @@ class PrefillEndpoint:
             inst.auth = session
         inst.same_clock = inst.same_clock and bool(me.boot_id) and peer.boot_id == me.boot_id
         engine = self.side.engine
-        warm_s = self._probe_bounded(engine, link.router) if engine is not None else 0.0
+        warm_s = self._probe_bounded(engine, link.router, advertised) if engine is not None else 0.0
         self.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
                       peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
                       slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
@@ -461,17 +461,25 @@ class PrefillEndpoint:
             if msg:
                 return msg
 
-    def _probe_bounded(self, engine: MooncakeEngine, router) -> float:
+    def _probe_bounded(self, engine: MooncakeEngine, router, advertised: Optional[dict] = None) -> float:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
         ignores its timeout variables: run it on a watchdog of transport.timeout_s. Then the
-        router's warm-up write, on the same watchdog; returns its seconds."""
+        router's warm-up write, on the same watchdog; returns its seconds. `advertised`: the
+        address SGLang would advertise on the decode's host (a split run's bootstrap, once its
+        ZMQ probe answered): Mooncake's send_probe towards the same handshake port there."""
         result: dict = {}
         session = router.peer_session()
+        host, _, port = session.rpartition(":")
+        elsewhere = (advertised is not None and advertised.get("address") not in (None, "", host)
+                     and engine.can_probe)
 
         def probe() -> None:
             result["ok"] = engine.probe(session)
             if not result["ok"]:
                 return
+            if elsewhere:
+                assert advertised is not None
+                result["advertised_ok"] = engine.probe(f"{advertised['address']}:{port}")
             if self.buffers.device.type == "cuda":
                 import torch
 
@@ -492,6 +500,18 @@ class PrefillEndpoint:
                                "idle connections to that port from anyone hold it)")
         if not result.get("ok"):
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
+        if elsewhere and not result.get("advertised_ok"):
+            from orchestrator.handoff.transport.reach import unreachable
+            from orchestrator.profile.config import AddressCheck
+
+            assert advertised is not None
+            line = unreachable("decode", advertised, f"Mooncake send_probe to {advertised['address']}:{port} "
+                                                     "failed (its ZMQ probe had answered)")
+            if self.cfg.transport.address_check is AddressCheck.fail:
+                raise RuntimeError(line)
+            self.log.warning("peer_address_unreachable", detail=line)
+        elif elsewhere and advertised is not None:
+            self.log.info("peer_address_mooncake_probe", session=f"{advertised['address']}:{port}", ok=True)
         if "warm_error" in result:
             raise RuntimeError(f"the warm-up write to decode session {session} failed: "
                                f"{result['warm_error']}")

@@ -252,6 +252,11 @@ class MooncakeEngine:
     def probe(self, session: str) -> bool:
         return self._engine.send_probe(session) == 0
 
+    @property
+    def can_probe(self) -> bool:
+        """Whether the installed wheel has send_probe (feature-detected)."""
+        return hasattr(self._engine, "send_probe")
+
     def submit(self, session: str, srcs: Addresses, dsts: Addresses, lengths: Addresses) -> int:
         """Start one batch write; returns its batch id (wait() for it)."""
         if self._async_arrays is not None and isinstance(srcs, np.ndarray):
