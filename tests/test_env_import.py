@@ -260,6 +260,11 @@ TRAPS = {
         (Level.WARN, "SGLANG_CUSTOM_MEM_POOL", "decode", "PR #38024")]),
     "pool_names_differ": ({POOL: "NVLINK", "SGLANG_CUSTOM_MEM_POOL": "BAREX"}, {POOL: "NVLINK"}, CUDA13, [
         (Level.WARN, "SGLANG_CUSTOM_MEM_POOL", "prefill", "would place the buffers differently")]),
+    "waiting_timeout_is_not_transferring": ({"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600"}, {}, CUDA13, [
+        (Level.OK, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "prefill", "stays in Transferring past it")]),
+    "customized_info_capacity_differs": ({"SGLANG_DISAGG_CUSTOMIZED_INFO_MAX_BYTES": "8192"}, {}, CUDA13, [
+        (Level.OK, "SGLANG_DISAGG_CUSTOMIZED_INFO_MAX_BYTES", "prefill", "a preview"),
+        (Level.FAIL, "SGLANG_DISAGG_CUSTOMIZED_INFO_MAX_BYTES", "pair", "PR #40107")]),
     "bad_timeout": ({"MC_TCP_PROGRESS_TIMEOUT_SEC": "5s"}, {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}, CUDA13, [
         (Level.FAIL, "MC_TCP_PROGRESS_TIMEOUT_SEC", "prefill", "whole number of seconds")]),
 }
@@ -339,6 +344,20 @@ def test_pid_namespace_two_pods(host_pid, nodes, level, needle):
         docs.append({"kind": "Deployment", "metadata": {"name": role}, "spec": {"template": {"spec": spec}}})
     envs = dep.parse_manifest(yaml.safe_dump_all(docs), "pd.yaml")
     _check(*_judge_all(envs, CUDA13), [(level, "PID namespace", "pair", needle)])
+
+
+def test_prefill_and_decode_images_that_differ_warn():
+    """Version skew from a manifest: the images carry SGLang, Mooncake and torch."""
+    docs = []
+    for role, tag in (("prefill", "v0.5.23"), ("decode", "v0.5.20")):
+        c = _container("sglang", {}, ["--disaggregation-mode", role])
+        c["image"] = f"lmsysorg/sglang:{tag}"
+        docs.append({"kind": "Deployment", "metadata": {"name": role},
+                     "spec": {"template": {"spec": _pod_spec([c])}}})
+    _check(*_judge_all(dep.parse_manifest(yaml.safe_dump_all(docs), "pd.yaml"), CUDA13),
+           [(Level.WARN, "image", "pair", "Failed to get segment descriptor")])
+    same = _judge_all(dep.parse_manifest(_manifest({}, {}), "pd.yaml"), CUDA13)[1]
+    assert not [f for _, _, fs in same for f in fs if f.variable == "image"]
 
 
 def test_a_loopback_address_against_another_host_fails_across_pods(tmp_path):

@@ -97,6 +97,7 @@ class Environment:
     role: Optional[Role] = None
     pod: Optional[Pod] = None
     args: tuple[str, ...] = ()  # command + args
+    image: str = ""  # the container's image (manifests only): the versions it runs come with it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +304,8 @@ def _container(c: dict, pod: Pod, config_maps: Mapping[Any, dict], source: str) 
             env[var] = ""  # Mooncake tests MC_* for presence: set, whatever the value
     args = tuple(str(a) for a in _list(c.get("command")) + _list(c.get("args")))
     role = _mode_arg(args) or _role_of(cname, pod.name)
-    return Environment(f"{pod.name} container {cname}", env, tuple(unknown), role, pod, args)
+    return Environment(f"{pod.name} container {cname}", env, tuple(unknown), role, pod, args,
+                       str(c.get("image") or ""))
 
 
 def serving(environment: Environment) -> bool:
@@ -437,6 +439,10 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
 
 
 ADDRESS_VARS = (*HOST_IP_VARS, NIC_VAR)
+WAITING_TIMEOUT_VAR = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+# sgl-project/sglang PR #40107 (open, a preview): the customized_info buffer's capacity per request
+CUSTOMIZED_INFO_VAR = "SGLANG_DISAGG_CUSTOMIZED_INFO_MAX_BYTES"
+CUSTOMIZED_INFO_DEFAULT = "4096"
 
 
 def advertised_address(environment: Environment) -> tuple[str, Optional[str], list[Finding]]:
@@ -519,6 +525,17 @@ def _variable_traps(env: Mapping[str, str], unknown: set[str]) -> list[Finding]:
                            "SGLang 0.5.23 refuses to start with it set (no longer supported): unset it "
                            f"and pass the same --sampling-mask-max-tokens to prefill and decode, with "
                            f"{SAMPLING_MASK_VAR}=1 on both."))
+    if WAITING_TIMEOUT_VAR in env:
+        out.append(Finding(Level.OK, WAITING_TIMEOUT_VAR,
+                           f"{env[WAITING_TIMEOUT_VAR]!r} s bounds Bootstrapping and WaitingForInput only: "
+                           "in SGLang 0.5.23 a request whose status arrived but whose metadata row never "
+                           "did stays in Transferring past it, holding its decode slot (#31800; "
+                           "python -m orchestrator faults=aux_lost shows it)."))
+    if CUSTOMIZED_INFO_VAR in env:
+        out.append(Finding(Level.OK, CUSTOMIZED_INFO_VAR,
+                           "a preview: read only by builds with sgl-project/sglang PR #40107 (open), whose "
+                           "customized_info buffer it sizes; SGLang 0.5.23 ignores it. Prefill and decode "
+                           "must set the same value (nothing checks it)."))
     if "MC_FORCE_MNNVL" in env:
         wins = [v for v in ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK") if v in env]
         if wins:
@@ -689,6 +706,22 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
                                                          "the prefill's value chooses the route; set "
                                                          "the same on both to avoid surprises."))
     out += _addresses(a, b)
+    ca, cb = ea.get(CUSTOMIZED_INFO_VAR, CUSTOMIZED_INFO_DEFAULT), eb.get(CUSTOMIZED_INFO_VAR, CUSTOMIZED_INFO_DEFAULT)
+    if ca.strip() != cb.strip():
+        out.append(Finding(Level.FAIL, CUSTOMIZED_INFO_VAR,
+                           f"differs ({both(CUSTOMIZED_INFO_VAR)}; unset is {CUSTOMIZED_INFO_DEFAULT}): a preview "
+                           "of sgl-project/sglang PR #40107 (open), which carries customized_info through the "
+                           "metadata buffers at this capacity per request and neither negotiates nor checks "
+                           "it between prefill and decode: the two sides' buffers would differ in size; set "
+                           "the same value on both (SGLang 0.5.23 reads neither)."))
+    ia, ib = a.environment.image, b.environment.image
+    if ia and ib and ia != ib:
+        out.append(Finding(Level.WARN, "image",
+                           f"the prefill runs {ia}, the decode {ib}: SGLang, Mooncake and torch come with "
+                           "the image, and a skew between the two sides can fail at run time (Mooncake "
+                           "below 0.3.11 on one side and 0.3.11 or later on the other: \"Failed to get "
+                           "segment descriptor\", SGLang #26008, Mooncake #2177); run the same image, or "
+                           "compare with python -m orchestrator.doctor --peer-versions inside each."))
     if "nvlink_intra" in (ta, tb) and (oa.get("mem_pool") == "INTRA_NODE_NVLINK"
                                        or ob.get("mem_pool") == "INTRA_NODE_NVLINK"):
         out.append(_pid_namespace(a.environment, b.environment))
