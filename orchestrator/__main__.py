@@ -119,7 +119,12 @@ def entry() -> None:
 def _entry() -> None:
     from orchestrator.preflight.compose import hydra_command
 
-    hydra_command(main, sys.argv[1:], started=lambda: bool(_EXIT))
+    argv = sys.argv[1:]
+    if not any(a.startswith(("hydra.output_subdir=", "++hydra.output_subdir=")) for a in argv):
+        # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
+        # run started into the same dir then writes nothing there
+        sys.argv.append("hydra.output_subdir=null")
+    hydra_command(main, argv, started=lambda: bool(_EXIT))
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes

@@ -489,9 +489,9 @@ def test_buffers_beyond_memory_name_the_bytes_needed():
 ])
 def test_bad_yaml_in_a_config_dir_is_named_with_its_line(tmp_path, content, where):
     conf = tmp_path / "conf"
-    conf.mkdir()
-    (conf / "bad.yaml").write_bytes(content)
-    proc, _ = _cli(tmp_path, "--config-dir", str(conf))
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "experiment" / "bad.yaml").write_bytes(content)  # read by the run that picks it
+    proc, _ = _cli(tmp_path, "--config-dir", str(conf), "experiment=bad")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and where in lines[0] and "Traceback" not in proc.stderr, lines

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig
 
@@ -30,10 +30,36 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
     end the job with what it measured (results.json says interrupted)."""
     lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
     try:
+        save_hydra(cfg, run_dir)  # .hydra/ only under the lock: a loser writes nothing
         with Signals() as signals:
             return _run_job(cfg, run_dir, signals)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
+
+
+HYDRA_SUBDIR = ".hydra"
+
+
+def save_hydra(cfg, run_dir: Path) -> None:
+    """What Hydra's own run_job would have saved to `.hydra/` (the entry point turns that
+    off: hydra.output_subdir=null) for the job config `cfg`, saved here under the run dir's
+    lock, atomically; a full disk raises NoSpace naming the file. Nothing outside a Hydra
+    job (tests, the bench), or where Hydra saved it itself (hydra.output_subdir set)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    hc: Any = HydraConfig.instance().cfg if HydraConfig.initialized() else None  # {"hydra": ...}
+    if hc is None or not isinstance(cfg, DictConfig) or hc.hydra.output_subdir is not None:
+        return
+    out = run_dir / HYDRA_SUBDIR
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as exc:
+        if exc.errno in (28, 122):
+            raise NoSpace(out) from None
+        raise
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", hc), ("overrides.yaml", hc.hydra.overrides.task)):
+        write_atomic(out / name, OmegaConf.to_yaml(node))
 
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
@@ -64,6 +90,14 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
                else reporting.build_results(obj, plan, out))
     results.role, results.run_dir = obj.role.value, str(run_dir)
+    if out.no_space is not None:  # an endpoint's file, or a record the runner appended
+        full = NoSpace(out.no_space)
+        results.failed_writing(str(full))
+        try:
+            _write_outputs(obj, run_dir, results)
+        except NoSpace:
+            pass
+        return _no_space(run_dir, results, full)
     try:
         _write_outputs(obj, run_dir, results)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left

@@ -110,31 +110,49 @@ class _Bootstrap:
 
     def _listen(self) -> None:
         """Bind, and tell where: bootstrap.json, transport.bootstrap_file, the console."""
+        import zmq
+
+        from orchestrator.results.rundir import NoSpace, write_atomic
+
         cfg, out, host = self.cfg, self.out, self.cfg.transport.host
-        if cfg.transport.bootstrap_port:
-            self.sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
-            port = cfg.transport.bootstrap_port
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if cfg.transport.bootstrap_port:
+                self.sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
+                port = cfg.transport.bootstrap_port
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            raise RunFailed(f"cannot listen on transport.bootstrap_port={cfg.transport.bootstrap_port} "
+                            f"at {host}: {exc.strerror} (another process holds it? pick another port, "
+                            "or 0 for any free one)") from None
         out.bootstrap = f"{host}:{port}"
         self.record = json.dumps({"address": out.bootstrap}) + "\n"
-        (Path(out.run_dir) / "bootstrap.json").write_text(self.record)
+        write_atomic(Path(out.run_dir) / "bootstrap.json", self.record)
         if cfg.transport.bootstrap_file:
-            from orchestrator.results.rundir import write_atomic
-
-            write_atomic(Path(cfg.transport.bootstrap_file), self.record)
+            path = Path(cfg.transport.bootstrap_file)
+            try:
+                write_atomic(path, self.record)
+            except NoSpace:
+                raise
+            except OSError as exc:
+                self.record = None  # nothing of ours there to forget
+                raise RunFailed(f"cannot write transport.bootstrap_file={path}: "
+                                f"{exc.strerror or exc}") from None
         print(f"decode side up: bootstrap address {out.bootstrap} (start the prefill side with "
               f"role=prefill peer={out.bootstrap})", flush=True)
         self.log.info("bootstrap_listening", address=out.bootstrap)
 
     def _forget(self) -> None:
-        """A stale address in transport.bootstrap_file must not send the next prefill here."""
+        """A stale address in transport.bootstrap_file must not send the next prefill here
+        (read as a shared file: whatever was planted there since cannot block this)."""
+        from orchestrator.results.rundir import read_shared
+
         if self.cfg.transport.bootstrap_file and self.record is not None:
             try:
                 path = Path(self.cfg.transport.bootstrap_file)
-                if path.read_text() == self.record:
+                if read_shared(path) == self.record:
                     path.unlink()
-            except OSError:
+            except (OSError, ValueError):
                 pass
 
     def _answer(self, frames: list[bytes]) -> None:
@@ -202,6 +220,7 @@ class _Bootstrap:
                     self.byes.setdefault(d.index, set()).add(rank)
                     self.out.lost.setdefault(proc_name("prefill", rank, self.want), why)
                 case protocol.Error(line=line):
+                    self.out.heard(line)
                     raise RunFailed(f"{d.name} endpoint failed: {line}")
         if not d.proc.is_alive():
             raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
@@ -233,17 +252,14 @@ def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResu
 
     auth = Authenticator(secret)
     deadline = _clock() + cfg.endpoints.startup_timeout_s
-    try:
-        host, port = peer_address(cfg, cfg.endpoints.startup_timeout_s)
-    except ConfigError as exc:
-        raise RunFailed(str(exc)) from None
+    host, port = _await_address(cfg, deadline, signals)
     zctx = zmq.Context()
     try:
         while _clock() < deadline and not signals.caught:
             if cfg.peer is None:  # a decode side restarted meanwhile writes a new address
                 try:
                     host, port = peer_address(cfg)
-                except ConfigError:
+                except (ConfigError, ValueError):
                     pass
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -274,6 +290,36 @@ def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResu
                         f"{cfg.endpoints.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
     finally:
         zctx.term()
+
+
+def _await_address(cfg: OrchestratorConfig, deadline: float, signals) -> tuple[str, int]:
+    """The decode side's address: `peer`, or transport.bootstrap_file once the decode side
+    wrote it (until `deadline`; a signal ends the wait). A bootstrap file that is not a
+    regular file (a FIFO, a device) is refused at once."""
+    import structlog
+
+    from orchestrator.profile.config import peer_address
+    from orchestrator.results.rundir import NotARegularFile
+
+    said = False
+    while True:
+        try:
+            return peer_address(cfg)
+        except NotARegularFile as exc:
+            raise RunFailed(f"transport.bootstrap_file: {exc}; refused (the decode side writes a "
+                            "regular file there)") from None
+        except ConfigError:
+            if _clock() >= deadline:
+                raise RunFailed(f"transport.bootstrap_file={cfg.transport.bootstrap_file}: no address appeared "
+                                f"there within endpoints.startup_timeout_s={cfg.endpoints.startup_timeout_s:g} "
+                                "(is the decode side, role=decode, up and writing it?)") from None
+        if signals.caught:
+            raise Interrupted
+        if not said:
+            structlog.get_logger("orchestrator.bootstrap").info(
+                "bootstrap_waiting", file=cfg.transport.bootstrap_file)
+            said = True
+        time.sleep(0.1)
 
 
 def start_metadata_server(url: str, run_dir: Path):

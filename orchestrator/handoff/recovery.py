@@ -4,11 +4,13 @@ from its verdicts file, a prefill rank from its requests file and every decode's
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from orchestrator.profile.config import OrchestratorConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult, RankResult, Record, read_jsonl, read_records
-from orchestrator.results.rundir import RunFiles, parse_proc_name
+from orchestrator.results.rundir import NoSpace, RunFiles, parse_proc_name
+from orchestrator.results.rundir import full as _full
 
 
 def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
@@ -23,7 +25,8 @@ def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
 
 
 def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail,
-                route: str = "", ran: bool = True, phase: tuple = (None, None)) -> RankResult:
+                route: str = "", ran: bool = True, phase: tuple = (None, None),
+                full: Optional[list[NoSpace]] = None) -> RankResult:
     """A prefill rank that could not report: its requests file holds what it recorded;
     a request it did not record keeps the verdict its decode gave it (every decode's
     verdicts file), and is otherwise failed with `missing` as the reason. The records
@@ -33,7 +36,9 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     trace never arrived (requests arrive in id order): not_started, with no line; a rank
     that never reached its handoff phase (`ran` false) started none. `phase` (the runner's
     clock: the handoff phase began, the run stopped) times a rate over the phase that ran.
-    A workload.duration_s run's count is what arrived: the requests up to the last traced."""
+    A workload.duration_s run's count is what arrived: the requests up to the last traced.
+    A full disk while appending: the file keeps its complete lines, the NoSpace goes to
+    `full` (raised where none is given)."""
     n = cfg.workload.requests
     base = rank * n
     path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
@@ -71,7 +76,12 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     if res.verified and t_phase is not None and t_stop is not None and res.t_start is None:
         res.t_start, res.t_last = t_phase, t_stop  # no verdict times: the phase as the runner saw it
     if added:
-        _append(path, added)
+        try:
+            _append(path, added)
+        except NoSpace as exc:
+            if full is None:
+                raise
+            full.append(exc)
     res.error = f"{name} did not report; {len(added)} requests accounted for from the decode's verdicts"
     return res
 
@@ -90,13 +100,24 @@ def _judged(run_dir: Path, rank: int) -> dict[int, tuple[Outcome, Detail]]:
 
 def _append(path: Path, added: list[Record]) -> None:
     """Append `added` to a requests file, of which only complete lines count: a torn last
-    line is cut off first."""
-    if path.exists():
-        data = path.read_bytes()
-        cut = data.rfind(b"\n") + 1
-        if cut != len(data):
+    line is cut off first. All or nothing: a full disk (NoSpace, naming the file) leaves the
+    file as it was, its records complete lines."""
+    cut = 0
+    try:
+        if path.exists():
+            data = path.read_bytes()
+            cut = data.rfind(b"\n") + 1
+            if cut != len(data):
+                with open(path, "r+b") as fh:
+                    fh.truncate(cut)
+        with open(path, "ab") as fh:
+            fh.write("".join(rec.line() + "\n" for rec in added).encode())
+    except OSError as exc:
+        if not _full(exc):
+            raise
+        try:
             with open(path, "r+b") as fh:
                 fh.truncate(cut)
-    with open(path, "a") as fh:
-        for rec in added:
-            fh.write(rec.line() + "\n")
+        except OSError:
+            pass
+        raise NoSpace(path) from None

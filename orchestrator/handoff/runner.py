@@ -38,7 +38,7 @@ from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, resol
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult
-from orchestrator.results.rundir import RunFiles, proc_name
+from orchestrator.results.rundir import NoSpace, RunFiles, proc_name
 
 _clock = time.monotonic
 
@@ -101,9 +101,10 @@ def _readable(conn) -> bool:
         return False
 
 
-def _said(msg) -> str:
-    """What an endpoint said that was not what the runner waited for: its error line."""
-    return msg.line if isinstance(msg, protocol.Error) else repr(msg)
+def _said(msg, out: RunResult) -> str:
+    """What an endpoint said that was not what the runner waited for: its error line (a
+    full disk noted in `out`)."""
+    return out.heard(msg.line) if isinstance(msg, protocol.Error) else repr(msg)
 
 
 class _Progress(Protocol):
@@ -305,11 +306,11 @@ class Job:
                 out.startup_by_process[p.name] = round(_clock() - self.t_spawn, 3)
                 out.transports[p.name] = transport
             case _:
-                raise RunFailed(f"{p.name} endpoint did not start: {_said(msg)}")
+                raise RunFailed(f"{p.name} endpoint did not start: {_said(msg, out)}")
 
     def _on_running(self, p: _Proc, msg) -> None:
         if not isinstance(msg, protocol.Running):
-            raise RunFailed(f"{p.name} endpoint failed: {_said(msg)}")
+            raise RunFailed(f"{p.name} endpoint failed: {_said(msg, self.out)}")
         p.last_seen = _clock()
         p.running = True
 
@@ -377,7 +378,7 @@ class Job:
                     self.finished[p.name], self.verified[p.name] = result.finished, result.verified
                     progress(sum(self.finished.values()), sum(self.verified.values()))
             case _:
-                self._lose(p, f"endpoint failed: {_said(msg)}")
+                self._lose(p, f"endpoint failed: {_said(msg, self.out)}")
 
     def _watch_decodes(self) -> None:
         """A decode process that exited is gone now, not after transport.timeout_s of silence:
@@ -467,7 +468,7 @@ class Job:
             case protocol.Stats(result=result):
                 out.decodes[d.name] = result
             case protocol.Error(line=line):
-                own[d.name] = line
+                own[d.name] = out.heard(line)
                 if out.error is None:
                     out.error = f"{d.name} endpoint failed: {line}"
                     out.engine_log = _engine_log_tail(self.run_dir, d.name)
@@ -488,11 +489,14 @@ class Job:
         for p in self.prefills:
             if not out.reported(p.name):
                 reason = out.lost.get(p.name)
+                full: list[NoSpace] = []
                 out.ranks[p.name] = reconstruct(self.cfg, self.run_dir, p.index, p.name,
                                                 Detail.interrupted if out.interrupted and not reason else
                                                 Detail.prefill_lost if reason else Detail.run_error,
                                                 route=self.plan.route.value, ran=p.running,
-                                                phase=(out.t_phase, out.t_stop))
+                                                phase=(out.t_phase, out.t_stop), full=full)
+                if full:  # the records kept their complete lines; the run says which file
+                    out.no_space = out.no_space or str(full[0].path)
         for p in self.prefills:  # a decode a prefill declared lost (silent past transport.timeout_s)
             rank = out.ranks.get(p.name)  # none where a driver ran
             for inst, why in (rank.lost.items() if rank else ()):

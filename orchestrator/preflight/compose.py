@@ -96,26 +96,99 @@ def _one_line(exc: BaseException) -> str:
     return text
 
 
-def load_profile(overrides: Sequence[str]) -> OrchestratorConfig:
-    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it.
+def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> OrchestratorConfig:
+    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it; the
+    directories of --config-dir join the search path as they do on the command line.
 
-    Raises ProfileError with a one-line message for anything Hydra or validate rejects.
+    Raises ProfileError with a one-line message for anything Hydra or validate rejects; a
+    mistake in a file of a config dir names the file and the key.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
     GlobalHydra.instance().clear()
+    dirs = [Path(d).resolve() for d in config_dirs]
+    extra = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in dirs)}]"] if dirs else []
+    used: list[Path] = []
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = compose(config_name="config", overrides=list(overrides) + extra, return_hydra_config=bool(dirs))
+        if dirs:
+            used = _used_files(dirs, cfg.hydra.runtime.choices)
+            from omegaconf import OmegaConf
+
+            cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
         return validate(cfg)
     except ConfigError as exc:
-        raise ProfileError(str(exc)) from None
+        raise ProfileError(in_file(exc, used, overrides)) from None
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf errors: one line, no traceback
-        raise ProfileError(one_line(exc)) from None
+        raise ProfileError(_composed_in(exc, dirs) or one_line(exc)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _used_files(dirs: Sequence[Path], choices) -> list[Path]:
+    """The files of `dirs` a composed profile read: GROUP/CHOICE.yaml for each choice."""
+    out = []
+    for group, choice in (choices or {}).items():
+        if choice is None or str(group).startswith("hydra/"):
+            continue
+        for d in dirs:
+            for ext in (".yaml", ".yml"):
+                path = d / str(group) / f"{choice}{ext}"
+                if path.is_file():
+                    out.append(path)
+    return out
+
+
+def _sets(path: Path, key: str) -> bool:
+    """Whether the YAML file `path` sets dotted `key` (as a _global_ package, or under its
+    group's own package)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    text = path.read_text()
+    parts = key.split(".")
+    if "@package _global_" not in text and parts and parts[0] == path.parent.name:
+        parts = parts[1:]
+    for part in parts:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def in_file(exc: ConfigError, used: Sequence[Path], overrides: Sequence[str] = ()) -> str:
+    """A validate / rule-book refusal, prefixed with the config-dir file that set its key
+    (unless the command line set it: that value won)."""
+    if any(o.lstrip("+~").partition("=")[0] == exc.key for o in overrides):
+        return str(exc)
+    for path in used:
+        if _sets(path, exc.key):
+            return f"{path}: {exc}"
+    return str(exc)
+
+
+def _composed_in(exc: BaseException, dirs: Sequence[Path]) -> Optional[str]:
+    """Hydra's "In 'GROUP/NAME': ... full_key: KEY" about a file of a config dir, as one
+    line naming the file and the key, else None."""
+    import re
+
+    text = str(exc)
+    m = re.search(r"In '([^']+)': \w+ raised while composing config:\n(.+)", text)
+    if m is None:
+        return None
+    name, detail = m.group(1), m.group(2).strip()
+    path = next((d / f"{name}{ext}" for d in dirs for ext in (".yaml", ".yml") if (d / f"{name}{ext}").is_file()),
+                None)
+    if path is None:
+        return None
+    key = re.search(r"full_key: (\S+)", text)
+    return f"{path}: {key.group(1) + ': ' if key else ''}{detail}"
 
 
 def profile_label(overrides: Sequence[str]) -> str:
@@ -139,8 +212,7 @@ def error_exit(message: str) -> None:
 # ---- the main command line's overrides, checked before Hydra runs anything -------------------
 _WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
                "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion"}
-_OTHER_CONFIG = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
-                 "--experimental-rerun"}
+_OTHER_CONFIG = {"-cp", "--config-path", "-cn", "--config-name", "--experimental-rerun"}
 
 
 def cli_overrides(argv: Sequence[str]) -> Optional[list[str]]:
@@ -156,6 +228,8 @@ def cli_overrides(argv: Sequence[str]) -> Optional[list[str]]:
             return None
         if arg in _WITH_VALUE:
             skip = True
+        elif flag in _WITH_VALUE:  # --config-dir=DIR
+            continue
         elif not arg.startswith("-") and ("=" in arg or arg.startswith("~")):
             out.append(arg)
     return out
@@ -177,14 +251,30 @@ def config_dirs(argv: Sequence[str]) -> list[Path]:
     return out
 
 
-def yaml_problem(directory: Path) -> Optional[str]:
+def _named_files(directory: Path, overrides: Sequence[str]) -> list[Path]:
+    """The files of a config dir that `overrides` pick (GROUP=NAME, +GROUP=NAME; every
+    value of a sweep), and the dir's own config.yaml: the ones a run would read first."""
+    out = [directory / "config.yaml"]
+    for o in overrides:
+        key, sep, value = o.lstrip("+~").partition("=")
+        if not sep or "." in key:
+            continue
+        for name in value.split(","):
+            out += [directory / key / f"{name.strip()}.yaml", directory / key / f"{name.strip()}.yml"]
+    return [p for p in out if p.is_file()]
+
+
+def yaml_problem(directory: Path, overrides: Optional[Sequence[str]] = None) -> Optional[str]:
     """The first YAML file under `directory` that does not parse, as one line naming the
-    file and the line (Hydra would print a traceback for it), else None."""
+    file and the line (Hydra would print a traceback for it), else None. With `overrides`,
+    only the files they pick: a bad file fails only the runs that use it."""
     import yaml
 
     if not directory.is_dir():
         return f"{directory} is not a directory of configs"
-    for path in sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")):
+    paths = (_named_files(directory, overrides) if overrides is not None else
+             sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")))
+    for path in paths:
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -241,18 +331,20 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
     Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
     single run also goes through the rule book here (a sweep's refused job is a row; --cfg,
     --info and --help only compose). YAML files of a --config-dir that do not parse are
-    named with their line."""
+    named with their line: only those the run reads (a bad file fails only the runs that use
+    it); a mistake in one names the file and the key."""
     try:
         args = hydra_args(argv)
     except ProfileError as exc:
         return str(exc)
     if args.help or args.hydra_help or args.shell_completion:
         return None
-    for directory in config_dirs(argv):
-        problem = yaml_problem(directory)
+    overrides = cli_overrides(argv)
+    dirs = config_dirs(argv)
+    for directory in dirs:
+        problem = yaml_problem(directory, overrides if overrides is not None else None)
         if problem is not None:
             return problem
-    overrides = cli_overrides(argv)
     for o in overrides or ():
         if o.startswith("hydra.run.dir=") and "${" not in o:  # before Hydra writes into it
             from orchestrator.results.rundir import run_dir_busy
@@ -285,7 +377,7 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
     combos = [base] + [base[:i] + [v] + base[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
     for combo in combos:
         try:
-            cfg = load_profile(combo)
+            cfg = load_profile(combo, dirs)
         except ProfileError as exc:
             return str(exc)
     if len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None:
@@ -297,7 +389,7 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
             resolve_host(cfg)
             check_profile(cfg, detect())
         except ConfigError as exc:
-            return str(exc)
+            return in_file(exc, [f for d in dirs for f in _named_files(d, base)], base)
     return None
 
 class OneLineParser(argparse.ArgumentParser):

@@ -833,11 +833,15 @@ def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, 
     assert cfg.transport.bootstrap_file is not None, "checked by OrchestratorConfig.check"
     path = Path(cfg.transport.bootstrap_file)
     deadline = time.monotonic() + timeout_s
+    from orchestrator.results.rundir import NotARegularFile, read_shared
+
     while True:
         try:
-            addr = _host_port(json.loads(path.read_text())["address"])
+            addr = _host_port(json.loads(read_shared(path))["address"])
             if addr is not None:
                 return addr
+        except NotARegularFile:
+            raise  # a FIFO or device planted there: refused, never waited on
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if time.monotonic() >= deadline:

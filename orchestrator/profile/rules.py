@@ -33,12 +33,39 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
+MAX_REQUEST_ID = (1 << 63) - 1  # request ids travel as signed 64-bit numbers (rooms: 63 bits)
+MAX_OPEN_LOOP_REQUESTS = 100_000_000  # arrival times are drawn up front (8 bytes each)
+RATE_WAIT_TIMEOUTS = 100  # the first arrival expected within this many transport.timeout_s
+
+
+def _check_workload(cfg: OrchestratorConfig) -> None:
+    """Request ids fit their 64-bit fields (every rank's: ids run to requests x ranks, and
+    rooms derive from them), and an open loop's first arrival is expected in reasonable time."""
+    w, ranks = cfg.workload, cfg.endpoints.prefill_ranks
+    if w.requests * ranks - 1 > MAX_REQUEST_ID:
+        raise ConfigError("workload.requests", w.requests,
+                          f"at most {MAX_REQUEST_ID // ranks:,} with endpoints.prefill_ranks={ranks} "
+                          f"(request ids, requests x ranks, must stay below 2^63)")
+    if w.rate is None:
+        return
+    if w.requests > MAX_OPEN_LOOP_REQUESTS:
+        raise ConfigError("workload.requests", w.requests,
+                          f"at most {MAX_OPEN_LOOP_REQUESTS:,} with workload.rate set (each arrival "
+                          "time is drawn before the run)")
+    t = cfg.transport.timeout_s
+    if 1.0 / w.rate > t * RATE_WAIT_TIMEOUTS:
+        raise ConfigError("workload.rate", w.rate,
+                          f"at least {1.0 / (t * RATE_WAIT_TIMEOUTS):g} requests per second: the first "
+                          f"arrival is expected after 1/rate s, over {RATE_WAIT_TIMEOUTS} x "
+                          f"transport.timeout_s={t:g}")
+
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     t = cfg.transport
     if t.secret_env is not None:  # the variable it names holds a usable secret
         secret_from_env(t.secret_env, platform.env)
     cfg.check()
+    _check_workload(cfg)
     plan = make_plan(cfg, platform)
     f = cfg.faults
     if FAULTS[f.kind].engine_only and plan.route is not Route.engine:

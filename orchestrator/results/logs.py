@@ -24,7 +24,7 @@ from typing import Any, Mapping, MutableMapping, Optional
 
 import structlog
 
-from orchestrator.results.rundir import RunFiles
+from orchestrator.results.rundir import RunFile, RunFiles
 
 _SHARED: list[Any] = [  # structlog processors
     structlog.contextvars.merge_contextvars,
@@ -106,6 +106,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
             fh.setFormatter(_json_formatter())
             root.addHandler(fh)
     root.setLevel(logging.INFO)
+    logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(role=role)
     return structlog.get_logger("orchestrator")
@@ -120,7 +121,7 @@ class DecisionLog:
     FLUSH_S = 0.05  # lines reach the file at least this often (and at close), not per step
 
     def __init__(self, path: Path, role: str, static: dict):
-        self.fh = open(path, "w", buffering=1 << 16)
+        self.fh = RunFile(path, "w", buffering=1 << 16)
         self.role = json.dumps(role)
         self.static = json.dumps(static)[1:-1]
         self._flushed = time.monotonic()

@@ -265,6 +265,14 @@ class RunResult:
     t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
     slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt
     warnings: list[str] = field(default_factory=list)  # said before any handoff (the bootstrap's peer checks)
+    no_space: Optional[str] = None  # the first file the disk filled up writing (exit 3, named)
+
+    def heard(self, line: str) -> str:
+        """An endpoint's error line, noted where it says the disk is full; returned as is."""
+        from orchestrator.results.rundir import no_space_path
+
+        self.no_space = self.no_space or no_space_path(line)
+        return line
 
     def add(self, name: str, value: Any) -> None:
         """A prefill's "result" message: its RankResult, or what a driver returned."""

@@ -22,7 +22,15 @@ from orchestrator.profile.config import OrchestratorConfig
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.sharing import sharing_line, sharing_warning
 from orchestrator.results.outcomes import Detail, Outcome
-from orchestrator.results.records import LATENCIES, STAGES, RankResult, RunResult, counter_dict
+from orchestrator.results.records import (
+    LATENCIES,
+    STAGES,
+    RankResult,
+    RunResult,
+    counter_dict,
+    read_jsonl,
+    read_records,
+)
 from orchestrator.results.rundir import RunFiles, write_atomic
 from orchestrator.results.schema import (
     EXIT_LOST,
@@ -172,6 +180,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
     res.ending.warnings += warnings
     res.sglang_0_5_23 = _held(cfg, res)
+    if decode_verified != verified and out.run_dir:  # one truth: the difference, named
+        late = verified_after_lost(Path(out.run_dir))
+        res.verified_after_lost, res.verified_after_lost_ids = len(late), late[:100]
     return res
 
 
@@ -184,6 +195,17 @@ def _held(cfg: OrchestratorConfig, res: JobResults):
     exact = f.kind is FaultKind.aux_lost and cfg.endpoints.prefill_ranks == 1
     return held(res.failure_reasons, res.requests - res.not_started, res.workload.decode_rows or cfg.buffers.size,
                 (f.at_request, f.every) if exact else None)
+
+
+def verified_after_lost(run_dir: Path) -> list[int]:
+    """The requests a decode leader's verdicts file says verified and their prefill's
+    requests file says failed, by id (ids are unique across ranks): the verdict reached the
+    decode's file after the prefill had declared that decode lost."""
+    files = RunFiles(run_dir)
+    verified = {v.get("rid") for decode, f in files.all_verdicts() if decode.tp_leader
+                for v in read_jsonl(f) if v.get("outcome") == Outcome.verified.value}
+    return sorted({rec.rid for path in files.all_requests() for rec in read_records(path)
+                   if rec.outcome is not Outcome.verified and rec.rid in verified})
 
 
 def _gate(cfg: OrchestratorConfig, out: RunResult) -> DecodeGate:
@@ -414,6 +436,9 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results.failure_reasons.items()))
     if results.sglang_0_5_23 is not None:
         lines.append(results.sglang_0_5_23.line())
+    if results.verified_after_lost:
+        lines.append(f"verified after lost: {results.verified_after_lost} (the decode verified them after "
+                     f"their prefill had failed them; decode_verified {results.decode_verified})")
     lines = _problems(results) + lines
     lines += [x for x in (sharing_line(results.transports.gpu_sharing),) if x]
     lines += [f"warning: {c}" for c in results.ending.warnings]

@@ -127,7 +127,12 @@ def lock_run_dir(run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     while True:
-        fh = open(path, "a+")
+        try:
+            fh = open(path, "a+")
+        except OSError as exc:
+            if full(exc):
+                raise NoSpace(path) from None
+            raise
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -180,32 +185,173 @@ def run_dir_busy(run_dir: Path) -> Optional[str]:
 class NoSpace(OSError):
     """The disk filled while writing `path` (after start: exit 3, one line)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | str):
         super().__init__(28, f"no space left writing {path}")
-        self.path = path
+        self.path = Path(path)
 
     def __str__(self) -> str:
         return f"no space left writing {self.path}"
 
+    def __reduce__(self):  # crosses the runner's pipe
+        return NoSpace, (str(self.path),)
+
+
+def full(exc: BaseException) -> bool:
+    """Whether `exc` is the disk (or a quota) filling up."""
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space_in(exc: Optional[BaseException]) -> Optional["NoSpace"]:
+    """The NoSpace that `exc` is or was raised from (its cause or context chain), if any."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, NoSpace):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+NO_SPACE = "NoSpace: "  # how an endpoint's one-line error starts when its disk filled
+
+
+def no_space_line(exc: BaseException) -> Optional[str]:
+    """An endpoint's error line for a full disk, naming the file where it is known (a
+    RunFile's NoSpace), else None. A bare ENOSPC (or a thread's error text carrying one)
+    names the run dir."""
+    found = no_space_in(exc)
+    if found is not None:
+        return f"{NO_SPACE}{found}"
+    seen: Optional[BaseException] = exc
+    for _ in range(16):
+        if seen is None:
+            break
+        text = str(seen)
+        if NO_SPACE in text:  # a thread's error, as text
+            return NO_SPACE + text[text.index(NO_SPACE) + len(NO_SPACE):].splitlines()[0]
+        if full(seen) or "[Errno 28]" in text or "[Errno 122]" in text:
+            name = getattr(seen, "filename", None)
+            return f"{NO_SPACE}no space left writing {name or 'a file of the run dir'}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def no_space_path(line: str) -> Optional[str]:
+    """The file named by an endpoint's NoSpace error line, else None."""
+    head = f"{NO_SPACE}no space left writing "
+    return line[len(head):] if line.startswith(head) else None
+
+
+class RunFile:
+    """A file a process of the run appends lines to (records, verdicts, decisions): a full
+    disk raises NoSpace naming it, not a bare OSError."""
+
+    def __init__(self, path: Path | str, mode: str = "a", buffering: int = -1):
+        self.path = Path(path)
+        try:
+            self.fh = open(self.path, mode, buffering=buffering)
+        except OSError as exc:
+            if full(exc):
+                raise NoSpace(self.path) from None
+            raise
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as exc:
+            if full(exc):
+                raise NoSpace(self.path) from None
+            raise
+
+    def write(self, text: str) -> int:
+        return self._guard(self.fh.write, text)
+
+    def flush(self) -> None:
+        self._guard(self.fh.flush)
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self.fh.closed
+
+    def close(self) -> None:
+        """(Python closes the descriptor even when the last flush fails.)"""
+        if not self.fh.closed:
+            self._guard(self.fh.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _private_temp(directory: Path, name: str):
+    """A new temporary file beside `name` in `directory`: a random name, created with
+    O_CREAT|O_EXCL|O_NOFOLLOW, so a symlink or file planted in a shared directory is never
+    opened or followed (the target is then replaced by rename, which follows nothing)."""
+    import os
+    import secrets
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return tmp, os.open(tmp, flags, 0o644)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {directory / name}")
+
 
 def write_atomic(path: Path, text: str) -> None:
     """Write a file so that a reader sees the old or the new content, never a torn one; a
-    failed write leaves no temporary file behind (a full disk raises NoSpace)."""
-    import errno
+    failed write leaves no temporary file behind (a full disk raises NoSpace). Safe in a
+    shared directory: see _private_temp."""
     import os
 
-    tmp = path.with_name(f".{path.name}.tmp")
+    path = Path(path)
+    tmp: Optional[Path] = None
     try:
-        with open(tmp, "w") as fh:
+        tmp, fd = _private_temp(path.parent, path.name)
+        with open(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        tmp.replace(path)
+        os.replace(tmp, path)
     except OSError as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, NoSpace):
+        if tmp is not None:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        if full(exc) and not isinstance(exc, NoSpace):
             raise NoSpace(path) from None
         raise
+
+
+class NotARegularFile(ValueError):
+    """A shared file that is a FIFO, a device, a directory, or too large to be ours."""
+
+
+def read_shared(path: Path | str, limit: int = 1 << 16) -> str:
+    """The text of a file in a shared place (transport.bootstrap_file). Opened with
+    O_NONBLOCK (a FIFO planted there cannot block the open) and checked with fstat: anything
+    but a regular file of at most `limit` bytes raises NotARegularFile; a missing one
+    FileNotFoundError."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFile(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise NotARegularFile(f"{path} is larger than {limit} bytes")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace")

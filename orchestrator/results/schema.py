@@ -463,12 +463,18 @@ class JobResults(Results):
     run_dir: Optional[str] = None
     # what SGLang 0.5.23's decode would hold in Transferring for ever (None: nothing)
     sglang_0_5_23: Optional[Held] = None
+    # requests a decode verified (its verdicts file, decode_verified) that their prefill had
+    # already failed (requests.jsonl, verified): the verdict came after the prefill gave up on
+    # the decode. verified + verified_after_lost = decode_verified; the ids (first 100) name them.
+    verified_after_lost: int = 0
+    verified_after_lost_ids: list[int] = field(default_factory=list)
 
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
              "sglang_0_5_23", "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
              "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "wall_s",
              "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
-             "authenticated", "decode", "decode_verified", "memory_kb", "faults_applied",
+             "authenticated", "decode", "decode_verified", "verified_after_lost", "verified_after_lost_ids",
+             "memory_kb", "faults_applied",
              "engine_listeners_beyond_loopback", "lost", "interrupted", "signal", "slow_to_stop",
              "engine_log", "plan", "error", "tp", "decode_gate", "offered_per_s", "requests_per_send",
              "warnings", "exit_code", "role", "run_dir")

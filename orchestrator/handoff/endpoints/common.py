@@ -62,11 +62,15 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
 
 def report_failure(log, event: str, exc: BaseException) -> str:
     """An endpoint's fatal error: one line for the console and the runner, the traceback in
-    the process's log file only."""
+    the process's log file only. A full disk is `NoSpace: no space left writing FILE`
+    (rundir.no_space_line), which the runner ends the run on with exit 3."""
     import traceback
 
-    line = f"{type(exc).__name__}: {exc}"
-    log.error(event, error=line)
+    from orchestrator.results.rundir import no_space_line
+
+    full = no_space_line(exc)
+    line = full or f"{type(exc).__name__}: {exc}".splitlines()[0]
+    (log.info if full else log.error)(event, error=line)  # a full disk: the runner's line only
     log.info(f"{event}_traceback", traceback=traceback.format_exc())
     return line
 

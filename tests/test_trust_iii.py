@@ -1,0 +1,362 @@
+"""Trust III (issue 31): the split run's front door, the files it shares, and the last
+tracebacks after start. Real processes, real sockets, real Mooncake engines; races are forced
+by hooks (a lock held by the test, a patched pre-check), never by timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.results.rundir import NotARegularFile, read_shared, write_atomic
+from orchestrator.results.schema import Results
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.integration
+SECRET_VAR = "TRUST3_TEST_SECRET"
+ENV = {**os.environ, SECRET_VAR: "trust-three-secret-5d2a", "PYTHONUNBUFFERED": "1"}
+STARTED: list[subprocess.Popen] = []
+
+
+def _tree(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [p for k in (int(x) for x in out.split()) for p in _tree(k)] + [pid]
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    """What a test started and left running (a bound that failed) is killed with its tree."""
+    yield
+    for proc in STARTED:
+        if proc.poll() is None:
+            for pid in _tree(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.communicate()
+    STARTED.clear()
+
+
+def _popen(*args: str, env=None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=env or ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    STARTED.append(proc)
+    return proc
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(pred, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.1)
+
+
+def _logged(path: Path, event: str) -> bool:
+    try:
+        return event in path.read_text()
+    except OSError:
+        return False
+
+
+def _one_error(text: str, prefix: str = "error: ") -> str:
+    lines = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text, text
+    return lines[0]
+
+
+# ---- 2. shared files handled as hostile ------------------------------------------------------
+def test_write_atomic_never_follows_a_link_planted_in_a_shared_dir(tmp_path):
+    """A 0777 directory without the sticky bit (a shared filesystem): links planted at every
+    name a writer could have used before (`.NAME.tmp`) and at the target itself."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (shared / ".bootstrap.json.tmp").symlink_to(victim)
+    target = shared / "bootstrap.json"
+    target.symlink_to(victim)
+    write_atomic(target, '{"address": "127.0.0.1:1"}\n')
+    assert victim.read_text() == "precious\n"
+    assert not target.is_symlink() and json.loads(target.read_text()) == {"address": "127.0.0.1:1"}
+    assert sorted(p.name for p in shared.iterdir()) == [".bootstrap.json.tmp", "bootstrap.json"]
+
+
+def test_a_fifo_or_device_is_never_read_as_a_shared_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    for path in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises((NotARegularFile, IsADirectoryError)):
+            read_shared(path)
+    assert time.monotonic() - t0 < 5  # nothing waited on a writer
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (1 << 17))
+    with pytest.raises(NotARegularFile):
+        read_shared(big)
+
+
+def test_prefill_refuses_a_fifo_as_its_bootstrap_file(tmp_path):
+    """issue 31's trial: the prefill blocked in open() for ever, deaf to SIGINT/SIGTERM."""
+    fifo = tmp_path / "bootstrap"
+    os.mkfifo(fifo)
+    proc = _cli("role=prefill", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_file={fifo}",
+                "endpoints.startup_timeout_s=120", f"hydra.run.dir={tmp_path / 'p'}")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    line = _one_error(proc.stdout + proc.stderr, "ERROR:")
+    assert "transport.bootstrap_file" in line and "not a regular file" in line
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # left as it was
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_the_prefill_waiting_for_its_bootstrap_file(tmp_path, sig):
+    """The prefill waits for a bootstrap file no decode side wrote (startup_timeout_s 300): a
+    signal in that phase ends it at once (the log line marks the phase: no timing)."""
+    run_dir = tmp_path / "p"
+    proc = _popen("role=prefill", f"transport.secret_env={SECRET_VAR}",
+                  f"transport.bootstrap_file={tmp_path / 'none-yet'}", "endpoints.startup_timeout_s=300",
+                  f"hydra.run.dir={run_dir}")
+    _wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_waiting"), 120, "the wait")
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, out + err
+    assert time.monotonic() - t0 < 30 and "Traceback" not in out + err
+    assert Results.read(run_dir).ending.interrupted
+
+
+def test_decode_side_stops_with_a_fifo_planted_at_its_bootstrap_file(tmp_path):
+    """Its address written, the file is swapped for a FIFO: SIGTERM still ends the decode
+    side (it checks the file before removing it: issue 31's trial hung in that read)."""
+    shared = tmp_path / "bootstrap"
+    run_dir = tmp_path / "d"
+    proc = _popen("role=decode", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_file={shared}",
+                  "endpoints.startup_timeout_s=300", f"hydra.run.dir={run_dir}")
+    _wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
+    shared.unlink()
+    os.mkfifo(shared)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out + err
+    assert "Traceback" not in out + err
+    assert stat.S_ISFIFO(shared.stat().st_mode)  # not ours: left alone
+
+
+# ---- 3. the disk is full wherever it fills ---------------------------------------------------
+def _tmpfs(path: Path, size: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+
+
+@pytest.mark.parametrize("size,where", [("8k", ".hydra/"), ("64k", "")], ids=["hydra-save", "mid-run"])
+def test_a_full_disk_is_exit_3_and_one_line_naming_the_file(tmp_path, size, where):
+    """8k: Hydra's own .hydra/ save cannot fit; 64k: the per-request files fill mid-run.
+    issue 31's trial: a traceback and exit 2 at both (recovery._append, hydra _save_config)."""
+    disk = tmp_path / "small"
+    _tmpfs(disk, size)
+    try:
+        proc = _cli("workload.requests=1000", f"hydra.run.dir={disk / 'run'}")
+        records = [p for p in (disk / "run").glob("requests*.jsonl")]
+        torn = [p.name for p in records if p.read_bytes() and not p.read_bytes().endswith(b"\n")]
+        leftovers = [p.name for p in (disk / "run").rglob("*.tmp")]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    line = _one_error(proc.stderr)
+    assert line.startswith("error: no space left writing ") and f"run/{where}" in line, line
+    assert torn == [] and leftovers == []
+
+
+# ---- 4. one run per run dir, decided before anything is written ----------------------------
+_NO_PRECHECK = ("import sys, orchestrator.preflight.compose as c; c.precheck = lambda argv: None; "
+                "sys.argv = ['orchestrator', *sys.argv[1:]]; from orchestrator.__main__ import entry; entry()")
+
+
+def test_a_run_that_loses_the_run_dir_writes_nothing_there(tmp_path):
+    """The race of issue 31 (both pre-checks pass, then both Hydras run), forced: the test
+    holds the dir's lock as the winner would, and the loser's pre-check is patched out."""
+    from orchestrator.results.rundir import lock_run_dir
+
+    run_dir = tmp_path / "run"
+    lock = lock_run_dir(run_dir)
+    try:
+        before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+        proc = subprocess.run([sys.executable, "-c", _NO_PRECHECK, "workload.requests=500", "workload.seed=222",
+                               f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=120)
+        after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    finally:
+        lock.close()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "in use by another run" in _one_error(proc.stderr)
+    assert after == before == {".run.lock": before[".run.lock"]}
+
+
+# ---- 6. no traceback after start ------------------------------------------------------------
+def test_a_taken_bootstrap_port_is_exit_3_and_one_line(tmp_path):
+    """issue 31's trial: a 30-line ZMQError traceback, exit 2, no results.json."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = _cli("role=decode", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_port={port}",
+                    f"hydra.run.dir={tmp_path / 'd'}")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    line = _one_error(proc.stdout + proc.stderr, "ERROR:")
+    assert f"transport.bootstrap_port={port}" in line and "Address already in use" in line
+    assert Results.read(tmp_path / "d").exit_code == 3
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["endpoints.prefill_ranks=2", "workload.requests=18446744073709551615"], "workload.requests"),
+    (["workload.requests=9223372036854775807", "endpoints.prefill_ranks=2"], "workload.requests"),
+    (["workload.rate=1e-300"], "workload.rate"),
+    (["workload.rate=0.0001", "transport.timeout_s=10"], "workload.rate"),
+    (["workload.rate=5", "workload.requests=1000000000"], "workload.requests"),
+], ids=["ids-past-2^64", "ids-past-2^63", "rate-1e-300", "rate-below-100-timeouts", "open-loop-too-many"])
+def test_request_ids_and_absurd_rates_are_refused_before_start(overrides, key):
+    """issue 31's trial: rank 1 failed at start, then SIGINT gave a struct.error traceback;
+    workload.rate=1e-300 ran and never saw an arrival. The entry's pre-check refuses them."""
+    from orchestrator.preflight.compose import precheck
+
+    problem = precheck(overrides)
+    assert problem is not None and problem.startswith(f"{key}="), problem
+
+
+def test_an_absurd_rate_on_the_command_line_is_exit_2_and_no_run_dir(tmp_path):
+    proc = _cli("endpoints.prefill_ranks=2", "workload.rate=1e-300", f"hydra.run.dir={tmp_path / 'run'}",
+                timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _one_error(proc.stderr).startswith("error: workload.rate=1e-300 is not allowed")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sane_open_loop_rate_is_allowed():
+    from orchestrator.profile.platform import detect
+    from orchestrator.profile.rules import check_profile
+
+    from .conftest import typed_cfg
+
+    cfg = typed_cfg("workload.rate=0.01", "transport.timeout_s=10")  # one arrival expected in 100 s
+    check_profile(cfg, detect())
+
+
+# ---- 9. config-dir errors like command-line errors ------------------------------------------
+def _config_dir(root: Path) -> Path:
+    files = {
+        "badkey": "workload:\n  requestz: 10\n",
+        "badtype": "workload:\n  requests: lots\n",
+        "range": "buffers:\n  size: 100000000\n",
+        "broken": "workload:\n  requests: 10\n  concurrency: [1, 2\n",
+        "good": "workload:\n  requests: 50\n",
+    }
+    conf = root / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    for name, body in files.items():
+        (conf / "experiment" / f"{name}.yaml").write_text(f"# @package _global_\n{body}")
+    return conf
+
+
+@pytest.mark.parametrize("name,says", [
+    ("badkey", "workload.requestz: Key 'requestz' not in 'WorkloadConfig'"),
+    ("badtype", "workload.requests: Value 'lots' of type 'str' could not be converted to Integer"),
+    ("range", "buffers.size=100000000 is not allowed"),
+    ("broken", ":5: not valid YAML"),
+])
+def test_a_config_dir_mistake_is_one_line_naming_file_and_key(tmp_path, name, says):
+    """issue 31's trial: Hydra's 6-line message with no `error:` line (unknown key, wrong
+    type), and an out-of-range value refused only after the run dir was made."""
+    from orchestrator.preflight.compose import precheck
+
+    conf = _config_dir(tmp_path)
+    problem = precheck(["--config-dir", str(conf), f"experiment={name}"])
+    assert problem is not None and "\n" not in problem, problem
+    assert problem.startswith(str(conf / "experiment" / f"{name}.yaml")) and says in problem, problem
+
+
+def test_a_config_dir_mistake_on_the_command_line_is_exit_2_and_no_run_dir(tmp_path):
+    conf = _config_dir(tmp_path)
+    proc = _cli(f"--config-dir={conf}", "experiment=range", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _one_error(proc.stderr)
+    assert line.startswith(f"error: {conf / 'experiment' / 'range.yaml'}: buffers.size=100000000"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_file_fails_only_the_runs_that_use_it(tmp_path):
+    """The dir holds four bad experiments; the run that picks the good one runs; a value
+    given on the command line is not blamed on a file."""
+    from orchestrator.preflight.compose import precheck
+
+    conf = _config_dir(tmp_path)
+    assert precheck(["--config-dir", str(conf), "experiment=good"]) is None
+    assert precheck(["--config-dir", str(conf), "experiment=good", "workload.requests=0"]).startswith(
+        "workload.requests=0 is not allowed")
+    proc = _cli("--config-dir", str(conf), "experiment=good", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert Results.read(tmp_path / "run").verified == 50
+
+
+# ---- 7. one truth per run ------------------------------------------------------------------
+def test_a_verdict_after_the_prefill_gave_up_is_named(tmp_path):
+    """The files of issue 31's trial, in their real format: the decode's verdicts file says
+    verified for 3 requests the prefill's requests file failed as peer_lost."""
+    from orchestrator.results.outcomes import Detail, Outcome
+    from orchestrator.results.records import Record
+    from orchestrator.results.reporting import verified_after_lost
+
+    def rec(rid: int, ok: bool) -> str:
+        return Record(rid, rid + 1, 0, rid % 4, "engine", 1.0, 1.0, 1.0, 1.0,
+                      Outcome.verified if ok else Outcome.failed, Detail.none if ok else Detail.peer_lost,
+                      "").line()
+
+    (tmp_path / "requests.jsonl").write_text("".join(rec(i, i < 5) + "\n" for i in range(10)))
+    (tmp_path / "verdicts-decode.jsonl").write_text("".join(
+        json.dumps({"prefill": 0, "rid": i, "outcome": "verified", "detail": "none"}) + "\n" for i in range(8)))
+    assert verified_after_lost(tmp_path) == [5, 6, 7]
+
+
+def test_results_agree_with_the_decode_after_a_decode_stopped_for_good(tmp_path):
+    """The decode is stopped (SIGSTOP) for 8 s, past transport.timeout_s=2: its prefill
+    gives up on it, the runner resumes it at the end. Whatever it verified after its prefill
+    gave up on it is named, so
+    verified + verified_after_lost = decode_verified, and the ids are those the files differ on."""
+    run_dir = tmp_path / "run"
+    proc = _cli("faults=decode_stopped", "faults.at_request=200", "faults.duration_s=8", "transport.timeout_s=2",
+                "workload.requests=600", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    res = Results.read(run_dir)
+    raw = json.loads((run_dir / "results.json").read_text())
+    verdicts = {json.loads(ln)["rid"]: json.loads(ln)["outcome"]
+                for ln in (run_dir / "verdicts-decode.jsonl").read_text().splitlines()}
+    records = {json.loads(ln)["rid"]: json.loads(ln)["outcome"]
+               for ln in (run_dir / "requests.jsonl").read_text().splitlines()}
+    differ = sorted(r for r, o in verdicts.items() if o == "verified" and records.get(r) != "verified")
+    assert raw["verified"] + raw["verified_after_lost"] == raw["decode_verified"] == \
+        raw["decode"]["decode"]["outcomes"].get("verified", 0)
+    assert raw["verified_after_lost_ids"] == differ and res.verified >= 200
