@@ -360,3 +360,40 @@ def test_results_agree_with_the_decode_after_a_decode_stopped_for_good(tmp_path)
     assert raw["verified"] + raw["verified_after_lost"] == raw["decode_verified"] == \
         raw["decode"]["decode"]["outcomes"].get("verified", 0)
     assert raw["verified_after_lost_ids"] == differ and res.verified >= 200
+
+
+# ---- 8. the dead decode is named -------------------------------------------------------------
+def _decode_killed_after_ready(cfg, plan, run_dir, secret, conn, *args) -> None:
+    """A decode that reports ready (a control listener that takes the prefill's hello and
+    never answers) and is SIGKILLed at once: the window of issue 31's case 10."""
+    import zmq
+
+    from orchestrator.handoff import protocol
+
+    ctx = zmq.Context()
+    control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    cport = control.bind_to_random_port("tcp://127.0.0.1")
+    dport = data.bind_to_random_port("tcp://127.0.0.1")
+    protocol.Channel(conn).send(protocol.Ready({
+        "control_endpoint": f"tcp://127.0.0.1:{cport}", "data_endpoint": f"tcp://127.0.0.1:{dport}",
+        "transport": "zmq-tcp", "session_id": None, "engine_exposed": []}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path, monkeypatch):
+    """issue 31's trial: "prefill endpoint failed: TimeoutError: decode did not answer hello
+    within transport.timeout_s=10", lost: {}, 12.4 s after the kill. The runner watches the
+    decodes while the prefills bootstrap: the decode is lost, within transport.timeout_s."""
+    from orchestrator.handoff import runner
+    from orchestrator.profile.plan import make_plan
+    from orchestrator.profile.platform import detect
+
+    from .conftest import typed_cfg
+
+    monkeypatch.setattr(runner, "decode_main", _decode_killed_after_ready)
+    cfg = typed_cfg("transport.route=tcp", "workload.requests=20", "transport.timeout_s=10",
+                    "endpoints.startup_timeout_s=120")
+    out = runner.Job(cfg, make_plan(cfg, detect()), tmp_path, secret=b"s" * 32).run()
+    assert out.error is not None and out.error.startswith("decode exited with code -9"), out.error
+    assert list(out.lost) == ["decode"] and "prefill" not in (out.error or "")
+    assert "did not answer hello" not in out.error  # named before the prefill's hello timed out

@@ -268,6 +268,7 @@ class Job:
                 raise Interrupted
             if self._tick is not None:
                 self._tick()
+            self._decode_died(pending, while_)
             for p in list(pending):
                 if p.conn.poll(0.02):
                     try:
@@ -281,6 +282,19 @@ class Job:
                     raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} {while_}")
             if _clock() > deadline:
                 raise RunFailed(f"{', '.join(p.name for p in pending)} {late}")
+
+    def _decode_died(self, pending: list[_Proc], while_: str) -> None:
+        """A decode that said it was ready and then exited, while the runner waits on others
+        (the prefills' hello to it, say): named now, not blamed on a prefill whose hello then
+        times out. Checked before the pending processes' messages."""
+        for d in self.decodes:
+            if d not in pending and d.proc.exitcode is not None and not (
+                    d.proc.exitcode == 0 and self.signals.caught):
+                why = f"exited with code {d.proc.exitcode}"
+                self.out.lost.setdefault(d.name, why)
+                self.out.t_stop = self.out.t_stop or _clock()
+                self.log.error("process_lost", process=d.name, why=why)
+                raise RunFailed(f"{d.name} {why} {while_}")
 
     def _startup(self) -> list[list[dict]]:
         """Every decode ready and every prefill's engine up (they come up together)."""
