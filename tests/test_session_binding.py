@@ -491,7 +491,9 @@ def test_bad_yaml_in_a_config_dir_is_named_with_its_line(tmp_path, content, wher
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
     (conf / "experiment" / "bad.yaml").write_bytes(content)  # read by the run that picks it
-    proc, _ = _cli(tmp_path, "--config-dir", str(conf), "experiment=bad")
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "--config-dir", str(conf), "experiment=bad",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and where in lines[0] and "Traceback" not in proc.stderr, lines
