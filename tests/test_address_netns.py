@@ -149,6 +149,7 @@ def clean(hosts):
         hosts.kill_all(ns)
 
 
+@pytest.mark.slow
 def test_split_run_refuses_an_unreachable_advertised_address_then_the_nic_fixes_it(clean, tmp_path):
     """Each side advertises its default route's address (the management network): the peer's
     probe fails before any handoff, naming the interface, the step and SGLANG_LOCAL_IP_NIC.
@@ -174,6 +175,7 @@ def test_split_run_refuses_an_unreachable_advertised_address_then_the_nic_fixes_
     assert not [w for w in res.ending.warnings if "cannot reach" in w]
 
 
+@pytest.mark.slow
 def test_split_run_refuses_a_known_mooncake_incompatibility(clean, tmp_path):
     """The decode side reports Mooncake 0.3.10 (the test hook): across 0.3.11 the run is refused
     at bootstrap, citing the incompatibility."""
