@@ -397,3 +397,42 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     assert out.error is not None and out.error.startswith("decode exited with code -9"), out.error
     assert list(out.lost) == ["decode"] and "prefill" not in (out.error or "")
     assert "did not answer hello" not in out.error  # named before the prefill's hello timed out
+
+
+# ---- 1. an unauthenticated frame never changes a run's fate ----------------------------------
+def test_forged_frames_at_the_bootstrap_port_never_end_the_decode_side(tmp_path):
+    """issue 31's attack: before the real prefill's first lookup, a lookup-shaped frame with
+    16 random bytes as its MAC (from a DEALER) ended the decode side (exit 3, "different
+    secrets"). Now it, a lookup sealed with another secret and garbage are counted and
+    dropped; the real prefill then connects and every handoff verifies."""
+    import zmq
+
+    from orchestrator.handoff.transport.auth import Authenticator
+
+    port = _port()
+    decode = _popen("role=decode", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_port={port}",
+                    "endpoints.startup_timeout_s=300", f"hydra.run.dir={tmp_path / 'd'}")
+    _wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
+    lookup = json.dumps({"type": "lookup", "rank": 0, "prefill_ranks": 1}).encode()
+    ctx = zmq.Context()
+    try:
+        for frames in ([lookup + os.urandom(16)], [Authenticator(b"another secret" * 3).seal(lookup)],
+                       [b"\x00" * 40], [b"garbage", b"two frames"], [lookup]):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(frames)
+            sock.poll(500)  # a lookup-shaped one gets a sealed refusal; nothing else an answer
+            sock.close(0)
+    finally:
+        ctx.term()
+    _wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_rejected") or decode.poll() is not None,
+              60, "the rejections")
+    assert decode.poll() is None, decode.communicate()
+    prefill = _popen("role=prefill", f"transport.secret_env={SECRET_VAR}", f"peer=127.0.0.1:{port}",
+                     "workload.requests=50", f"hydra.run.dir={tmp_path / 'p'}")
+    p_out, p_err = prefill.communicate(timeout=300)
+    d_out, d_err = decode.communicate(timeout=120)
+    assert prefill.returncode == 0 and decode.returncode == 0, (p_out, p_err, d_out, d_err)
+    assert Results.read(tmp_path / "p").verified == 50
+    assert "Traceback" not in p_out + p_err + d_out + d_err

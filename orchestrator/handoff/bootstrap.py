@@ -2,8 +2,11 @@
 
 role=decode serves its decode endpoints at transport.host:transport.bootstrap_port
 (`serve_bootstrap`) to authenticated prefill sides; role=prefill asks for them there
-(`lookup`). Both sides seal every message with the run secret; a lookup whose MAC does not
-match ends both sides at once (`secret_mismatch`), not at endpoints.startup_timeout_s.
+(`lookup`). Both sides seal every message with the run secret. A frame without a valid MAC
+never changes a run's fate: the decode side counts it, answers a lookup-shaped one with a
+sealed refusal, and serves on; the prefill side concludes "different secrets"
+(`secret_mismatch`) only after MAC_FAILURES answers in a row that fail the MAC from the peer
+it named (peer= or transport.bootstrap_file), not at endpoints.startup_timeout_s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import proc_name
 
 _clock = time.monotonic
+MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
 
 
 def _public(info: dict) -> dict:
@@ -74,6 +78,7 @@ class _Bootstrap:
         self.byes: dict[int, set[int]] = {}
         self.answered = False
         self.rejected, self.quiet_until = 0, 0.0
+        self.mac_failed = 0  # lookup-shaped frames whose MAC did not match (counted, refused)
         self.record: Optional[str] = None
 
     def serve(self, signals) -> None:
@@ -93,7 +98,8 @@ class _Bootstrap:
                 if not self.answered and _clock() > deadline:
                     raise RunFailed(f"no prefill side looked up {self.out.bootstrap} within "
                                     f"endpoints.startup_timeout_s={wait_s:g} (started with role=prefill "
-                                    f"peer={self.out.bootstrap} and the same transport.secret_env?)")
+                                    f"peer={self.out.bootstrap} and the same transport.secret_env?)"
+                                    + self._mac_note())
                 if self.sock.poll(20):
                     self._answer(self.sock.recv_multipart())
                 self._refused()
@@ -165,12 +171,13 @@ class _Bootstrap:
             msg = wire.decode(body) if body is not None else None
         except wire.WireError:
             msg = None
-        if msg is None and not self.answered and len(frames) == 2 and _unauthentic_lookup(frames[1]):
-            # a lookup in our format whose MAC does not match: the other side has
-            # another secret. Both sides stop now, not at endpoints.startup_timeout_s:
-            # it gets a sealed refusal it cannot open (and says so), this side ends.
+        if msg is None and len(frames) == 2 and _unauthentic_lookup(frames[1]):
+            # a lookup in our format whose MAC does not match: a prefill side with another
+            # secret, or anyone who can reach this port. Counted and refused, never fatal:
+            # the refusal is sealed, so a prefill side with another secret cannot open it and
+            # concludes "different secrets" itself (MAC_FAILURES in a row from its peer).
+            self.mac_failed += 1
             sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail="bad MAC"))])
-            raise RunFailed(secret_mismatch(self.cfg))
         if msg is None or msg["type"] != "lookup":
             self.rejected += 1
             if _clock() >= self.quiet_until:  # rate-limited: one line per 5 s, with the count
@@ -200,6 +207,12 @@ class _Bootstrap:
         if self.judged is not None and self.judged[0] is not None and (
                 self.refusals >= 2 or _clock() > self.judged[1] + 3.0):
             raise RunFailed(f"refused before any handoff: {self.judged[0]}")
+
+    def _mac_note(self) -> str:
+        if not self.mac_failed:
+            return ""
+        return (f"; {self.mac_failed} lookups carried a MAC that did not match (a prefill side with "
+                f"another secret? {secret_mismatch(self.cfg).split(': ', 1)[1]})")
 
     def _read(self, d) -> None:
         """What decode process `d` told the runner: a prefill rank done with it, or a failure."""
@@ -253,6 +266,7 @@ def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResu
     auth = Authenticator(secret)
     deadline = _clock() + cfg.endpoints.startup_timeout_s
     host, port = _await_address(cfg, deadline, signals)
+    bad = 0  # answers in a row from the named peer that failed the MAC
     zctx = zmq.Context()
     try:
         while _clock() < deadline and not signals.caught:
@@ -273,8 +287,13 @@ def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResu
             if frame is None:
                 continue
             body = auth.unseal(frame)
-            if body is None:
-                raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port})")
+            if body is None:  # counted; "different secrets" only after MAC_FAILURES in a row
+                bad += 1
+                if bad >= MAC_FAILURES:
+                    raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port}: "
+                                    f"{bad} answers in a row failed the MAC)")
+                continue
+            bad = 0
             msg = wire.decode(body)
             if msg["type"] == "error":
                 raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
