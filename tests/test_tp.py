@@ -128,7 +128,8 @@ def test_gate_holds_a_torn_row_until_it_settles():
     it; settle_ms=0 is SGLang's room-only gate; readiness off holds nothing."""
     from types import SimpleNamespace
 
-    from orchestrator.handoff.endpoints.decode import Grant, Judge
+    from orchestrator.handoff.endpoints.decode_state import Grant
+    from orchestrator.handoff.endpoints.judge import Judge
     from orchestrator.results.records import DecodeResult
 
     def endpoint(settle_s, readiness=True, digest_ok=False):

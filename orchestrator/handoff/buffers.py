@@ -490,7 +490,8 @@ class SlotAllocator:
     def available(self) -> int:
         return len(self._free)
 
-    def _take(self, slot: int) -> None:
+    def take(self, slot: int) -> None:
+        """Take this free slot (a TP follower takes the slot its leader granted)."""
         i = self._pos[slot]
         last = self._free.pop()
         if last != slot:
@@ -502,7 +503,7 @@ class SlotAllocator:
         if not self._free:
             return None
         slot = self._free[self._rng.randrange(len(self._free))]
-        self._take(slot)
+        self.take(slot)
         return slot
 
     def alloc_run(self, n: int, start: Optional[int] = None) -> list[int]:
@@ -533,7 +534,7 @@ class SlotAllocator:
                 begin, count = max(runs, key=lambda r: r[1])
             slots = list(range(begin, begin + count))
         for s in slots:
-            self._take(s)
+            self.take(s)
         return slots
 
     def free(self, slot: int) -> None:

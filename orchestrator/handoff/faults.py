@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional, Sequence
 
+import zmq
+
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.lifecycle import resume
-from orchestrator.handoff.transport.router import AuxRouter, Send, Transfer
+from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
 from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
@@ -141,11 +143,32 @@ class FaultyRouter:
         self._lock = threading.Lock()  # _by_rid: the transfer thread adds, the main loop takes
         self._delayer: Optional[_Delayer] = None
 
-    def __getattr__(self, name):  # connect, peer, route, item_lens, ... come from the real router
-        return getattr(self.inner, name)
+    # ---- what the fault leaves to the real router --------------------------------------
+    @property
+    def item_lens(self) -> list[int]:
+        return self.inner.item_lens
 
-    starts_in_caller = False  # a fault may sleep or alter the send: the transfer thread does it
+    @property
+    def peer(self) -> Optional[Peer]:
+        return self.inner.peer
 
+    @property
+    def starts_in_caller(self) -> bool:
+        return False  # a fault may sleep or alter the send: the transfer thread does it
+
+    def connect(self, peer: Peer) -> None:
+        self.inner.connect(peer)
+
+    def peer_session(self) -> str:
+        return self.inner.peer_session()
+
+    def warm(self) -> float:
+        return self.inner.warm()
+
+    def blocks(self, send: Send) -> Blocks:
+        return self.inner.blocks(send)
+
+    # ---- the faults ---------------------------------------------------------------------
     def _targeted(self) -> bool:
         return self.kind is not FaultKind.status_first or self.inner.connected_peer().tp_rank == self.cfg.rank
 
@@ -167,7 +190,8 @@ class FaultyRouter:
             out.append(send)
         return out
 
-    def start(self, send: Send, session=None, blocks=None) -> None:
+    def start(self, send: Send, session: Optional[str] = None, blocks: Optional[Blocks] = None,
+              push: Optional[zmq.Socket] = None) -> None:
         inner, kind = self.inner, send.fault
         if kind is None:
             return inner.start(send)
@@ -243,7 +267,7 @@ class FaultyRouter:
             self.inner.after_step(transfers, per_step)
 
 
-def wrap(router: AuxRouter, faults: FaultsConfig):
+def wrap(router: AuxRouter, faults: FaultsConfig) -> Router:
     """The router itself, or the router behind the configured send-path fault."""
     if acts_at(faults.kind, Site.send):
         return FaultyRouter(router, faults)

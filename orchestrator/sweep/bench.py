@@ -40,7 +40,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from orchestrator.handoff import protocol
-from orchestrator.handoff.endpoints.prefill import Phase, PrefillEndpoint
+from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
+from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
 from orchestrator.handoff.runner import run_handoffs
 from orchestrator.handoff.transport.router import Send, Transfer
 from orchestrator.profile.config import (
@@ -138,7 +139,7 @@ class PathResult:
     error: Optional[str] = None
 
 
-def _phase_result(name: str, res: RankResult, phase: Phase) -> PhaseResult:
+def _phase_result(name: str, res: RankResult, phase: PhaseSpec) -> PhaseResult:
     rate = res.verified / res.wall_s if res.wall_s else None
     lat = {k: Percentiles.of(h) for k, h in res.latency.items()}
     return PhaseResult(name, res.requests, res.verified, phase.batch_size, phase.concurrency,
@@ -256,14 +257,14 @@ class BenchDriver:
         base = 0
         B, n = self.batch, self.requests
         plan = [
-            ("handoff 1-in-flight", Phase(self.handoffs, 1, None, 1, FillMode.ahead)),
-            ("per-request", Phase(n, 4 * B, None, 1, FillMode.ahead)),
-            ("batched", Phase(n, 4 * B, None, B, FillMode.ahead, False, StatusMode.per_step)),
-            ("coalesced", Phase(n, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
-            ("inline", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline)),
+            ("handoff 1-in-flight", PhaseSpec(self.handoffs, 1, None, 1, FillMode.ahead)),
+            ("per-request", PhaseSpec(n, 4 * B, None, 1, FillMode.ahead)),
+            ("batched", PhaseSpec(n, 4 * B, None, B, FillMode.ahead, False, StatusMode.per_step)),
+            ("coalesced", PhaseSpec(n, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
+            ("inline", PhaseSpec(n, ep.workload.concurrency, None, 1, FillMode.inline)),
         ]
         if ep.staged is not None:  # device rows: SGLang's set_buf against the staged fill
-            plan.append(("inline staged", Phase(n, ep.cfg.workload.concurrency, None, 1, FillMode.inline,
+            plan.append(("inline staged", PhaseSpec(n, ep.workload.concurrency, None, 1, FillMode.inline,
                                                 set_buf=SetBufMode.staged)))
         for name, phase in plan:
             if self.only is not None and name not in self.only:
@@ -285,7 +286,7 @@ class BenchDriver:
         engine = ep.side.engine
         assert engine is not None  # raw writes run on the engine route only
         raw = engine.raw
-        session = router.peer.session_id
+        session = router.peer_session()
         size = ep.buffers.size
         pc = time.perf_counter
         for start in range(0, self.iters, CHUNK):

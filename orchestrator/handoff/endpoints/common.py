@@ -22,14 +22,17 @@ from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import RunFiles
 
-SWITCH_INTERVAL_S = float(os.environ.get("ORCH_SWITCH_INTERVAL_S", "0.0002"))
+# Python's thread switch interval in an endpoint process. The transfer thread wakes from each
+# Mooncake write needing the GIL back: at Python's default 5 ms it would wait behind the
+# scheduler thread for that long; 0.2 ms lets it in within a fraction of a write.
+SWITCH_INTERVAL_S = 0.0002
 
 
 class TransportMismatch(RuntimeError):
     """The engine came up on another transport than declared (and fallback is strict)."""
 
 
-class Stop:
+class Shutdown:
     """Set by SIGTERM in an endpoint process; the loops look at it and wind down."""
 
     requested = False
@@ -48,14 +51,12 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     every process of the group), SIGTERM winds the loop down; fd 2 (glog, warnings) goes to
     <role>.stderr.log; structured logs to <role>.log."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(Stop, "requested", True))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(Shutdown, "requested", True))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see lifecycle.spawn
     err = open(RunFiles(run_dir).stderr_log(role), "ab", buffering=0)
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     torch.set_num_threads(1)  # endpoints share the machine; row ops are tiny
-    # The transfer thread wakes from each Mooncake write needing the GIL back: at Python's
-    # default 5 ms switch interval it would wait behind the scheduler thread for that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     return configure(run_dir, role, console_level=30 if not console else 20)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import zmq
@@ -95,6 +95,47 @@ def runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
         else:
             out.append([t])
     return out
+
+
+Blocks = tuple[list[int], list[int], list[int]]  # sources, destinations, lengths of a batch write
+
+
+class Router(Protocol):
+    """The send path to one decode process as the prefill's handshake, loop and transfer
+    thread use it: AuxRouter, or the fault wrapper around it (orchestrator.handoff.faults)."""
+
+    @property
+    def item_lens(self) -> list[int]: ...
+
+    @property
+    def peer(self) -> Optional[Peer]: ...
+
+    @property
+    def starts_in_caller(self) -> bool: ...
+
+    def connect(self, peer: Peer) -> None: ...
+
+    def peer_session(self) -> str: ...
+
+    def warm(self) -> float: ...
+
+    def sends(self, transfers: Sequence[Transfer], coalesce: bool = False,
+              status: StatusMode = StatusMode.per_request) -> list[Send]: ...
+
+    def blocks(self, send: Send) -> Blocks: ...
+
+    def start(self, send: Send, session: Optional[str] = None, blocks: Optional[Blocks] = None,
+              push: Optional[zmq.Socket] = None) -> None: ...
+
+    def ready(self, send: Send) -> bool: ...
+
+    def judged(self, rid: int) -> None: ...
+
+    def finish(self, send: Send) -> None: ...
+
+    def after_send(self, send: Send) -> None: ...
+
+    def after_step(self, transfers: Sequence[Transfer], per_step: bool) -> None: ...
 
 
 class AuxRouter:
@@ -171,7 +212,7 @@ class AuxRouter:
         per_step = status is StatusMode.per_step
         return [Send(g, per_step=per_step) for g in groups]
 
-    def blocks(self, send: Send) -> tuple[list[int], list[int], list[int]]:
+    def blocks(self, send: Send) -> Blocks:
         """Engine-route blocks of a send: per field, src/dst = base + item_len * first slot,
         length = item_len * rows."""
         first, n = send.transfers[0], len(send.transfers)
@@ -188,8 +229,7 @@ class AuxRouter:
                 for i, payload in enumerate(rows)]
 
     # ---- moving bytes -------------------------------------------------------------------
-    def start(self, send: Send, session: Optional[str] = None,
-              blocks: Optional[tuple[list[int], list[int], list[int]]] = None,
+    def start(self, send: Send, session: Optional[str] = None, blocks: Optional[Blocks] = None,
               push: Optional[zmq.Socket] = None) -> None:
         """Submit a send (batch writes of at most max_blocks_per_batch blocks; on the tcp
         route its frames go out now). `session`, `blocks` and `push` replace the planned

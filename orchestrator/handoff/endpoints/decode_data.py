@@ -1,0 +1,105 @@
+"""The decode's data plane: every frame on the PULL socket authenticated under the session of
+the rank it claims (for AUX_DATA, of the grants of the slots it lands in), parsed against
+this rank's layout, then landed (tcp-route rows, host rows only) or taken as a status."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Peers
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Session
+from orchestrator.results.outcomes import KVPoll
+
+_clock = time.monotonic
+
+
+class DataPlane:
+    """`ptrs`, `item_lens`: this rank's rows; `slots`: buffers.size; `lands`: whether rows
+    arrive as frames here (the tcp route on host rows)."""
+
+    def __init__(self, ledger: Ledger, peers: Peers, drop: Drops, ptrs: list[int], item_lens: list[int],
+                 slots: int, lands: bool):
+        self.ledger, self.peers, self.drop = ledger, peers, drop
+        self.ptrs, self.item_lens, self.slots, self.lands = ptrs, item_lens, slots, lands
+
+    def auth_of(self, frames: list[bytes]) -> tuple[Optional[Session], bytes]:
+        """The session a data-plane message claims (from the rank it names, or, for
+        AUX_DATA, the grants of the slots it lands in) and the associated data its MAC
+        covers; (None, b"") when it names nothing this process knows."""
+        try:
+            if frames[0] == wire.AUX_DATA:
+                slot, field = int(frames[3]), int(frames[2])
+                rows = max(1, len(frames[5]) // self.item_lens[field])
+                found = [self.ledger.by_slot.get(slot + k) for k in range(min(rows, self.slots))]
+                gs = [g for g in found if g is not None]
+                if not found or len(gs) != len(found):
+                    return None, b""
+                sess = self.peers.ranks.get(gs[0].prank)
+                return (sess.auth if sess else None), b"".join(g.rid.to_bytes(8, "little") for g in gs)
+            rank = int(frames[1] if frames[0] == wire.STEP else frames[2])
+        except (IndexError, ValueError, ZeroDivisionError):
+            return None, b""
+        sess = self.peers.ranks.get(rank)
+        return (sess.auth if sess else None), b""
+
+    def on_data(self, frames: list[bytes]) -> None:
+        auth, ad = self.auth_of(frames) if frames else (None, b"")
+        body = auth.open(frames, ad) if auth is not None else None
+        if body is None and not self.peers.auth.enabled:  # no secret (interop tests): nothing to check
+            body = list(frames)
+        if body is None:
+            self.drop("rejected_auth", "data_rejected", reason="bad or missing MAC")
+            return
+        try:
+            msg = wire.parse(body, self.item_lens, self.slots)
+        except wire.WireError as exc:
+            self.drop("dropped_data", "frame_dropped", error=str(exc))
+            return
+        if isinstance(msg, wire.AuxData):
+            self.land(msg)
+        elif isinstance(msg, wire.StepStatus):
+            for e in msg.entries.tolist():
+                self.status(msg.prefill_rank, e[1], e[3], e[0], e[2], e[4], "")
+        else:
+            self.status(msg.prefill_rank, msg.room, msg.status, msg.rid, msg.slot, msg.tag, msg.reason)
+
+    def land(self, msg: wire.AuxData) -> None:
+        if not self.lands:
+            self.drop("unexpected", "aux_data_on_engine_route", slot=msg.slot)
+            return
+        by_slot = self.ledger.by_slot
+        first = by_slot.get(msg.slot)
+        if first is None or first.room != msg.room or any(
+                (msg.slot + k) not in by_slot for k in range(msg.rows)):
+            self.drop("unexpected", "frame_for_ungranted_slot", slot=msg.slot, room=msg.room)
+            return
+        wire.write_rows(self.ptrs, self.item_lens, msg)
+
+    def status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
+               tag: int, reason: str) -> None:
+        self.peers.heard[prank] = _clock()
+        g: Optional[Grant]
+        if rid is None:  # a bare SGLang status: only its room identifies the request
+            found = [g for g in self.ledger.grants.values() if g.prank == prank and g.room == room]
+            if len(found) != 1:
+                self.drop("ambiguous" if found else "unexpected", "status_without_identity",
+                          prefill=prank, room=room, matches=len(found))
+                return
+            g = found[0]
+        else:
+            g = self.ledger.grants.get((prank, rid))
+            if g is None:  # authentic, this run's, for no live grant: judged already (a replay)
+                self.drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
+                return
+            if g.slot != slot or g.room != room:
+                self.drop("unexpected", "status_for_no_grant", prefill=prank, rid=rid, slot=slot)
+                return
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            return  # non-terminal: SGLang ignores those too
+        if g.status is not None:  # a second terminal status for one grant
+            self.drop("replayed", "status_replayed", prefill=prank, rid=g.rid, slot=g.slot)
+            return
+        g.status, g.tag, g.reason, g.t_status = status, tag, reason, _clock()
+        self.ledger.ready[(g.prank, g.rid)] = g

@@ -1,0 +1,145 @@
+"""One decode step, on one rank or many: poll the requests with a status -> agree on the
+polls -> judge what was agreed on this rank's rows -> agree on the verdicts -> finish them. A
+single rank's agreement is its own input; a TP group's ranks step in lockstep
+(orchestrator.handoff.endpoints.tp)."""
+
+from __future__ import annotations
+
+import time
+from typing import IO, Optional, Sequence
+
+import structlog
+
+from orchestrator.handoff.digest import RowCheck
+from orchestrator.handoff.endpoints.common import rss_kb
+from orchestrator.handoff.endpoints.decode_state import Grant, Ledger, Verdict
+from orchestrator.handoff.endpoints.grants import Grants
+from orchestrator.handoff.endpoints.judge import Judge, Rows
+from orchestrator.handoff.endpoints.tp import NOT_TAKEN, Group
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
+from orchestrator.results.records import DecodeResult
+
+_clock = time.monotonic
+_WARM = 1000  # judged requests after which the process's memory is taken as warm (rss_kb_warm)
+
+
+class Stepper:
+    """The step of one decode rank: its ledger, rows, judge and group; the grants it frees;
+    its verdicts file (`records`, a line per verdict); `slots`: buffers.size."""
+
+    def __init__(self, ledger: Ledger, rows: Rows, judge: Judge, group: Group, grants: Grants,
+                 res: DecodeResult, records: IO[str], log: structlog.stdlib.BoundLogger, slots: int):
+        self.ledger, self.rows, self.judge, self.group, self.grants = ledger, rows, judge, group, grants
+        self.res, self.records, self.log, self.slots = res, records, log, slots
+        self.leader = group.rank == 0
+
+    def step(self) -> None:
+        """One decode step: poll the requests with a status, agree on the polls, judge what
+        was agreed on this rank's rows, agree on the verdicts, finish them. One rank agrees
+        with itself; a TP group (every step, in lockstep) polls every grant, in the shared
+        order, and judges at the time it agreed."""
+        self.share()
+        lockstep = self.group.size > 1
+        if not lockstep and not self.ledger.ready:
+            if self.rows.quarantine and (self.ledger.waiting
+                                         or 4 * len(self.rows.quarantine) >= self.slots):
+                self.rows.clear_pass()  # slots are wanted: a pass of its own
+                self.grants.flush()
+            return
+        t0 = time.perf_counter()
+        rows: Sequence[Optional[RowCheck]]
+        if lockstep:
+            cands = list(self.ledger.grants.values())
+            rows, taken_at = self.rows.read_plain(cands), None
+        else:
+            cands = list(self.ledger.ready.values())
+            rows, taken_at, gate_s, stall_s = self.rows.read_pass(cands, t0)
+            self.res.gate_read_us.add(gate_s * 1e6)
+            self.res.stall_us.add(stall_s * 1e6)
+        now, now_ns = _clock(), time.monotonic_ns()
+        polls = [self.judge.poll(g, r, now) for g, r in zip(cands, rows)]
+        agreed = self.group.agree_polls(polls)
+        if lockstep:  # the group judges at the time it agreed
+            now, now_ns = _clock(), time.monotonic_ns()
+        own, waits = self.own_verdicts(cands, rows, agreed, now, now_ns, taken_at)
+        worst = self.group.agree_verdicts([NOT_TAKEN if v is None else v.code for v in own])
+        for g, v, code in zip(cands, own, worst):
+            if code != NOT_TAKEN:
+                assert v is not None  # every rank took the same positions (TorchGroup.agree_verdicts)
+                self.finish(g, Outcome.of(code // 256), Detail.of(code % 256), v.t_ns,
+                            own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
+        if lockstep:  # the TP log's counts (one rank keeps none)
+            taken = [v for v in own if v is not None]
+            self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
+                             unready=sum(v.detail is Detail.taken_unready for v in taken),
+                             wrong_room=0 if self.judge.readiness else
+                             sum(v.detail is Detail.room_mismatch for v in taken))
+        else:
+            self.res.gate_waits += waits
+            self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
+            self.res.batch.add(len(cands))
+        self.res.steps += 1
+        self.grants.flush()
+
+    def own_verdicts(self, cands: list[Grant], rows: Sequence[Optional[RowCheck]], agreed: list[int], now: float,
+                     now_ns: int, taken_at: Optional[dict[int, int]]) -> tuple[list[Optional[Verdict]], int]:
+        """This rank's verdict on each candidate (None: not this step) and how many the gate
+        holds. Times: a TP group's verdicts carry the agreed step's; one rank's, when each was
+        judged and taken (the sglang gate's read, else the step's), failures never taken."""
+        out: list[Optional[Verdict]] = []
+        waits = 0
+        lockstep = self.group.size > 1
+        for g, r, a in zip(cands, rows, agreed):
+            v = self.judge.verdict(g, r, a, now)
+            if v is None:
+                out.append(None)
+                if r is not None:
+                    waits += 1
+            elif lockstep:
+                out.append(Verdict(*v, now_ns, now_ns))
+            elif a == KVPoll.Success:
+                taken = taken_at.get(g.slot, now_ns) if taken_at is not None else now_ns
+                out.append(Verdict(*v, time.monotonic_ns(), taken))
+            else:
+                out.append(Verdict(*v, now_ns, 0))
+        return out, waits
+
+    def share(self) -> None:
+        """The leader's grants and releases since the last step, on every rank (a TP group's
+        ranks then hold the same grants, in the same order)."""
+        if self.group.size == 1:  # its grants are shared when made, its releases done at once
+            return
+        led = self.ledger
+        grants, releases = self.group.share([(g.prank, g.rid, g.slot, g.room) for g in led.new_grants],
+                                            list(led.pending_releases))
+        if self.leader:
+            for g in led.new_grants:
+                g.shared = True  # every rank knows it now: the prefill may be told
+        else:
+            for prank, rid, slot, room in grants:
+                self.grants.adopt(prank, rid, slot, room)
+        for prank in releases:
+            for g in led.of(prank):
+                self.grants.remove(g)
+        led.new_grants.clear()
+        led.pending_releases.clear()
+
+    def finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int,
+               own: Optional[tuple[Outcome, Detail]] = None, t_taken_ns: int = 0) -> None:
+        """The request's verdict (in a TP group: every rank's combined; `own` is this rank's
+        judgement, which its counts and records keep). `t_taken_ns`: when the readiness gate
+        let it through (0: never taken)."""
+        mine, why = own if own is not None else (outcome, detail)
+        self.res.outcomes[mine] += 1
+        if mine is not Outcome.verified:
+            self.res.details[why] += 1
+            self.log.warning("handoff_rejected", prefill=g.prank, rid=g.rid, slot=g.slot, room=g.room,
+                             outcome=mine.value, detail=why.value)
+        if self.leader:
+            self.ledger.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns,
+                                                  int(g.t_status * 1e9), t_taken_ns])
+        self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{mine.value}", '
+                           f'"detail": "{why.value}"}}\n')
+        self.grants.remove(g)
+        if self.res.judged == _WARM:
+            self.res.memory["rss_kb_warm"] = rss_kb()

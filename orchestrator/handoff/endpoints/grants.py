@@ -1,0 +1,144 @@
+"""The decode's slots for requests: arrivals wait for a free slot and are granted what is
+free (past the waiting cap one is shed, failed at once as decode_overloaded); a TP follower
+adopts its leader's grants; a prefill that said bye (or died) gets its slots back; at the end
+of each step the leader tells each prefill its new grants and verdicts in one update, and
+tells a prefill that waits on it and heard nothing for a while that it is alive."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import structlog
+
+from orchestrator.handoff.buffers import SlotAllocator
+from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Peers, Replies
+from orchestrator.handoff.endpoints.judge import Rows
+from orchestrator.handoff.transport import wire
+from orchestrator.results.outcomes import Detail, Outcome
+from orchestrator.results.records import DecodeResult
+
+_clock = time.monotonic
+
+
+class Grants:
+    """One rank's grants (`group_size` ranks in its TP group; `leader`: rank 0 of it)."""
+
+    def __init__(self, ledger: Ledger, slots: SlotAllocator, rows: Rows, peers: Peers, res: DecodeResult,
+                 replies: Replies, drop: Drops, log: structlog.stdlib.BoundLogger, group_size: int,
+                 leader: bool):
+        self.ledger, self.slots, self.rows, self.peers, self.res = ledger, slots, rows, peers, res
+        self.replies, self.drop, self.log = replies, drop, log
+        self.group_size, self.leader = group_size, leader
+
+    def arrive(self, prank: int, reqs: list[list[int]], contiguous: bool) -> None:
+        """Arrivals wait for a slot (and are granted what is free); past the waiting cap one
+        is shed, failed at once as decode_overloaded."""
+        led = self.ledger
+        for rid, room in reqs:
+            if len(led.waiting) >= led.waiting_cap:  # shed, and say so
+                self.drop("dropped_control", "arrival_shed",
+                          error=f"{len(led.waiting)} arrivals already wait for a slot")
+                now_ns = time.monotonic_ns()
+                led.verdicts[prank].append([rid, Outcome.failed.code, Detail.decode_overloaded.code,
+                                            now_ns, now_ns, 0])
+                continue
+            led.waiting.append((prank, rid, room, contiguous))
+        self.grant_waiting()
+
+    def grant_waiting(self) -> None:
+        """Grant slots to waiting arrivals, in order. Arrivals marked contiguous get
+        consecutive slots (continuing after the prefill's previous grant when it can), so a
+        coalesced send covers them with one block per field."""
+        led = self.ledger
+        while led.waiting and self.slots.available:
+            prank, rid, room, contiguous = led.waiting[0]
+            n = 1
+            if contiguous:
+                while (n < len(led.waiting) and n < self.slots.available
+                       and led.waiting[n][0] == prank and led.waiting[n][3]):
+                    n += 1
+                slots = self.slots.alloc_run(n, led.next_slot.get(prank))
+                led.next_slot[prank] = slots[-1] + 1
+            else:
+                slot = self.slots.alloc()
+                assert slot is not None  # (slots available)
+                slots = [slot]
+            for slot in slots:
+                prank, rid, room, _ = led.waiting.popleft()
+                if (prank, rid) in led.grants:
+                    self.slots.free(slot)
+                    self.drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
+                    continue
+                g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), _clock(),
+                          shared=self.group_size == 1)
+                self.add(g)
+                if self.group_size > 1:  # one rank has no one to share it with
+                    led.new_grants.append(g)
+                led.granted[prank].append(g)
+
+    def add(self, g: Grant) -> None:
+        self.ledger.add(g)
+        self.res.grants += 1
+
+    def adopt(self, prank: int, rid: int, slot: int, room: int) -> Grant:
+        """A TP follower learns a grant its leader made (the same slot in its own buffers)."""
+        self.slots.take(slot)
+        g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), _clock())
+        self.add(g)
+        return g
+
+    def remove(self, g: Grant) -> None:
+        self.ledger.drop(g)
+        self.rows.free(g.slot)
+
+    def release(self, prank: int, why: str) -> None:
+        """A prefill that said bye (or died) writes nothing more: its slots go back (in a TP
+        group, on every rank at the next step)."""
+        led = self.ledger
+        if self.group_size > 1:
+            if self.leader:
+                led.pending_releases.append(prank)
+            return
+        gone = led.of(prank)
+        for g in gone:
+            self.remove(g)
+        self.flush()
+        led.waiting = collections.deque(w for w in led.waiting if w[0] != prank)
+        if gone:
+            self.log.info("grants_released", prefill=prank, count=len(gone), why=why)
+        self.grant_waiting()
+
+    def flush(self) -> None:
+        """End of a step: zero the freed rooms, send the verdicts, grant what waits."""
+        self.rows.zero_freed()
+        led = self.ledger
+        if self.leader and led.waiting:
+            self.grant_waiting()
+        for prank in set(led.verdicts) | set(led.granted):
+            told = [g for g in led.granted.get(prank, []) if g.shared]
+            v = led.verdicts.pop(prank, [])
+            if told or v:
+                self.replies.send(self.peers.ranks[prank].identity,
+                                  wire.encode("update", grants=[[g.rid, g.slot] for g in told], v=v))
+            left = [g for g in led.granted.get(prank, []) if not g.shared]
+            if left:
+                led.granted[prank] = left
+            else:
+                led.granted.pop(prank, None)
+
+    def heartbeat(self) -> None:
+        """The leader's word (an empty update) to every bound prefill that waits on this
+        process (a grant or an arrival of its is here) and has heard nothing for a while:
+        the prefill's liveness check of this process rests on this process alone, not on
+        what other prefills make it wait for."""
+        now = _clock()
+        due = [s for s in self.peers.ranks.values() if now - s.told >= self.peers.heartbeat_s]
+        if not due:
+            return
+        waiting = {g.prank for g in self.ledger.grants.values()} | {w[0] for w in self.ledger.waiting}
+        for sess in due:
+            if sess.rank in waiting:
+                self.replies.send(sess.identity, wire.encode("update", grants=[], v=[]))
+            else:
+                sess.told = now  # nothing owed: look again in a while

@@ -1,0 +1,514 @@
+"""The prefill's main loop, one phase of it: requests arrive, are announced to their decode
+instance, take a slot when it grants one, are filled and sealed a forward step at a time and
+handed to the transfer thread; verdicts come back in batches. The loop owns the phase; it
+reaches the decodes through Links, its rows through SourceRows, the transfer thread through
+the Sender, and nothing else of the endpoint."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import structlog
+import zmq
+
+from orchestrator.handoff import protocol
+from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
+from orchestrator.handoff.digest import Keys, RowDigest
+from orchestrator.handoff.endpoints.common import Shutdown, heartbeat_s, rss_kb
+from orchestrator.handoff.endpoints.links import Instance, Link, Links, Req
+from orchestrator.handoff.endpoints.sender import Sender, Step
+from orchestrator.handoff.faults import LoopFaults
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.router import Transfer
+from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
+from orchestrator.profile.config import FillMode, SetBufMode, StatusMode, TransportConfig, WorkloadConfig
+from orchestrator.results.outcomes import Detail, Outcome
+from orchestrator.results.records import RankResult, Record
+
+_clock = time.monotonic
+ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see PrefillLoop.issue)
+
+
+@dataclass
+class PhaseSpec:
+    """One timed run of the workload (a plain run has one; the benchmark several)."""
+
+    requests: int
+    concurrency: int
+    rate: Optional[float] = None
+    batch_size: int = 1
+    fill: FillMode = FillMode.inline
+    coalesce: bool = False
+    status: StatusMode = StatusMode.per_request
+    rid_base: int = 0  # request ids of this phase start here (unique per prefill rank)
+    set_buf: SetBufMode = SetBufMode.sglang
+    duration_s: Optional[float] = None  # arrivals stop this long after the phase began
+    burstiness: float = 1.0  # open loop: the gamma shape of the gaps (1: Poisson)
+
+    @classmethod
+    def of(cls, w: WorkloadConfig, t: TransportConfig, set_buf: SetBufMode, rank: int) -> "PhaseSpec":
+        """The configured workload (its workload and transport sections, buffers.set_buf)."""
+        return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, t.coalesce, t.status,
+                   rid_base=rank * w.requests, set_buf=set_buf, duration_s=w.duration_s,
+                   burstiness=w.burstiness)
+
+
+@dataclass
+class SourceRows:
+    """This rank's rows and what a step does with them: the free source slots, the
+    synthetic requests that fill them, the digest that seals them, the pads' keys, the
+    pinned staging rows (device rows), and whether the engine orders a step's writes."""
+
+    buffers: MetadataBuffers
+    src: SlotAllocator
+    pool: RequestPool
+    digest: RowDigest
+    keys: Keys
+    staged: Optional[StagedRows]
+    engine_orders_writes: bool
+
+    def fill_ahead(self) -> None:
+        """workload.fill=ahead: every slot's row once, from a distinct synthetic request."""
+        for slot in range(self.buffers.size):
+            self.buffers.set_buf(self.pool.get(slot, slot))
+        self.buffers.sync()
+        self.digest.freeze()
+
+
+@dataclass
+class LoopSettings:
+    """What a phase's loop knows of its rank: the rank, its workload section (rooms, seed),
+    the route's name for its records, transport.max_inflight_blocks, its records file, the
+    memory figures it adds to, its log."""
+
+    rank: int
+    workload: WorkloadConfig
+    route: str
+    max_inflight_blocks: int
+    records_path: Path
+    memory: dict[str, int]
+    log: structlog.stdlib.BoundLogger
+
+
+class PrefillLoop:
+    """The main loop of one phase (kept apart so the endpoint's set-up is reusable)."""
+
+    def __init__(self, links: Links, rows: SourceRows, sender: Sender, settings: LoopSettings,
+                 phase: PhaseSpec, conn: Optional[protocol.Channel], faults: LoopFaults):
+        self.links, self.rows, self.sender, self.settings = links, rows, sender, settings
+        self.phase, self.conn, self.faults = phase, conn, faults
+        self.w = w = settings.workload
+        self.log = settings.log
+        self.total = phase.requests
+        self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, settings.rank, phase.burstiness,
+                                       phase.duration_s)
+        if self.offsets is not None:  # (with a duration: the arrivals it holds)
+            self.total = len(self.offsets)
+        self.res = RankResult(settings.rank, self.total, row_bytes=rows.buffers.row_bytes)
+        # a closed loop's workload.duration_s: the clock (set at the start) that ends its arrivals
+        self.deadline: Optional[float] = None
+        if phase.duration_s is not None:
+            hit = self.offsets is not None and self.total == phase.requests
+            self.res.ended_by = "requests" if hit else "duration"
+        self.outstanding: dict[int, Req] = {}
+        self.ready: collections.deque[Req] = collections.deque()
+        self.next_i = 0
+        self.finished = 0
+        self.stopping = False
+        self.more_now = False  # issue() stopped at its budget with arrivals due now
+        self.sink = open(settings.records_path, "a", buffering=1 << 16)
+        self.route = settings.route
+        self.warm = min(1000, self.total // 10)
+        ranks = max(len(inst.links) for inst in links.instances)
+        self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
+        self.blocks_out = sender.blocks_done  # blocks handed to the engine so far
+        self.staged = rows.staged if phase.set_buf is SetBufMode.staged else None
+        if self.staged is not None:
+            self.staged.take(rows.buffers)  # earlier phases may have written the device rows
+
+    # ---- request lifecycle ------------------------------------------------------------------
+    def arrive(self, i: int, t_arrive: float) -> None:
+        instances = self.links.instances
+        rid = self.phase.rid_base + i
+        inst = instances[decode_of(rid, len(instances))]
+        room = room_of(self.w, rid)
+        req = Req(rid, room, inst.index, t_arrive, self.rows.keys.pad(self.settings.rank, rid))
+        if inst.lost:
+            req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
+            self.finish(req)
+            return
+        self.outstanding[rid] = req
+        inst.backlog.append(req)
+
+    def flush_arrivals(self) -> None:
+        """Announce arrivals, at most as many ungranted at a time as the decode has slots
+        (the rest wait here, their latency still counted from arrival)."""
+        for inst in self.links.instances:
+            while inst.backlog and inst.ungranted < inst.slots:
+                req = inst.backlog.popleft()
+                if req.verdict is not None:
+                    continue
+                inst.owed += 1
+                inst.ungranted += 1
+                inst.announce.append([req.rid, req.room])
+            if inst.announce:
+                if not inst.owed - len(inst.announce):
+                    inst.last_heard = _clock()  # nothing was owed before: the clock starts now
+                self.links.send(inst, wire.encode("arrive", reqs=inst.announce,
+                                                  contiguous=self.phase.coalesce))
+                inst.announce = []
+
+    def form_step(self) -> None:
+        """One forward step: fill (inline) and seal the step's rows, hand its sends over.
+        Device rows: the seal is one graph replay and the step waits at most once (the
+        engine's own wait where it orders our writes, else one stream sync)."""
+        rows = self.rows
+        b, src, rank = rows.buffers, rows.src, self.settings.rank
+        k = min(self.phase.batch_size, len(self.ready), src.available)
+        if self.phase.coalesce:
+            slots = src.alloc_run(k)
+        else:
+            slots = [s for _ in range(k) if (s := src.alloc()) is not None]  # k <= available: all are
+        reqs = [self.ready.popleft() for _ in slots]
+        t_step = _clock()
+        pc = time.perf_counter
+        idents, pads, rooms = [(rank, r.rid) for r in reqs], [r.pad for r in reqs], [r.room for r in reqs]
+        staged = None
+        if self.phase.fill is FillMode.inline:
+            staged = self.staged
+            target = staged or b
+            for req, slot in zip(reqs, slots):
+                r = rows.pool.get(req.rid, slot)
+                t0 = pc()
+                target.set_buf(r)
+                req.set_buf_us = (pc() - t0) * 1e6
+        sealed = rows.digest.seal(slots, rooms, pads, idents, rows=staged,
+                                ahead=self.phase.fill is FillMode.ahead)
+        if staged is not None:  # each request's share of packing the step's rows
+            share = sealed.pack_s * 1e6 / len(reqs)
+            for req in reqs:
+                req.set_buf_us = (req.set_buf_us or 0.0) + share
+        if not rows.engine_orders_writes:
+            b.sync()
+        per_link: dict[int, tuple[Link, list[Transfer]]] = {}
+        for req, slot in zip(reqs, slots):
+            req.src_slot, req.t_step, req.route = slot, t_step, self.route
+            inst = self.links.instances[req.inst]
+            for link in inst.links:
+                per_link.setdefault(id(link), (link, []))[1].append(
+                    Transfer(req.rid, req.room, slot, req.dst_slot))
+        ph = self.phase
+        work = [(link, transfers, link.router.sends(transfers, ph.coalesce, ph.status))
+                for link, transfers in per_link.values()]
+        self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
+        step = Step(reqs, work, sealed=sealed)
+        if sealed.ready:  # host rows: the tags are known now
+            step.take_seal()
+        t_ready = _clock()
+        for req in reqs:
+            req.t_ready = t_ready
+        # Rows sealed on the host side (host rows; fill=ahead, signed on the host): submitted
+        # here, the write starts before any thread hop. Rows still being sealed on the device:
+        # the transfer thread submits, so the engine's wait for that device work is not the
+        # scheduler thread's (it fills the next step meanwhile).
+        if step.sealed is None and all(link.router.starts_in_caller for link, _, _ in work):
+            for link, _, sends in work:
+                for send in sends:
+                    link.router.start(send)
+            step.started = True
+        self.sender.submit(step)
+
+    def sent(self, step: Step) -> None:
+        """The transfer thread finished a step: free its source slots, note send times."""
+        by_rid = {r.rid: r for r in step.reqs}
+        for _, send in step.sends:
+            self.res.sends += 1
+            self.res.send_blocks += send.blocks
+            for t in send.transfers:
+                req = by_rid[t.rid]
+                req.send_us = max(req.send_us or 0.0, send.latency_us)
+                req.t_landed = max(req.t_landed, send.t0 + send.latency_us / 1e6)
+                req.t_status_out = max(req.t_status_out, send.t_status)
+        for req in step.reqs:
+            self.rows.src.free(req.src_slot)
+            req.sent = True
+            if req.verdict is not None:
+                self.finish(req)
+
+    def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
+        """Verdicts are taken only for a request in the state that expects one: judged
+        (verified, corrupted or failed) once this prefill handed its row to the transfer
+        thread (its status goes out behind the write); failed unsent only while it waits
+        for a slot (the decode shed it). Anything else is counted and changes nothing."""
+        now = _clock()
+        for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
+            req = self.outstanding.get(rid)
+            if req is None or req.inst != inst.index or req.verdict is not None:
+                self.res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
+                continue
+            try:
+                o, d = Outcome.of(outcome), Detail.of(detail)
+            except KeyError:
+                self.res.rejected += 1
+                continue
+            if (req.src_slot < 0 if req.dst_slot >= 0 else o is not Outcome.failed):
+                self.res.replayed += 1  # a verdict for a row not sent yet
+                self.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
+                                 outcome=o.value)
+                continue
+            t_verified = t_ns / 1e9 if inst.same_clock else now
+            req.verdict = (o, d, t_verified)
+            req.t_status_in = t_status_ns / 1e9 if inst.same_clock else 0.0
+            req.t_taken = t_taken_ns / 1e9 if inst.same_clock and t_taken_ns else 0.0
+            inst.owed -= 1
+            if req.dst_slot < 0:
+                inst.ungranted -= 1
+            if req.sent or req.src_slot < 0:
+                self.finish(req)
+            else:  # judged before its send finished (a held send may go now)
+                for link in inst.links:
+                    link.router.judged(rid)
+
+    def finish(self, req: Req) -> None:
+        if req.done:
+            return
+        req.done = True
+        assert req.verdict is not None, "finished once judged"
+        outcome, detail, t_verified = req.verdict
+        self.outstanding.pop(req.rid, None)
+        t_v = t_verified if outcome is Outcome.verified else None  # a verified handoff's time
+        rec = Record(
+            req.rid, req.room, req.inst, req.dst_slot, req.route,
+            _r(req.set_buf_us), _r(req.send_us),
+            _r((t_v - req.t_step) * 1e6) if t_v is not None and req.t_step else None,
+            _r((t_v - req.t_arrive) * 1e6) if t_v is not None else None,
+            outcome, detail, req.content,
+            self.faults.label(req.rid),
+            taken_us=(_r((req.t_taken - req.t_step) * 1e6)
+                      if t_v is not None and req.t_taken and req.t_step else None),
+            t_verdict=_clock())
+        self.res.add(rec)
+        if t_v is not None and req.t_status_in and req.t_step:
+            self.res.add_stages(req.t_step, req.t_ready, req.t_landed, req.t_status_out,
+                                req.t_status_in, t_v)
+        self.sink.write(rec.line() + "\n")
+        self.finished += 1
+        if self.finished == self.warm:
+            self.settings.memory["rss_kb_warm"] = rss_kb()
+
+    def lose(self, inst: Instance, detail: Detail, why: str) -> None:
+        """Fail everything an instance still owes us, now: a write to it may stay in the
+        engine's hands until the engine gives up on the host (its source row is freed when
+        the write returns; the record does not wait for it)."""
+        inst.lost = True
+        self.res.lost[inst.index] = why
+        self.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
+        for req in list(self.outstanding.values()):
+            if req.inst == inst.index and req.verdict is None:
+                req.verdict = (Outcome.failed, detail, None)
+                self.finish(req)
+        self.ready = collections.deque(r for r in self.ready if r.inst != inst.index)
+        inst.backlog.clear()
+        inst.owed = inst.ungranted = 0
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> RankResult:
+        links, phase, sender = self.links, self.phase, self.sender
+        if phase.fill is FillMode.ahead:
+            self.rows.fill_ahead()
+        t0 = _clock()
+        self.res.t_start = t0
+        if self.phase.duration_s is not None and self.offsets is None:
+            self.deadline = t0 + self.phase.duration_s
+        self.res.clock = "one_way" if all(i.same_clock for i in links.instances) else "round_trip"
+        for inst in links.instances:
+            inst.last_heard = t0
+        last_progress = last_iter = t0
+        conn_fd = self.conn.fileno() if self.conn is not None else None
+        if conn_fd is not None:
+            links.poller.register(conn_fd, zmq.POLLIN)
+        try:
+            while self.finished < self.total:
+                now = _clock()
+                if now - last_iter > links.timeout_s / 2:  # WE were stalled: nobody owed us anything
+                    for inst in links.instances:
+                        inst.last_heard = now
+                last_iter = now
+                self.issue(now, t0)
+                while self.can_form():
+                    self.form_step()
+                wait = self.wait_ms(now, t0)
+                events = links.poll(wait)
+                if links.wake in events:
+                    links.drain_wake()
+                if sender.error:
+                    raise RuntimeError(f"transfer thread failed: {sender.error}")
+                while sender.done:
+                    self.sent(sender.done.popleft())
+                for inst in links.instances:
+                    if inst.control in events:
+                        self.drain(inst)
+                if self.conn is not None and conn_fd in events and self.conn.poll():
+                    self.from_runner()
+                if Shutdown.requested and not self.stopping:
+                    self.stop(Detail.interrupted)
+                now = _clock()
+                self.silent_decodes(now)
+                self.keepalive(now)
+                self.faults.progress(self.finished, len(self.outstanding))
+                if self.conn is not None and now - last_progress >= 0.25:
+                    self.conn.send(protocol.Progress(finished=self.finished, verified=self.res.verified))
+                    last_progress = now
+        finally:
+            if conn_fd is not None:
+                links.poller.unregister(conn_fd)
+        memory = self.settings.memory
+        memory["rss_kb_end"] = rss_kb()
+        self.res.memory = dict(memory)
+        self.res.rejected += links.dropped.rejected
+        self.res.replayed += links.dropped.replayed
+        self.sink.close()
+        return self.res
+
+    def from_runner(self) -> None:
+        """A message from the runner: stop, or a decode instance is gone (it saw it exit)."""
+        assert self.conn is not None, "a runner to hear from"
+        match self.conn.recv():
+            case protocol.Stop():
+                self.stop(Detail.interrupted)
+            case protocol.DecodeGone(index=index, why=why):
+                inst = self.links.instances[index]
+                if not inst.lost:
+                    self.lose(inst, Detail.decode_lost, why)
+
+    def silent_decodes(self, now: float) -> None:
+        """A decode instance that owes answers and sent nothing for transport.timeout_s is lost."""
+        timeout_s = self.links.timeout_s
+        for inst in self.links.instances:
+            if not inst.lost and inst.owed > 0 and now - inst.last_heard > timeout_s:
+                self.drain(inst)  # whatever already arrived counts first
+                if inst.owed > 0 and now - inst.last_heard > timeout_s:
+                    self.lose(inst, Detail.peer_lost,
+                              f"decode silent for transport.timeout_s={timeout_s:g}")
+
+    def keepalive(self, now: float) -> None:
+        """An empty arrive to every live instance told nothing for a heartbeat interval."""
+        links = self.links
+        every = heartbeat_s(links.timeout_s)
+        for inst in links.instances:
+            if not inst.lost and now - inst.told >= every:
+                links.send(inst, wire.encode("arrive", reqs=[], contiguous=self.phase.coalesce))
+
+    def end_arrivals(self) -> None:
+        """A closed loop's workload.duration_s ran out: what arrived is the phase's count."""
+        self.deadline = None
+        self.total = self.res.requests = self.next_i
+
+    def issue(self, now: float, t0: float) -> None:
+        if self.stopping:
+            return
+        if self.deadline is not None and now >= self.deadline:
+            self.end_arrivals()
+        holds = self.faults.holds
+        # at most ISSUE_BUDGET arrivals per pass: with a decode lost, each fails at once and the
+        # rest of the phase would pass here without the loop reporting progress to the runner
+        end = min(self.total, self.next_i + ISSUE_BUDGET)
+        if self.offsets is None:
+            while (self.next_i < end and len(self.outstanding) < self.phase.concurrency
+                   and not holds(self.next_i)):
+                self.arrive(self.next_i, now)
+                self.next_i += 1
+            self.more_now = self.next_i == end < self.total
+            if self.deadline is not None and self.next_i == self.total:
+                self.res.ended_by = "requests"  # the ceiling came before the clock
+        else:
+            while (self.next_i < self.total and t0 + self.offsets[self.next_i] <= now
+                   and not holds(self.next_i)):
+                self.arrive(self.next_i, t0 + float(self.offsets[self.next_i]))
+                self.next_i += 1
+        self.flush_arrivals()
+
+    def can_form(self) -> bool:
+        """A step may form: requests ready, source rows free, the transfer thread not behind,
+        and the engine's queue not past transport.max_inflight_blocks with this step (one
+        step always may when nothing is in flight)."""
+        if not (self.ready and self.rows.src.available and self.sender.backlog < 2):
+            return False
+        out = self.blocks_out - self.sender.blocks_done
+        rows = 1 if self.phase.coalesce else min(self.phase.batch_size, len(self.ready))
+        step = rows * self.blocks_per_request  # a coalesced step is about one run per rank
+        return out == 0 or out + step <= self.settings.max_inflight_blocks
+
+    def wait_ms(self, now: float, t0: float) -> int:
+        if self.can_form() or self.more_now:
+            return 0
+        if self.offsets is not None and self.next_i < self.total and not self.stopping:
+            return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
+        return 50
+
+    def drain(self, inst: Instance) -> None:
+        """Every control message that has already arrived from this instance."""
+        while True:
+            try:
+                frames = inst.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.links.open(frames, inst.auth)
+            if not msg:
+                continue
+            inst.last_heard = _clock()
+            kind = msg["type"]
+            if kind == "update":
+                for rid, slot in msg["grants"]:
+                    req = self.outstanding.get(rid)
+                    if req is None or req.inst != inst.index or req.verdict is not None:
+                        self.res.rejected += 1  # not ours, or already done
+                        continue
+                    if req.dst_slot >= 0:
+                        self.res.replayed += 1  # a second grant for one request
+                        continue
+                    req.dst_slot = slot
+                    inst.ungranted -= 1
+                    self.ready.append(req)
+                self.judged(inst, msg["v"])
+            elif kind == "error":
+                self.log.error("decode_error", decode=inst.index, detail=msg["detail"])
+            else:
+                self.res.rejected += 1
+
+    def stop(self, detail: Detail) -> None:
+        """Interrupted: announce nothing more, give what is in flight a moment, then fail
+        the rest with a reason."""
+        self.stopping = True
+        self.res.interrupted = True
+        deadline = _clock() + 0.3
+        while self.outstanding and _clock() < deadline:
+            events = self.links.poll(20)
+            while self.sender.done:
+                self.sent(self.sender.done.popleft())
+            for inst in self.links.instances:
+                if inst.control in events:
+                    self.drain(inst)
+        for req in list(self.outstanding.values()):
+            if req.verdict is None:
+                req.verdict = (Outcome.failed, detail, None)
+                self.finish(req)
+        if self.deadline is not None:  # a duration's ceiling was never a count to start
+            self.end_arrivals()
+        self.skip_unarrived()
+
+    def skip_unarrived(self) -> None:
+        """Requests that never arrived are not_started: counted, never failed, and given no
+        line in requests.jsonl (an interrupted run may leave most of its requests here)."""
+        n = self.total - self.next_i
+        self.res.not_started += n
+        self.finished += n
+        self.next_i = self.total
+
+
+def _r(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v, 2)
