@@ -23,6 +23,7 @@ from orchestrator.handoff.faults import wrap
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
 from orchestrator.handoff.transport.router import AuxRouter, LayoutMismatch, Peer, Router
+from orchestrator.handoff.transport.wire import Layout
 from orchestrator.profile.config import AddressCheck, FaultsConfig
 from orchestrator.profile.layout import describe, fingerprint, first_difference
 from orchestrator.profile.plan import Plan, same_process_space_rule
@@ -30,6 +31,17 @@ from orchestrator.profile.platform import pid_namespace
 from orchestrator.results.rundir import proc_name
 
 _clock = time.monotonic
+
+
+@dataclass
+class _Probe:
+    """What the watchdog's thread found: the engine's handshake (and its probe of the address
+    the decode's host would advertise), then the warm-up write."""
+
+    ok: bool = False
+    advertised_ok: bool = False
+    warm_s: float = 0.0
+    warm_error: Optional[str] = None
 
 
 class PrefillHandshake:
@@ -130,7 +142,7 @@ class PrefillHandshake:
         router's warm-up write, on the same watchdog; returns its seconds. `advertised`: the
         address SGLang would advertise on the decode's host (a split run's bootstrap, once its
         ZMQ probe answered): Mooncake's send_probe towards the same handshake port there."""
-        result: dict[str, Any] = {}
+        result = _Probe()
         session = router.peer_session()
         device = self.side.buffers.device
         host, _, port = session.rpartition(":")
@@ -138,18 +150,18 @@ class PrefillHandshake:
                      and engine.can_probe)
 
         def probe() -> None:
-            result["ok"] = engine.probe(session)
-            if not result["ok"]:
+            result.ok = engine.probe(session)
+            if not result.ok:
                 return
             if elsewhere:
                 assert advertised is not None
-                result["advertised_ok"] = engine.probe(f"{advertised['address']}:{port}")
+                result.advertised_ok = engine.probe(f"{advertised['address']}:{port}")
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # a new thread starts on device 0
             try:
-                result["warm_s"] = router.warm()
+                result.warm_s = router.warm()
             except EngineError as exc:
-                result["warm_error"] = str(exc)
+                result.warm_error = str(exc)
 
         t = threading.Thread(target=probe, daemon=True)
         t.start()
@@ -160,9 +172,9 @@ class PrefillHandshake:
                                f"within transport.timeout_s={self.timeout_s:g}: its engine listener "
                                f"{session} stalled (Mooncake serves handshakes one at a time, and "
                                "idle connections to that port from anyone hold it)")
-        if not result.get("ok"):
+        if not result.ok:
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
-        if elsewhere and not result.get("advertised_ok"):
+        if elsewhere and not result.advertised_ok:
             from orchestrator.handoff.transport.reach import unreachable
 
             assert advertised is not None
@@ -173,10 +185,10 @@ class PrefillHandshake:
             self.links.log.warning("peer_address_unreachable", detail=line)
         elif elsewhere and advertised is not None:
             self.links.log.info("peer_address_mooncake_probe", session=f"{advertised['address']}:{port}", ok=True)
-        if "warm_error" in result:
+        if result.warm_error is not None:
             raise RuntimeError(f"the warm-up write to decode session {session} failed: "
-                               f"{result['warm_error']}")
-        return float(result["warm_s"])
+                               f"{result.warm_error}")
+        return result.warm_s
 
 
 @dataclass(frozen=True)
@@ -187,7 +199,7 @@ class Offer:
     aux_ptrs: list[int]
     item_lens: list[int]
     slots: int
-    layout: list[list[Any]]
+    layout: Layout
     tp_rank: int
     scratch_ptr: int
 

@@ -24,7 +24,7 @@ Requests are identified by (prefill rank, request id) everywhere, never by room:
 rooms (retries, n>1 sampling) each get their own slot and verdict.
 
 Where the parts live: the hello/bootstrap exchange in endpoints.handshake, the decodes and
-the control channel in endpoints.links, the transfer thread and its Step in
+the control channel in endpoints.links, the transfer thread and its ForwardStep in
 endpoints.sender, a phase's main loop in endpoints.prefill_loop; this module builds them.
 """
 
@@ -52,7 +52,7 @@ from orchestrator.handoff.endpoints.common import (
 from orchestrator.handoff.endpoints.handshake import PrefillHandshake
 from orchestrator.handoff.endpoints.links import Credentials, Instance, Links
 from orchestrator.handoff.endpoints.prefill_loop import LoopSettings, PhaseSpec, PrefillLoop, SourceRows
-from orchestrator.handoff.endpoints.sender import Sender, Step
+from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.transport.auth import Authenticator, new_nonce
 from orchestrator.handoff.workload import RequestPool
@@ -180,7 +180,7 @@ class PrefillEndpoint:
         self.log.info("prefill_loop", transfer_thread="spin" if spin else "block")
         self._sender.start()
 
-    def log_decisions(self, step: Step) -> None:
+    def log_decisions(self, step: ForwardStep) -> None:
         """One route_decision line per request and decode process, a step's in one write
         (transfer thread)."""
         lines = []

@@ -20,7 +20,7 @@ from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedR
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import Shutdown, heartbeat_s, rss_kb
 from orchestrator.handoff.endpoints.links import Instance, Link, Links, Req
-from orchestrator.handoff.endpoints.sender import Sender, Step
+from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.router import Transfer
@@ -205,7 +205,7 @@ class PrefillLoop:
         work = [(link, transfers, link.router.sends(transfers, ph.coalesce, ph.status))
                 for link, transfers in per_link.values()]
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
-        step = Step(reqs, work, sealed=sealed)
+        step = ForwardStep(reqs, work, sealed=sealed)
         if sealed.ready:  # host rows: the tags are known now
             step.take_seal()
         t_ready = _clock()
@@ -222,7 +222,7 @@ class PrefillLoop:
             step.started = True
         self.sender.submit(step)
 
-    def sent(self, step: Step) -> None:
+    def sent(self, step: ForwardStep) -> None:
         """The transfer thread finished a step: free its source slots, note send times."""
         by_rid = {r.rid: r for r in step.reqs}
         for _, send in step.sends:

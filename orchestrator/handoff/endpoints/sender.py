@@ -1,4 +1,4 @@
-"""The prefill's transfer thread and the step it carries: a Step is one forward step's
+"""The prefill's transfer thread and the step it carries: a ForwardStep is one forward step's
 requests and, per decode process, its sends; the Sender starts them as they come, finishes
 them in order, sends each status behind its send, and wakes the main loop."""
 
@@ -18,11 +18,11 @@ from orchestrator.handoff.digest import Sealed
 from orchestrator.handoff.endpoints.links import Link, Req
 from orchestrator.handoff.transport.router import Send, Transfer
 
-Pending = collections.deque[tuple["Step", Link, list[Transfer], Send]]
+Pending = collections.deque[tuple["ForwardStep", Link, list[Transfer], Send]]
 
 
 @dataclass
-class Step:
+class ForwardStep:
     """One forward step: its requests and, per decode process, its sends."""
 
     reqs: list[Req]
@@ -55,14 +55,14 @@ class Sender(threading.Thread):
     sends each status behind its send, then wakes the main loop. Mooncake's calls release
     the GIL, so the scheduler thread fills the next step meanwhile."""
 
-    def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[Step], None],
+    def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
                  nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
                  spin: bool = False):
         super().__init__(name="sender", daemon=True)
         self.spin = spin  # endpoints.poll: wait for work by polling (GIL released in between)
         self.device = device
-        self.queue: collections.deque[Optional[Step]] = collections.deque()
-        self.done: collections.deque[Step] = collections.deque()
+        self.queue: collections.deque[Optional[ForwardStep]] = collections.deque()
+        self.done: collections.deque[ForwardStep] = collections.deque()
         self.ready = threading.Condition()
         self.wake = ctx.socket(zmq.PAIR)
         self.wake.connect(wake_addr)
@@ -79,7 +79,7 @@ class Sender(threading.Thread):
         """Steps handed over and not yet started."""
         return len(self.queue)
 
-    def submit(self, step: Optional[Step]) -> None:
+    def submit(self, step: Optional[ForwardStep]) -> None:
         with self.ready:
             self.queue.append(step)
             if self.idle:
@@ -120,7 +120,7 @@ class Sender(threading.Thread):
         finally:
             self.wake.close(0)
 
-    def _start(self, step: Step, pending: Pending) -> None:
+    def _start(self, step: ForwardStep, pending: Pending) -> None:
         step.take_seal()  # tags before any status can go (a fault may send it at start)
         for link, transfers, sends in step.work:
             for send in sends:

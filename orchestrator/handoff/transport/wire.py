@@ -57,6 +57,9 @@ STEP_DTYPE = np.dtype([("rid", "<u8"), ("room", "<u8"), ("slot", "<u4"), ("statu
                        ("tag", "<u8")])
 
 
+Layout = list[list[str | int]]  # per field: name, dtype, item length (profile.layout.describe)
+
+
 class WireError(ValueError):
     """A malformed message; the receiver drops and counts it."""
 
