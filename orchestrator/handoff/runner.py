@@ -303,6 +303,8 @@ class Job:
         self._await(self.decodes + self.prefills, e.startup_timeout_s, "while starting",
                     f"did not start within endpoints.startup_timeout_s={e.startup_timeout_s:g}",
                     lambda p, msg: self._on_start(p, msg, infos))
+        up = self.out.startup_by_process  # in a fixed order (prefills, then decodes), not as they came up
+        self.out.startup_by_process = {p.name: up[p.name] for p in self.prefills + self.decodes if p.name in up}
         if not self.decodes:
             return []
         return [[infos[(i, t)] for t in range(e.decode_tp)] for i in range(e.decode_ranks)]
