@@ -326,13 +326,14 @@ def hydra_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def precheck(argv: Sequence[str]) -> Optional[str]:
+def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
     """One line naming what Hydra or validate would refuse in these overrides, else None.
     Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
     single run also goes through the rule book here (a sweep's refused job is a row; --cfg,
-    --info and --help only compose). YAML files of a --config-dir that do not parse are
-    named with their line: only those the run reads (a bad file fails only the runs that use
-    it); a mistake in one names the file and the key."""
+    --info and --help only compose, and so does `rules=False`: does it parse at all). YAML
+    files of a --config-dir that do not parse are named with their line: only those the run
+    reads (a bad file fails only the runs that use it); a mistake in one names the file and
+    the key."""
     try:
         args = hydra_args(argv)
     except ProfileError as exc:
@@ -380,7 +381,7 @@ def precheck(argv: Sequence[str]) -> Optional[str]:
             cfg = load_profile(combo, dirs)
         except ProfileError as exc:
             return str(exc)
-    if len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None:
+    if rules and len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None:
         from orchestrator.profile.config import resolve_host
         from orchestrator.profile.platform import detect
         from orchestrator.profile.rules import check_profile

@@ -23,6 +23,7 @@ input that cannot be read (one ``error: ...`` line).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import ipaddress
 import json
@@ -763,7 +764,8 @@ def check_versions(mine: Mapping[str, str], peer: Optional[Mapping[str, str]] = 
     return Check("versions", status, text + ". " + " ".join(t + "." for _, t in found))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (main's; tests/test_docs.py parses every documented command with it)."""
     parser = profile_parser(
         "python -m orchestrator.doctor",
         "Check whether this machine can run a profile as declared. Exit 0: no FAIL; "
@@ -789,7 +791,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--peer-pid-ns", metavar="ID", default=None,
                         help="the other side's PID namespace as its doctor prints it (pid:[N]): under "
                              "nvlink_intra both must be the same")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.env_file or args.manifest:
         if args.peer is not None:
             error_exit("--peer compares two profiles; with --env-file/--manifest give both sides' "

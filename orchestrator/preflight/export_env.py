@@ -97,7 +97,8 @@ def _gpus(text: str) -> int:
     return value
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (main's; tests/test_docs.py parses every documented command with it)."""
     parser = profile_parser(
         "python -m orchestrator.export_env",
         "Print the environment a serving engine (SGLang on Mooncake) needs to reproduce "
@@ -107,7 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--assume-gpus", type=_gpus, metavar="N", default=None,
                         help="plan for a machine with N CUDA devices and a CUDA Mooncake build "
                              "instead of detecting this one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         cfg = load_profile(args.overrides)
     except ProfileError as exc:

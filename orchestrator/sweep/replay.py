@@ -143,11 +143,15 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m orchestrator.replay", description=__doc__.split("\n")[0])
+def build_parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m orchestrator.replay", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="where the replay runs")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     run_dir = args.run_dir.resolve()
     needed = [".hydra/config.yaml", "results.json", "fingerprint.json"]
     missing = [n for n in needed if not (run_dir / n).exists()]

@@ -13,17 +13,21 @@ from orchestrator.results.schema import Results
 from orchestrator.sweep.sweep import SweepError, summarize, sweep_status
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.report SWEEP_DIR`: rebuild summary.csv, .md and .png;
-    `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run
-    split across hosts."""
+def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m orchestrator.report",
         description="Rebuild the summary of a Hydra sweep dir, or merge the run dirs of the two "
                     "sides of a run across hosts into one summary.")
     parser.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
                         help="a sweep dir (outputs/multirun/<date>/<time>), or two run dirs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m orchestrator.report SWEEP_DIR`: rebuild summary.csv, .md and .png;
+    `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run
+    split across hosts."""
+    args = build_parser().parse_args(argv)
     if len(args.dirs) == 2:
         try:
             a, b = (Results.read(d) for d in args.dirs)
