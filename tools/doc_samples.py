@@ -41,7 +41,8 @@ def tables() -> dict[str, Callable[[], str]]:
 
 
 _MASKS = [
-    (re.compile(r"outputs/[\w./-]+|/tmp/[\w./-]+|\br\d+\b"), "<dir>"),
+    (re.compile(r"(?<![\w.])(\.venv|/[\w.+-]+)(/[\w.+-]+)+"), "<path>"),  # a machine's own paths
+    (re.compile(r"outputs/[\w./-]+|\br\d+\b"), "<dir>"),
     (re.compile(r"\b\d{4}-\d\d-\d\d[T ]?[\d:.-]*Z?"), "<time>"),
     (re.compile(r"pid:\[\d+\]"), "pid:[#]"),
     (re.compile(r"\b[0-9a-f]{7,40}\b"), "<hex>"),
@@ -99,7 +100,8 @@ def run(command: str) -> tuple[list[str], int]:
                "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":")}
         proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=600)
-    return proc.stdout.splitlines(), proc.returncode
+    venv = str(Path(sys.prefix))  # this machine's paths are not the docs' business
+    return [x.replace(venv, ".venv").replace(str(ROOT), ".") for x in proc.stdout.splitlines()], proc.returncode
 
 
 def _indent(line: str) -> int:
