@@ -127,16 +127,18 @@ class DecisionLog:
         self._flushed = time.monotonic()
 
     def write(self, decisions: list[dict]) -> None:
-        if not decisions:
+        self.write_fields([json.dumps(d)[1:-1] for d in decisions])
+
+    def write_fields(self, fields: list[str]) -> None:
+        """Decisions already rendered as JSON object members without braces (the hot path
+        renders what a step's decisions share once)."""
+        if not fields:
             return
         ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
         head = (f'{{"event": "route_decision", "timestamp": "{ts}", '
                 f'"logger": "orchestrator.decisions", "role": {self.role}, ')
-        lines = []
-        for d in decisions:
-            fields = json.dumps(d)[1:-1]
-            lines.append(f"{head}{fields}, {self.static}}}")
-        self.fh.write("\n".join(lines) + "\n")
+        tail = f", {self.static}}}\n"
+        self.fh.write("".join([head + f + tail for f in fields]))
         now = time.monotonic()
         if now - self._flushed >= self.FLUSH_S:
             self.fh.flush()

@@ -30,6 +30,7 @@ endpoints.sender, a phase's main loop in endpoints.prefill_loop; this module bui
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -184,14 +185,15 @@ class PrefillEndpoint:
         """One route_decision line per request and decode process, a step's in one write
         (transfer thread)."""
         lines = []
-        for link, send in step.sends:
-            shape = {"requests": len(send.transfers), "blocks": send.blocks, "bytes": send.nbytes}
-            outcome, latency = "ok" if send.error is None else "error", round(send.latency_us, 2)
-            for t in send.transfers:
-                lines.append({"rank": self.rank, "rid": t.rid, "room": t.room, "slot": t.src_slot,
-                              "dst_slot": t.dst_slot, "decode": link.name, "send": shape,
-                              "latency_us": latency, "outcome": outcome, "error": send.error})
-        self.decisions.write(lines)
+        rank = self.rank
+        for link, send in step.sends:  # what a send's requests share, rendered once
+            shared = json.dumps({"decode": link.name, "send": {
+                "requests": len(send.transfers), "blocks": send.blocks, "bytes": send.nbytes},
+                "latency_us": round(send.latency_us, 2), "outcome": "ok" if send.error is None else "error",
+                "error": send.error})[1:-1]
+            lines += [f'"rank": {rank}, "rid": {t.rid}, "room": {t.room}, "slot": {t.src_slot}, '
+                      f'"dst_slot": {t.dst_slot}, {shared}' for t in send.transfers]
+        self.decisions.write_fields(lines)
 
     # ---- the workload -------------------------------------------------------------------
     def run(self, phase: PhaseSpec, conn: Optional[protocol.Channel],
