@@ -252,10 +252,9 @@ class DecodeEndpoint:
                                    (self.net.data, self.data.on_data, 4096)):
             if sock in events:
                 for _ in range(most):
-                    try:
-                        handle(sock.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
+                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:  # (no zmq.Again raised per take)
                         break
+                    handle(sock.recv_multipart(zmq.NOBLOCK))
 
     def on_pipe(self, msg: object) -> bool:
         """A message from the runner; True for Stop."""

@@ -144,11 +144,9 @@ class Links:
 
     def drain_wake(self) -> None:
         """Empty the wake-up socket (the transfer thread finished steps)."""
-        while True:
-            try:
-                self.wake.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        wake = self.wake
+        while wake.get(zmq.EVENTS) & zmq.POLLIN:  # (no zmq.Again raised per drain)
+            wake.recv(zmq.NOBLOCK)
 
     def close(self) -> None:
         """Say bye to every instance, close the sockets."""

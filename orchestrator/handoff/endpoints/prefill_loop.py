@@ -10,7 +10,7 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import structlog
 import zmq
@@ -121,6 +121,9 @@ class PrefillLoop:
         self.stopping = False
         self.more_now = False  # issue() stopped at its budget with arrivals due now
         self.sink = open(settings.records_path, "a", buffering=1 << 16)
+        self._recs: list[Record] = []  # finished, not yet counted and written (flush_records)
+        self._stages: list[tuple[float, ...]] = []
+        self.judged_unsent = 0  # verdicts in for requests whose send has not finished
         self.route = settings.route
         self.warm = min(1000, self.total // 10)
         ranks = max(len(inst.links) for inst in links.instances)
@@ -237,6 +240,8 @@ class PrefillLoop:
             self.rows.src.free(req.src_slot)
             req.sent = True
             if req.verdict is not None:
+                if not req.done:
+                    self.judged_unsent -= 1
                 self.finish(req)
 
     def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
@@ -270,6 +275,7 @@ class PrefillLoop:
             if req.sent or req.src_slot < 0:
                 self.finish(req)
             else:  # judged before its send finished (a held send may go now)
+                self.judged_unsent += 1
                 for link in inst.links:
                     link.router.judged(rid)
 
@@ -291,14 +297,21 @@ class PrefillLoop:
             taken_us=(_r((req.t_taken - req.t_step) * 1e6)
                       if t_v is not None and req.t_taken and req.t_step else None),
             t_verdict=_clock())
-        self.res.add(rec)
+        self._recs.append(rec)
         if t_v is not None and req.t_status_in and req.t_step:
-            self.res.add_stages(req.t_step, req.t_ready, req.t_landed, req.t_status_out,
-                                req.t_status_in, t_v)
-        self.sink.write(rec.line() + "\n")
+            self._stages.append((req.t_step, req.t_ready, req.t_landed, req.t_status_out,
+                                 req.t_status_in, t_v))
         self.finished += 1
         if self.finished == self.warm:
             self.settings.memory["rss_kb_warm"] = rss_kb()
+
+    def flush_records(self) -> None:
+        """The records finished since the last flush, counted and written in one go (once a
+        pass of the loop, not per request)."""
+        if self._recs:
+            self.res.add_many(self._recs, self._stages)
+            self.sink.write("".join([rec.line() + "\n" for rec in self._recs]))
+            self._recs, self._stages = [], []
 
     def lose(self, inst: Instance, detail: Detail, why: str) -> None:
         """Fail everything an instance still owes us, now: a write to it may stay in the
@@ -342,6 +355,12 @@ class PrefillLoop:
                 while self.can_form():
                     self.form_step()
                 wait = self.wait_ms(now, t0)
+                if wait:
+                    # set before looking at sender.done: either the transfer thread sees the
+                    # flag after it appends a step, or this loop sees the step (no lost wake)
+                    sender.want_wake = self.waits_for_sender()
+                    if sender.want_wake and sender.done:
+                        wait = 0
                 events = links.poll(wait)
                 if links.wake in events:
                     links.drain_wake()
@@ -359,11 +378,13 @@ class PrefillLoop:
                 now = _clock()
                 self.silent_decodes(now)
                 self.keepalive(now)
+                self.flush_records()  # before a process fault may strike at this count
                 self.faults.progress(self.finished, len(self.outstanding))
                 if self.conn is not None and now - last_progress >= 0.25:
                     self.conn.send(protocol.Progress(finished=self.finished, verified=self.res.verified))
                     last_progress = now
         finally:
+            self.flush_records()
             if conn_fd is not None:
                 links.poller.unregister(conn_fd)
         memory = self.settings.memory
@@ -443,6 +464,12 @@ class PrefillLoop:
         step = rows * self.blocks_per_request  # a coalesced step is about one run per rank
         return out == 0 or out + step <= self.settings.max_inflight_blocks
 
+    def waits_for_sender(self) -> bool:
+        """Whether only a finished step lets this loop go on: a judged request waits for its
+        send to finish, or a ready step waits for rows, the transfer thread's backlog or the
+        engine's queue (what the transfer thread frees)."""
+        return self.judged_unsent > 0 or bool(self.ready) or self.stopping
+
     def wait_ms(self, now: float, t0: float) -> int:
         if self.can_form() or self.more_now:
             return 0
@@ -452,12 +479,9 @@ class PrefillLoop:
 
     def drain(self, inst: Instance) -> None:
         """Every control message that has already arrived from this instance."""
-        while True:
-            try:
-                frames = inst.control.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = self.links.open(frames, inst.auth)
+        control = inst.control
+        while cast(int, control.get(zmq.EVENTS)) & zmq.POLLIN:  # (no zmq.Again raised per drain)
+            msg = self.links.open(control.recv_multipart(zmq.NOBLOCK), inst.auth)
             if not msg:
                 continue
             inst.last_heard = _clock()

@@ -53,7 +53,9 @@ class Sender(threading.Thread):
     """The transfer thread: starts each step's sends as it comes (up to `max_inflight`
     writes in flight, as SGLang's transfer workers keep several), finishes them in order,
     sends each status behind its send, then wakes the main loop. Mooncake's calls release
-    the GIL, so the scheduler thread fills the next step meanwhile."""
+    the GIL, so the scheduler thread fills the next step meanwhile. The main loop is woken only when it
+    waits for a finished step (want_wake), not per step: it takes finished steps on every pass,
+    and a verdict, which follows the step's status, wakes it anyway."""
 
     def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
                  nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
@@ -72,6 +74,9 @@ class Sender(threading.Thread):
         self.inflight = 0  # sends started, not finished
         self.blocks_done = 0  # blocks of finished sends (written by this thread only)
         self.idle = False  # waiting for a step (a submit must notify)
+        # the main loop waits for a step to finish (it set this before it polls): wake it
+        # then, and only then (it drains finished steps on every pass anyway)
+        self.want_wake = False
         self.error: Optional[str] = None
 
     @property
@@ -153,9 +158,9 @@ class Sender(threading.Thread):
         if not any(p[0] is step and p[1] is link for p in pending):
             link.router.after_step(transfers, send.per_step)
         if step.open == 0:
-            first = not self.done
             self.done.append(step)
-            if first:  # the main loop drains every finished step at once
+            if self.want_wake:  # after the append: a loop that saw no step finished set it first
+                self.want_wake = False
                 self.wake.send(b"", zmq.NOBLOCK)
             self.log_decisions(step)
 
