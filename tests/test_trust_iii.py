@@ -436,3 +436,38 @@ def test_forged_frames_at_the_bootstrap_port_never_end_the_decode_side(tmp_path)
     assert prefill.returncode == 0 and decode.returncode == 0, (p_out, p_err, d_out, d_err)
     assert Results.read(tmp_path / "p").verified == 50
     assert "Traceback" not in p_out + p_err + d_out + d_err
+
+
+# ---- 5. slots held by failed rows say so ------------------------------------------------------
+def _held_run(tmp_path, name: str, *overrides: str):
+    run_dir = tmp_path / name
+    proc = _cli("transport.timeout_s=2", f"hydra.run.dir={run_dir}", *overrides)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return proc, json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.mark.parametrize("hold", [None, 0.5], ids=["default", "never_landed_s=0.5"])
+def test_rows_that_never_land_say_how_long_they_held_their_slots(tmp_path, hold):
+    """faults=aux_lost (from request 10, every 10th: "done" delivered, the row never): the 5
+    rows fail room_never_landed, the summary and results.json say how long their slots were
+    held: at least the hold (transport.timeout_s=2 by default, gate.never_landed_s when set)
+    and, with generous margins for a loaded box, not much longer."""
+    extra = [f"gate.never_landed_s={hold}"] if hold else []
+    proc, res = _held_run(tmp_path, "run", "faults=aux_lost", "workload.requests=60", *extra)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert res["failure_reasons"] == {"room_never_landed": 5}
+    held, limit = res["slots_held_by_failed_s"]["room_never_landed"], hold or 2.0
+    assert 5 * limit <= held < 5 * (limit + 5.0), held
+    assert "slots held by 5 room_never_landed rows" in proc.stdout
+
+
+def test_a_slow_write_is_never_failed_at_the_default_hold(tmp_path):
+    """faults=status_first holds every 5th request's row 1 s behind its "done" (a slow write):
+    at the default (gate.never_landed_s=null: transport.timeout_s=2) all verify; the shorter
+    hold is the trade it names (0.3 s fails them as room_never_landed)."""
+    common = ("faults=status_first", "faults.rank=0", "faults.margin_us=1000000", "faults.at_request=5",
+              "faults.every=5", "workload.requests=30", "workload.concurrency=2")
+    proc, res = _held_run(tmp_path, "default", *common)
+    assert proc.returncode == 0 and res["verified"] == 30, proc.stdout + proc.stderr
+    proc, res = _held_run(tmp_path, "short", *common, "gate.never_landed_s=0.3")
+    assert res["failure_reasons"].get("room_never_landed", 0) > 0, res["failure_reasons"]

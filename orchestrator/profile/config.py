@@ -392,9 +392,16 @@ class GateConfig:
     "transferring", for up to this long after its status; 0 = SGLang's room-only gate"""
     read: GateRead = GateRead.batched
     """sglang | batched | side_stream (device rows)"""
+    never_landed_s: Optional[float] = None
+    """How long a slot is held for a row whose status said done while its room stayed 0;
+    then the request fails room_never_landed. null: transport.timeout_s (a slow write is
+    never failed early); shorter frees slots sooner when rooms are being zeroed."""
 
     def check(self) -> None:
         _seconds("gate.settle_ms", self.settle_ms, 0.0, 60_000.0, "milliseconds", closed=True)
+        if self.never_landed_s is not None:
+            _seconds("gate.never_landed_s", self.never_landed_s, 0.0, 3600.0,
+                     "null (transport.timeout_s) or seconds")
 
 
 @dataclass

@@ -66,6 +66,11 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         secret_from_env(t.secret_env, platform.env)
     cfg.check()
     _check_workload(cfg)
+    held = cfg.gate.never_landed_s
+    if held is not None and held > cfg.transport.timeout_s:
+        raise ConfigError("gate.never_landed_s", held,
+                          f"null or at most transport.timeout_s={cfg.transport.timeout_s:g} (it only shortens "
+                          "the hold of a room that never lands)")
     plan = make_plan(cfg, platform)
     f = cfg.faults
     if FAULTS[f.kind].engine_only and plan.route is not Route.engine:

@@ -225,6 +225,7 @@ class DecodeResult:
     ambiguous: int = 0  # a bare SGLang status whose room matches several grants
     gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
     settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
+    held_s: dict[str, float] = field(default_factory=dict)  # slot-seconds held by failed rows, by detail
     grants: int = 0
     steps: int = 0
     verify_us: LatencyHistogram = field(default_factory=LatencyHistogram)  # per judged batch

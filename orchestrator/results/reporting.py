@@ -180,6 +180,9 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
     res.ending.warnings += warnings
     res.sglang_0_5_23 = _held(cfg, res)
+    for d in out.decodes.values():
+        for why, s in (d.held_s.items() if d.tp_rank == 0 else ()):
+            res.slots_held_by_failed_s[why] = round(res.slots_held_by_failed_s.get(why, 0.0) + s, 3)
     if decode_verified != verified and out.run_dir:  # one truth: the difference, named
         late = verified_after_lost(Path(out.run_dir))
         res.verified_after_lost, res.verified_after_lost_ids = len(late), late[:100]
@@ -195,6 +198,22 @@ def _held(cfg: OrchestratorConfig, res: JobResults):
     exact = f.kind is FaultKind.aux_lost and cfg.endpoints.prefill_ranks == 1
     return held(res.failure_reasons, res.requests - res.not_started, res.workload.decode_rows or cfg.buffers.size,
                 (f.at_request, f.every) if exact else None)
+
+
+HELD_FEW = 3  # failed rows that held their slots: said on the console from this many
+
+
+def _held_lines(results: JobResults) -> list[str]:
+    """How long the slots of rows that never landed (or were overwritten) were held, when
+    more than a few: what a run slowed by zeroed rooms pays, and the key that bounds it."""
+    out = []
+    for why, held in sorted(results.slots_held_by_failed_s.items()):
+        n = results.failure_reasons.get(why, 0)
+        if n >= HELD_FEW:
+            out.append(f"slots held by {n} {why} rows: {held:,.1f} s in all ({held / n:.2f} s each; "
+                       f"gate.never_landed_s bounds the hold of a room that never lands, default "
+                       f"transport.timeout_s)")
+    return out
 
 
 def verified_after_lost(run_dir: Path) -> list[int]:
@@ -436,6 +455,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         lines.append("not verified: " + ", ".join(f"{k}={v}" for k, v in results.failure_reasons.items()))
     if results.sglang_0_5_23 is not None:
         lines.append(results.sglang_0_5_23.line())
+    lines += _held_lines(results)
     if results.verified_after_lost:
         lines.append(f"verified after lost: {results.verified_after_lost} (the decode verified them after "
                      f"their prefill had failed them; decode_verified {results.decode_verified})")

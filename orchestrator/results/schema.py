@@ -468,12 +468,16 @@ class JobResults(Results):
     # the decode. verified + verified_after_lost = decode_verified; the ids (first 100) name them.
     verified_after_lost: int = 0
     verified_after_lost_ids: list[int] = field(default_factory=list)
+    # slot-seconds the decode's slots were held by rows that failed room_never_landed or
+    # written_by_someone_else (grant to verdict, summed; gate.never_landed_s bounds the first)
+    slots_held_by_failed_s: dict[str, float] = field(default_factory=dict)
 
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
              "sglang_0_5_23", "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
              "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "wall_s",
              "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
              "authenticated", "decode", "decode_verified", "verified_after_lost", "verified_after_lost_ids",
+             "slots_held_by_failed_s",
              "memory_kb", "faults_applied",
              "engine_listeners_beyond_loopback", "lost", "interrupted", "signal", "slow_to_stop",
              "engine_log", "plan", "error", "tp", "decode_gate", "offered_per_s", "requests_per_send",

@@ -20,6 +20,7 @@ from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import DecodeResult
 
 _clock = time.monotonic
+HOLDS = (Detail.room_never_landed, Detail.written_by_someone_else)  # failures that held a slot long
 _WARM = 1000  # judged requests after which the process's memory is taken as warm (rss_kb_warm)
 
 
@@ -133,6 +134,8 @@ class Stepper:
         self.res.outcomes[mine] += 1
         if mine is not Outcome.verified:
             self.res.details[why] += 1
+            if why in HOLDS:  # how long its slot was held for nothing (reported when many)
+                self.res.held_s[why.value] = self.res.held_s.get(why.value, 0.0) + _clock() - g.t_granted
             self.log.warning("handoff_rejected", prefill=g.prank, rid=g.rid, slot=g.slot, room=g.room,
                              outcome=mine.value, detail=why.value)
         if self.leader:

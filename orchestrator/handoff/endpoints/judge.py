@@ -120,6 +120,7 @@ class Judge:
                  res: DecodeResult):
         self.buffers, self.digest, self.res = buffers, digest, res
         self.timeout_s = timeout_s  # transport.timeout_s
+        self.never_landed_s = gate.never_landed_s or timeout_s  # (null: the timeout)
         self.readiness = gate.readiness
         self.settle_s = gate.settle_ms / 1e3
 
@@ -137,12 +138,13 @@ class Judge:
     def verdict(self, g: Grant, r: Optional[RowCheck], agreed: int, now: float) -> Optional[tuple[Outcome, Detail]]:
         """The verdict on a request polled `agreed` (a TP group: every rank's MIN), None while
         it waits: Failed fails it (a sender error, or another rank's: TP divergence); Success
-        judges the row; "done" with the room still 0 past transport.timeout_s fails it."""
+        judges the row; "done" with the room still 0 past gate.never_landed_s (default
+        transport.timeout_s) fails it."""
         if agreed == KVPoll.Failed:
             return Outcome.failed, Detail.sender_error if g.status == KVPoll.Failed else Detail.tp_disagreement
         if agreed == KVPoll.Success:  # taken (the gate passed); the verdict once the digest is compared
             return self.judge(g, r)
-        if r is not None and r.room == 0 and now - g.t_status > self.timeout_s:
+        if r is not None and r.room == 0 and now - g.t_status > self.never_landed_s:
             return Outcome.failed, Detail.room_never_landed
         return None
 
