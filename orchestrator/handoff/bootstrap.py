@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Protocol, Sequence
+
+import structlog
 
 from orchestrator.handoff import protocol
-from orchestrator.handoff.lifecycle import Interrupted, RunFailed
-from orchestrator.profile.config import ConfigError, OrchestratorConfig
+from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals
+from orchestrator.handoff.peercheck import PeerCheck
+from orchestrator.handoff.transport import wire
+from orchestrator.profile.config import ConfigError, EndpointsConfig, TransportConfig
 from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import proc_name
 
@@ -27,12 +33,25 @@ _clock = time.monotonic
 MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
 
 
-def _public(info: dict) -> dict:
+class DecodeProc(Protocol):
+    """A decode process as the runner holds it."""
+
+    name: str
+    proc: BaseProcess
+    conn: protocol.Channel
+    index: int  # its decode instance
+    tp_rank: int
+
+
+Infos = list[list[dict[str, Any]]]  # per decode instance, per TP rank: its endpoints
+
+
+def _public(info: dict[str, Any]) -> dict[str, Any]:
     return {k: info.get(k) for k in ("control_endpoint", "data_endpoint", "transport", "session_id")}
 
 
-def secret_mismatch(cfg: OrchestratorConfig) -> str:
-    var = cfg.transport.secret_env
+def secret_mismatch(t: TransportConfig) -> str:
+    var = t.secret_env
     return (f"the peer's MAC did not match: the two sides have different secrets in ${var} "
             f"(transport.secret_env={var})" if var else
             "the peer's MAC did not match: set the same transport.secret_env on both sides")
@@ -40,40 +59,38 @@ def secret_mismatch(cfg: OrchestratorConfig) -> str:
 
 def _unauthentic_lookup(frame: bytes) -> bool:
     """A frame that reads as our lookup message but whose MAC failed (read, never acted on)."""
-    from orchestrator.handoff.transport import wire
     from orchestrator.handoff.transport.auth import MAC_BYTES
 
     try:
-        return wire.decode(frame[:-MAC_BYTES])["type"] == "lookup"
+        return isinstance(wire.decode(frame[:-MAC_BYTES]), wire.LookupMsg)
     except (wire.WireError, KeyError, TypeError, ValueError):
         return False
 
 
-def serve_bootstrap(cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log,
-                    signals) -> None:
+def serve_bootstrap(t: TransportConfig, e: EndpointsConfig, layout: str, secret: bytes, infos: Infos,
+                    decodes: Sequence[DecodeProc], out: RunResult, log: structlog.stdlib.BoundLogger,
+                    signals: Signals) -> None:
     """role=decode: serve the decode endpoints at transport.host:transport.bootstrap_port to
     authenticated prefill sides, until every prefill rank said bye to every instance.
-    `decodes` are the runner's decode processes (name, proc, conn: a protocol.Channel,
-    index, tp_rank)."""
-    _Bootstrap(cfg, secret, infos, decodes, out, log).serve(signals)
+    `decodes` are the runner's decode processes; `layout`: layout.name (a peer check)."""
+    _Bootstrap(t, e, layout, secret, infos, decodes, out, log).serve(signals)
 
 
 class _Bootstrap:
     """The bootstrap socket of one role=decode run and what the decodes told the runner."""
 
-    def __init__(self, cfg: OrchestratorConfig, secret: bytes, infos, decodes, out: RunResult, log):
-        from orchestrator.handoff.peercheck import PeerCheck
-        from orchestrator.handoff.transport import wire
+    def __init__(self, t: TransportConfig, e: EndpointsConfig, layout: str, secret: bytes, infos: Infos,
+                 decodes: Sequence[DecodeProc], out: RunResult, log: structlog.stdlib.BoundLogger):
         from orchestrator.handoff.transport.auth import Authenticator
 
-        self.cfg, self.out, self.log, self.decodes = cfg, out, log, decodes
+        self.transport, self.endpoints, self.out, self.log, self.decodes = t, e, out, log, decodes
         self.auth = Authenticator(secret)
-        self.want = cfg.endpoints.prefill_ranks
-        self.check = PeerCheck(cfg, "decode", secret, log)
+        self.want = e.prefill_ranks
+        self.check = PeerCheck(t, layout, "decode", secret, log)
         self.judged: Optional[tuple[Optional[str], float]] = None  # the peer checks' verdict, and when
         self.refusals = 0
-        self.reply = wire.encode("decodes", infos=[[_public(i) for i in inst] for inst in infos],
-                                 prefill_ranks=self.want, **self.check.fields())
+        self.reply = wire.encode(wire.DecodesMsg(infos=[[_public(i) for i in inst] for inst in infos],
+                                                 prefill_ranks=self.want, **self.check.fields()))
         self.leaders = [d for d in decodes if d.tp_rank == 0]
         self.byes: dict[int, set[int]] = {}
         self.answered = False
@@ -81,16 +98,14 @@ class _Bootstrap:
         self.mac_failed = 0  # lookup-shaped frames whose MAC did not match (counted, refused)
         self.record: Optional[str] = None
 
-    def serve(self, signals) -> None:
+    def serve(self, signals: Signals) -> None:
         import zmq
-
-        from orchestrator.handoff.transport import wire
 
         zctx = zmq.Context()
         self.sock = zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
-        wait_s = self.cfg.endpoints.startup_timeout_s
+        wait_s = self.endpoints.startup_timeout_s
         try:
             self._listen()
             deadline = _clock() + wait_s
@@ -120,22 +135,22 @@ class _Bootstrap:
 
         from orchestrator.results.rundir import NoSpace, write_atomic
 
-        cfg, out, host = self.cfg, self.out, self.cfg.transport.host
+        t, out, host = self.transport, self.out, self.transport.host
         try:
-            if cfg.transport.bootstrap_port:
-                self.sock.bind(f"tcp://{host}:{cfg.transport.bootstrap_port}")
-                port = cfg.transport.bootstrap_port
+            if t.bootstrap_port:
+                self.sock.bind(f"tcp://{host}:{t.bootstrap_port}")
+                port = t.bootstrap_port
             else:
                 port = self.sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
-            raise RunFailed(f"cannot listen on transport.bootstrap_port={cfg.transport.bootstrap_port} "
+            raise RunFailed(f"cannot listen on transport.bootstrap_port={t.bootstrap_port} "
                             f"at {host}: {exc.strerror} (another process holds it? pick another port, "
                             "or 0 for any free one)") from None
         out.bootstrap = f"{host}:{port}"
         self.record = json.dumps({"address": out.bootstrap}) + "\n"
         write_atomic(Path(out.run_dir) / "bootstrap.json", self.record)
-        if cfg.transport.bootstrap_file:
-            path = Path(cfg.transport.bootstrap_file)
+        if t.bootstrap_file:
+            path = Path(t.bootstrap_file)
             try:
                 write_atomic(path, self.record)
             except NoSpace:
@@ -153,9 +168,9 @@ class _Bootstrap:
         (read as a shared file: whatever was planted there since cannot block this)."""
         from orchestrator.results.rundir import read_shared
 
-        if self.cfg.transport.bootstrap_file and self.record is not None:
+        if self.transport.bootstrap_file and self.record is not None:
             try:
-                path = Path(self.cfg.transport.bootstrap_file)
+                path = Path(self.transport.bootstrap_file)
                 if read_shared(path) == self.record:
                     path.unlink()
             except (OSError, ValueError):
@@ -163,8 +178,6 @@ class _Bootstrap:
 
     def _answer(self, frames: list[bytes]) -> None:
         """One request on the bootstrap socket: an authentic lookup gets the endpoints."""
-        from orchestrator.handoff.transport import wire
-
         auth, sock = self.auth, self.sock
         body = auth.unseal(frames[1]) if len(frames) == 2 else None
         try:
@@ -177,24 +190,25 @@ class _Bootstrap:
             # the refusal is sealed, so a prefill side with another secret cannot open it and
             # concludes "different secrets" itself (MAC_FAILURES in a row from its peer).
             self.mac_failed += 1
-            sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail="bad MAC"))])
-        if msg is None or msg["type"] != "lookup":
-            self.rejected += 1
-            if _clock() >= self.quiet_until:  # rate-limited: one line per 5 s, with the count
-                self.log.warning("bootstrap_rejected", reason="not an authentic lookup", count=self.rejected)
-                self.quiet_until = _clock() + 5.0
-        elif msg["prefill_ranks"] != self.want:
-            sock.send_multipart([frames[0], auth.seal(wire.encode(
-                "error", detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
-                                f"the prefill side has {msg['prefill_ranks']}"))])
-        elif (why := self._judge(msg)) is not None:  # before any handoff
-            sock.send_multipart([frames[0], auth.seal(wire.encode("error", detail=why))])
-            self.refusals += 1
-        else:
-            sock.send_multipart([frames[0], auth.seal(self.reply)])
-            self.answered = True
+            sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(detail="bad MAC")))])
+        match msg:
+            case wire.LookupMsg(prefill_ranks=ranks) if ranks != self.want:
+                sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(
+                    detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
+                           f"the prefill side has {ranks}")))])
+            case wire.LookupMsg() if (why := self._judge(msg)) is not None:  # before any handoff
+                sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(detail=why)))])
+                self.refusals += 1
+            case wire.LookupMsg():
+                sock.send_multipart([frames[0], auth.seal(self.reply)])
+                self.answered = True
+            case _:
+                self.rejected += 1
+                if _clock() >= self.quiet_until:  # rate-limited: one line per 5 s, with the count
+                    self.log.warning("bootstrap_rejected", reason="not an authentic lookup", count=self.rejected)
+                    self.quiet_until = _clock() + 5.0
 
-    def _judge(self, msg) -> Optional[str]:
+    def _judge(self, msg: wire.LookupMsg) -> Optional[str]:
         """The peer checks, once: the probe may take seconds, and the prefill side asks again
         meanwhile (each ask gets the same answer)."""
         if self.judged is None:
@@ -212,9 +226,9 @@ class _Bootstrap:
         if not self.mac_failed:
             return ""
         return (f"; {self.mac_failed} lookups carried a MAC that did not match (a prefill side with "
-                f"another secret? {secret_mismatch(self.cfg).split(': ', 1)[1]})")
+                f"another secret? {secret_mismatch(self.transport).split(': ', 1)[1]})")
 
-    def _read(self, d) -> None:
+    def _read(self, d: DecodeProc) -> None:
         """What decode process `d` told the runner: a prefill rank done with it, or a failure."""
         leader = d in self.leaders
         while d.conn.poll(0):
@@ -239,48 +253,46 @@ class _Bootstrap:
             raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
 
 
-def lookup(cfg: OrchestratorConfig, secret: bytes, signals, out: Optional[RunResult] = None,
-           log=None) -> list[list[dict]]:
+def lookup(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[str], secret: bytes,
+           signals: Signals, out: Optional[RunResult] = None,
+           log: Optional[structlog.stdlib.BoundLogger] = None) -> Infos:
     """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
     again every second until endpoints.startup_timeout_s: that side may start later). The
     two sides' peer checks (handoff.peercheck: versions, the address SGLang would advertise)
-    run on the way; warnings go to `out`."""
-    import structlog
-
-    from orchestrator.handoff.peercheck import PeerCheck
-
-    check = PeerCheck(cfg, "prefill", secret, log or structlog.get_logger())
+    run on the way; warnings go to `out`. `peer`: the address to ask (None: the one in
+    transport.bootstrap_file); `layout`: layout.name (a peer check)."""
+    check = PeerCheck(t, layout, "prefill", secret, log or structlog.get_logger())
     try:
-        return _lookup(cfg, secret, signals, check, out if out is not None else RunResult())
+        return _lookup(t, e, peer, secret, signals, check, out if out is not None else RunResult())
     finally:
         check.close()
 
 
-def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResult) -> list[list[dict]]:
+def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret: bytes, signals: Signals,
+            check: PeerCheck, out: RunResult) -> Infos:
     import zmq
 
-    from orchestrator.handoff.transport import wire
     from orchestrator.handoff.transport.auth import Authenticator
     from orchestrator.profile.config import peer_address
 
     auth = Authenticator(secret)
-    deadline = _clock() + cfg.endpoints.startup_timeout_s
-    host, port = _await_address(cfg, deadline, signals)
+    deadline = _clock() + e.startup_timeout_s
+    host, port = _await_address(t, e, peer, deadline, signals)
     bad = 0  # answers in a row from the named peer that failed the MAC
     zctx = zmq.Context()
     try:
         while _clock() < deadline and not signals.caught:
-            if cfg.peer is None:  # a decode side restarted meanwhile writes a new address
+            if peer is None:  # a decode side restarted meanwhile writes a new address
                 try:
-                    host, port = peer_address(cfg)
+                    host, port = peer_address(peer, t.bootstrap_file)
                 except (ConfigError, ValueError):
                     pass
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
             sock.connect(f"tcp://{host}:{port}")
-            sock.send(auth.seal(wire.encode("lookup", rank=0, prefill_ranks=cfg.endpoints.prefill_ranks,
-                                            **check.fields())))
+            sock.send(auth.seal(wire.encode(wire.LookupMsg(rank=0, prefill_ranks=e.prefill_ranks,
+                                                           **check.fields()))))
             got = sock.poll(1000)
             frame = sock.recv() if got else None
             sock.close(0)
@@ -290,61 +302,63 @@ def _lookup(cfg: OrchestratorConfig, secret: bytes, signals, check, out: RunResu
             if body is None:  # counted; "different secrets" only after MAC_FAILURES in a row
                 bad += 1
                 if bad >= MAC_FAILURES:
-                    raise RunFailed(f"{secret_mismatch(cfg)} (the decode side at {host}:{port}: "
+                    raise RunFailed(f"{secret_mismatch(t)} (the decode side at {host}:{port}: "
                                     f"{bad} answers in a row failed the MAC)")
                 continue
             bad = 0
-            msg = wire.decode(body)
-            if msg["type"] == "error":
-                raise RunFailed(f"the decode side at {host}:{port} refused: {msg['detail']}")
+            match wire.decode(body):
+                case wire.ErrorMsg(detail=detail):
+                    raise RunFailed(f"the decode side at {host}:{port} refused: {detail}")
+                case wire.DecodesMsg() as msg:
+                    pass
+                case other:
+                    raise RunFailed(f"the decode side at {host}:{port} answered a lookup with {other.TYPE}")
             why = check.judge(msg, out)
             if why is not None:
                 raise RunFailed(f"refused before any handoff: {why}")
             if check.reached is not None:  # the endpoints' Mooncake probe of it (prefill endpoint)
-                return [[{**i, "advertised": check.reached} for i in inst] for inst in msg["infos"]]
-            return msg["infos"]
+                return [[{**i, "advertised": check.reached} for i in inst] for inst in msg.infos]
+            return msg.infos
         if signals.caught:
             raise Interrupted
         raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
-                        f"{cfg.endpoints.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
+                        f"{e.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
     finally:
         zctx.term()
 
 
-def _await_address(cfg: OrchestratorConfig, deadline: float, signals) -> tuple[str, int]:
+def _await_address(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], deadline: float,
+                   signals: Signals) -> tuple[str, int]:
     """The decode side's address: `peer`, or transport.bootstrap_file once the decode side
     wrote it (until `deadline`; a signal ends the wait). A bootstrap file that is not a
     regular file (a FIFO, a device) is refused at once."""
-    import structlog
-
     from orchestrator.profile.config import peer_address
     from orchestrator.results.rundir import NotARegularFile
 
     said = False
     while True:
         try:
-            return peer_address(cfg)
+            return peer_address(peer, t.bootstrap_file)
         except NotARegularFile as exc:
             raise RunFailed(f"transport.bootstrap_file: {exc}; refused (the decode side writes a "
                             "regular file there)") from None
         except ConfigError:
             if _clock() >= deadline:
-                raise RunFailed(f"transport.bootstrap_file={cfg.transport.bootstrap_file}: no address appeared "
-                                f"there within endpoints.startup_timeout_s={cfg.endpoints.startup_timeout_s:g} "
+                raise RunFailed(f"transport.bootstrap_file={t.bootstrap_file}: no address appeared "
+                                f"there within endpoints.startup_timeout_s={e.startup_timeout_s:g} "
                                 "(is the decode side, role=decode, up and writing it?)") from None
         if signals.caught:
             raise Interrupted
         if not said:
             structlog.get_logger("orchestrator.bootstrap").info(
-                "bootstrap_waiting", file=cfg.transport.bootstrap_file)
+                "bootstrap_waiting", file=t.bootstrap_file)
             said = True
         time.sleep(0.1)
 
 
-def start_metadata_server(url: str, run_dir: Path):
+def start_metadata_server(url: str, run_dir: Path) -> subprocess.Popen[bytes]:
     """Mooncake's own HTTP metadata server (mooncake_http_metadata_server, in the wheel) for
     an http://HOST:PORT/metadata address on this host; returns the process."""
-    import subprocess
     import sys
     from urllib.parse import urlsplit
 

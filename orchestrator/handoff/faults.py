@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
 
@@ -58,7 +58,7 @@ class Traits:
     kills: bool = False  # a process fault: SIGKILL (else SIGSTOP for faults.duration_s)
 
 
-def _t(*sites: Site, **kw) -> Traits:
+def _t(*sites: Site, **kw: Any) -> Traits:
     return Traits(frozenset(sites), **kw)
 
 
@@ -95,7 +95,7 @@ class Injector:
 class _Held:
     """status_first: one send held back, and the requests whose verdicts let it go early."""
 
-    def __init__(self, rids):
+    def __init__(self, rids: Iterable[int]):
         self.waiting = set(rids)  # no verdict yet
         self.go = threading.Event()  # every verdict is back: start now
         self.done = threading.Event()  # started and landed: finish() may go on

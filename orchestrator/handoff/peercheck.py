@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from orchestrator.handoff.lifecycle import RunFailed
-from orchestrator.handoff.transport import reach
+from orchestrator.handoff.transport import reach, wire
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.profile import versions
-from orchestrator.profile.config import AddressCheck, OrchestratorConfig
+from orchestrator.profile.config import AddressCheck, TransportConfig
 from orchestrator.results.records import RunResult
 
 PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the address probe
@@ -33,28 +33,31 @@ PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the add
 class PeerCheck:
     """One side's part: what it sends (`fields()`), and its verdict on the peer's (`judge`)."""
 
-    def __init__(self, cfg: OrchestratorConfig, side: str, secret: bytes, log, env: Optional[Mapping[str, str]] = None):
-        self.cfg, self.side, self.log = cfg, side, log
+    def __init__(self, t: TransportConfig, layout: str, side: str, secret: bytes, log,
+                 env: Optional[Mapping[str, str]] = None):
+        """`t`: the transport section; `layout`: layout.name."""
+        self.side, self.log = side, log
+        self.timeout_s = t.timeout_s
         self.auth = Authenticator(secret)
-        self.mode = cfg.transport.address_check
-        self.versions = versions.local(cfg.layout.name)
+        self.mode = t.address_check
+        self.versions = versions.local(layout)
         self.advertised: dict[str, Any] = {}
         self.echo: Optional[reach.Echo] = None
         self.reached: Optional[dict[str, Any]] = None  # the peer's advertisement, once probed fine
         if self.mode is not AddressCheck.off:
             self.advertised = reach.advertisement(env if env is not None else reach.environment(),
-                                                  cfg.transport.host)
+                                                  t.host)
             self.echo = reach.listen(self.advertised, self.auth)
             log.info("address_advertised", side=side, **self.advertised)
 
     def fields(self) -> dict[str, Any]:
         return {"versions": self.versions, "advertised": self.advertised}
 
-    def judge(self, msg: Mapping[str, Any], out: RunResult) -> Optional[str]:
+    def judge(self, msg: wire.LookupMsg | wire.DecodesMsg, out: RunResult) -> Optional[str]:
         """The peer's fields: None when the run may go on (warnings added to `out`), else the
         reason it may not."""
         peer = "decode" if self.side == "prefill" else "prefill"
-        theirs = msg.get("versions")
+        theirs = msg.versions
         if theirs:
             self.log.info("peer_versions", side=self.side, mine=versions.as_text(self.versions),
                           peer=versions.as_text(theirs))
@@ -64,10 +67,10 @@ class PeerCheck:
                     return line
                 out.warnings.append(line)
                 self.log.warning("version_skew", detail=text)
-        adv = msg.get("advertised")
+        adv = msg.advertised
         if self.mode is AddressCheck.off or not adv:
             return None
-        why = reach.probe(adv, self.auth, min(PROBE_S, self.cfg.transport.timeout_s))
+        why = reach.probe(adv, self.auth, min(PROBE_S, self.timeout_s))
         if why is None:
             self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), step=adv.get("step"))
             self.reached = dict(adv)

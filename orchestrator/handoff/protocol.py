@@ -15,6 +15,7 @@ DecodeGone, PrefillGone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any, Optional, Union
 
 
@@ -164,15 +165,15 @@ MESSAGES = (Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Er
 class Channel:
     """One end of a runner<->endpoint pipe that carries only the messages above."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: Connection):
         self.conn = conn
 
-    def send(self, msg) -> None:
+    def send(self, msg: ToRunner | ToChild) -> None:
         if not isinstance(msg, MESSAGES):
             raise ProtocolError(f"not a pipe message: {msg!r}")
         self.conn.send(msg)
 
-    def recv(self):
+    def recv(self) -> ToRunner | ToChild:
         """The next message; EOFError/OSError when the other end is gone."""
         msg = self.conn.recv()
         if not isinstance(msg, MESSAGES):

@@ -16,6 +16,7 @@ import functools
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ class Job:
         self._stage = getattr(progress, "stage", None)  # the progress line's phases and beat
         self._tick = getattr(progress, "tick", None)
         self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
-        self.metadata = None  # the metadata server this run started
+        self.metadata: Optional[subprocess.Popen[bytes]] = None  # the metadata server this run started
 
     def run(self, signals: Optional[Signals] = None) -> RunResult:
         """Start, watch and end every process; what they measured is `out`."""
@@ -201,10 +202,12 @@ class Job:
         record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
-            serve_bootstrap(cfg, self.secret, infos, self.decodes, out, self.log, self.signals)
+            serve_bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, self.secret, infos, self.decodes, out,
+                            self.log, self.signals)
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
-            infos = lookup(cfg, self.secret, self.signals, out, self.log)
+            infos = lookup(cfg.transport, cfg.endpoints, cfg.layout.name, cfg.peer, self.secret, self.signals,
+                           out, self.log)
         self.silent, applied = divert_control(cfg.faults, cfg.transport.host, infos)
         out.faults_applied.extend(applied)
         for p in self.prefills:

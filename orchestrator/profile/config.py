@@ -827,18 +827,18 @@ def _host_port(text: str) -> Optional[tuple[str, int]]:
     return host, int(port)
 
 
-def peer_address(cfg: OrchestratorConfig, timeout_s: float = 0.0) -> tuple[str, int]:
+def peer_address(peer: Optional[str], bootstrap_file: Optional[str], timeout_s: float = 0.0) -> tuple[str, int]:
     """The decode side's bootstrap address: `peer`, or what the decode side wrote to
     transport.bootstrap_file (waited for up to `timeout_s`)."""
-    if cfg.peer is not None:
-        addr = _host_port(cfg.peer)
+    if peer is not None:
+        addr = _host_port(peer)
         assert addr is not None, "checked by OrchestratorConfig.check"
         return addr
     import json
     import time
 
-    assert cfg.transport.bootstrap_file is not None, "checked by OrchestratorConfig.check"
-    path = Path(cfg.transport.bootstrap_file)
+    assert bootstrap_file is not None, "checked by OrchestratorConfig.check"
+    path = Path(bootstrap_file)
     deadline = time.monotonic() + timeout_s
     from orchestrator.results.rundir import NotARegularFile, read_shared
 

@@ -13,9 +13,11 @@ from typing import Optional
 
 import structlog
 import torch
+import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
+from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
 from orchestrator.handoff.workload import Shapes
 from orchestrator.profile.config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
 from orchestrator.profile.plan import Device, Plan, Route
@@ -61,7 +63,7 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     return configure(run_dir, role, console_level=30 if not console else 20)
 
 
-def report_failure(log, event: str, exc: BaseException) -> str:
+def report_failure(log: structlog.stdlib.BoundLogger, event: str, exc: BaseException) -> str:
     """An endpoint's fatal error: one line for the console and the runner, the traceback in
     the process's log file only. A full disk is `NoSpace: no space left writing FILE`
     (rundir.no_space_line), which the runner ends the run on with exit 3."""
@@ -147,14 +149,10 @@ def rss_kb() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def new_socket(ctx, kind: int, timeout_s: float, max_bytes: Optional[int] = None):
+def new_socket(ctx: zmq.Context, kind: int, timeout_s: float, max_bytes: Optional[int] = None) -> zmq.Socket:
     """A socket that never blocks forever, never lingers at close, and takes no frame
     longer than `max_bytes` (ZMQ_MAXMSGSIZE, default: a control message): libzmq drops a
     peer announcing a longer one before it buffers a byte of it."""
-    import zmq
-
-    from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
-
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -162,6 +160,6 @@ def new_socket(ctx, kind: int, timeout_s: float, max_bytes: Optional[int] = None
     return sock
 
 
-def bind_random(sock, host: str) -> str:
+def bind_random(sock: zmq.Socket, host: str) -> str:
     port = sock.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import structlog
 import torch
@@ -252,7 +252,7 @@ class DecodeEndpoint:
                                    (self.net.data, self.data.on_data, 4096)):
             if sock in events:
                 for _ in range(most):
-                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:  # (no zmq.Again raised per take)
+                    if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:  # (no zmq.Again raised per take)
                         break
                     handle(sock.recv_multipart(zmq.NOBLOCK))
 
@@ -313,7 +313,7 @@ def _join(c: DecodeConfig, plan: Plan, chan: protocol.Channel, run_path: Path, n
             pass
         case other:
             raise protocol.ProtocolError(f"a decode TP rank waits for Rendezvous, not {type(other).__name__}")
-    return join(plan, rendezvous, tp_rank, e.decode_tp, c.transport.timeout_s,
+    return join(rendezvous, tp_rank, e.decode_tp, c.transport.timeout_s,
                 process_gpu(plan, "decode", instance * e.decode_tp + tp_rank), run_path / f"tp-{name}.jsonl")
 
 

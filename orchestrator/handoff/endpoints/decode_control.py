@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.handoff.endpoints.decode_state import Drops, Notices, Peers
+from orchestrator.handoff.endpoints.decode_state import Drops, Notices, Peers, PrefillSession
 from orchestrator.handoff.endpoints.grants import Grants
 from orchestrator.handoff.endpoints.handshake import DecodeHandshake
 from orchestrator.handoff.transport import wire
@@ -45,20 +45,24 @@ class Control:
         except wire.WireError as exc:
             self.drop("dropped_control", "control_dropped", error=str(exc))
             return
-        kind = msg["type"]
-        prank = sess.rank if sess is not None else None
-        if prank is not None:
-            self.peers.heard[prank] = _clock()
-        if kind == "hello":
+        if sess is not None:
+            self.peers.heard[sess.rank] = _clock()
+        if isinstance(msg, wire.HelloMsg):
             self.handshake.hello(identity, sess, msg)
         elif sess is None:  # authentic under the bare secret, but only hello may be
-            self.drop("rejected_auth", "control_rejected", reason=f"{kind} outside a session")
-        elif kind == "arrive" and self.leader:
-            self.peers.started.add(sess.rank)
-            self.grants.arrive(sess.rank, msg["reqs"], msg["contiguous"])
-        elif kind == "bye" and self.leader:
-            self.peers.done.add(sess.rank)
-            self.grants.release(sess.rank, "bye")
-            self.notices.byes.append(sess.rank)
+            self.drop("rejected_auth", "control_rejected", reason=f"{msg.TYPE} outside a session")
         else:
-            self.drop("dropped_control", "control_dropped", error=f"{kind} is not for this rank")
+            self.in_session(sess, msg)
+
+    def in_session(self, sess: PrefillSession, msg: wire.Message) -> None:
+        """A message of a bound prefill rank: arrivals and bye, on the leader."""
+        match msg:
+            case wire.ArriveMsg(reqs=reqs, contiguous=contiguous) if self.leader:
+                self.peers.started.add(sess.rank)
+                self.grants.arrive(sess.rank, reqs, contiguous)
+            case wire.ByeMsg() if self.leader:
+                self.peers.done.add(sess.rank)
+                self.grants.release(sess.rank, "bye")
+                self.notices.byes.append(sess.rank)
+            case _:
+                self.drop("dropped_control", "control_dropped", error=f"{msg.TYPE} is not for this rank")

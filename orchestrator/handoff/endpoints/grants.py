@@ -120,7 +120,7 @@ class Grants:
             v = led.verdicts.pop(prank, [])
             if told or v:
                 self.replies.send(self.peers.ranks[prank].identity,
-                                  wire.encode("update", grants=[[g.rid, g.slot] for g in told], v=v))
+                                  wire.encode(wire.UpdateMsg(grants=[[g.rid, g.slot] for g in told], v=v)))
             left = [g for g in led.granted.get(prank, []) if not g.shared]
             if left:
                 led.granted[prank] = left
@@ -139,6 +139,6 @@ class Grants:
         waiting = {g.prank for g in self.ledger.grants.values()} | {w[0] for w in self.ledger.waiting}
         for sess in due:
             if sess.rank in waiting:
-                self.replies.send(sess.identity, wire.encode("update", grants=[], v=[]))
+                self.replies.send(sess.identity, wire.encode(wire.UpdateMsg(grants=[], v=[])))
             else:
                 sess.told = now  # nothing owed: look again in a while

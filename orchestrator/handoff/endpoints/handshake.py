@@ -89,24 +89,26 @@ class PrefillHandshake:
     def hello(self, inst: Instance, link: Link, ctl: zmq.Socket,
               advertised: Optional[dict[str, Any]] = None) -> None:
         me = self.links.me
-        ctl.send(me.auth.seal(wire.encode("hello", rank=self.rank, layout=self.layout,
-                                           fingerprint=fingerprint(self.layout), nonce=me.nonce,
-                                           pid_ns=pid_namespace(), boot_id=me.boot_id)))
-        msg = self.recv_one(ctl, link.name)
-        if msg.get("type") == "error":
-            raise LayoutMismatch(f"{link.name} refused bootstrap: {msg['detail']}")
-        if msg.get("type") != "bootstrap" or msg["tp_rank"] != link.tp_rank:
-            raise RuntimeError(f"{link.name} answered hello with {msg}")
-        diff = first_difference(self.layout, msg["layout"])
+        ctl.send(me.auth.seal(wire.encode(wire.HelloMsg(
+            rank=self.rank, layout=self.layout, fingerprint=fingerprint(self.layout), nonce=me.nonce,
+            pid_ns=pid_namespace(), boot_id=me.boot_id))))
+        match self.recv_one(ctl, link.name):
+            case wire.ErrorMsg(detail=detail):
+                raise LayoutMismatch(f"{link.name} refused bootstrap: {detail}")
+            case wire.BootstrapMsg() as msg if msg.tp_rank == link.tp_rank:
+                pass
+            case other:
+                raise RuntimeError(f"{link.name} answered hello with {other.as_json()}")
+        diff = first_difference(self.layout, msg.layout)
         if diff is not None:
             raise LayoutMismatch(f"layout mismatch with {link.name}: {diff}")
         why = same_process_space_rule(self.plan.engine_transport, (pid_namespace(), me.boot_id),
-                                      (msg.get("pid_ns", ""), msg["boot_id"]))
+                                      (msg.pid_ns or "", msg.boot_id))
         if why is not None:  # before any byte moves
             raise LayoutMismatch(f"{link.name} refused: {why}")
-        session = me.auth.session(self.rank, me.nonce, msg["nonce"], "prefill")
-        peer = Peer(msg["session_id"], msg["aux_ptrs"], msg["item_lens"], msg["slots"],
-                    msg["tp_rank"], msg["boot_id"], msg["scratch_ptr"], auth=session)
+        session = me.auth.session(self.rank, me.nonce, msg.nonce, "prefill")
+        peer = Peer(msg.session_id, msg.aux_ptrs, msg.item_lens, msg.slots,
+                    msg.tp_rank, msg.boot_id, msg.scratch_ptr, auth=session)
         link.router.connect(peer)
         if link.tp_rank == 0:
             inst.slots = peer.slots
@@ -115,10 +117,10 @@ class PrefillHandshake:
         engine = self.side.engine
         warm_s = self.probe_bounded(engine, link.router, advertised) if engine is not None else 0.0
         self.links.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
-                            peer_pid_ns=msg.get("pid_ns", ""), pid_ns=pid_namespace(),
+                            peer_pid_ns=msg.pid_ns or "", pid_ns=pid_namespace(),
                             slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
 
-    def recv_one(self, ctl: zmq.Socket, name: str) -> dict:
+    def recv_one(self, ctl: zmq.Socket, name: str) -> wire.Message:
         """The answer to this hello (answers to another run's hello are counted and skipped)."""
         deadline = _clock() + self.timeout_s
         links = self.links
@@ -128,11 +130,11 @@ class PrefillHandshake:
                 raise TimeoutError(f"{name} did not answer hello within "
                                    f"transport.timeout_s={self.timeout_s:g}")
             msg = links.open(ctl.recv_multipart())
-            if msg and msg.get("type") == "bootstrap" and msg["hello_nonce"] != links.me.nonce:
+            if isinstance(msg, wire.BootstrapMsg) and msg.hello_nonce != links.me.nonce:
                 links.dropped.replayed += 1  # an answer to another hello (another run's): not ours
                 links.log.warning("bootstrap_replayed", decode=name)
                 continue
-            if msg:
+            if msg is not None:
                 return msg
 
     def probe_bounded(self, engine: MooncakeEngine, router: Router,
@@ -215,8 +217,8 @@ class DecodeHandshake:
         self.offer, self.peers, self.replies, self.drop = offer, peers, replies, drop
         self.digest, self.notices, self.plan, self.log, self.leader = digest, notices, plan, log, leader
 
-    def hello(self, identity: bytes, sess: Optional[PrefillSession], msg: dict) -> None:
-        rank = msg["rank"]
+    def hello(self, identity: bytes, sess: Optional[PrefillSession], msg: wire.HelloMsg) -> None:
+        rank = msg.rank
         peers, offer = self.peers, self.offer
         bound = peers.ranks.get(rank)
         if bound is not None or sess is not None:
@@ -224,32 +226,32 @@ class DecodeHandshake:
                       detail="rank already bound to another connection" if bound is not None
                       and bound.identity != identity else "hello again on a bound connection")
             return
-        diff = first_difference(offer.layout, msg["layout"])
+        diff = first_difference(offer.layout, msg.layout)
         if diff is not None:
             self.log.error("layout_mismatch", prefill=rank, detail=diff)
             self.refuse(identity, rank, f"layout mismatch: {diff}")
             return
         why = same_process_space_rule(self.plan.engine_transport, (peers.pid_ns, peers.boot_id),
-                                      (msg.get("pid_ns", ""), msg.get("boot_id", "")))
+                                      (msg.pid_ns or "", msg.boot_id or ""))
         if why is not None:  # refused before any byte moves, on both sides
             self.log.error("process_space_mismatch", prefill=rank, detail=why)
             self.refuse(identity, rank, why)
             return
-        keys = Keys(peers.secret, msg["nonce"])
-        new = PrefillSession(rank, identity, peers.auth.session(rank, msg["nonce"], peers.nonce, "decode"),
+        keys = Keys(peers.secret, msg.nonce)
+        new = PrefillSession(rank, identity, peers.auth.session(rank, msg.nonce, peers.nonce, "decode"),
                              keys, _clock())
         self.digest.rank_keys[rank] = keys
         # the answer goes under the secret (the prefill needs our nonce to derive the session)
-        self.replies.send(identity, wire.encode(
-            "bootstrap", session_id=offer.session_id, aux_ptrs=offer.aux_ptrs, item_lens=offer.item_lens,
-            slots=offer.slots, layout=offer.layout, fingerprint=msg["fingerprint"],
+        self.replies.send(identity, wire.encode(wire.BootstrapMsg(
+            session_id=offer.session_id, aux_ptrs=offer.aux_ptrs, item_lens=offer.item_lens,
+            slots=offer.slots, layout=offer.layout, fingerprint=msg.fingerprint,
             tp_rank=offer.tp_rank, boot_id=peers.boot_id, scratch_ptr=offer.scratch_ptr,
-            nonce=peers.nonce, hello_nonce=msg["nonce"], pid_ns=peers.pid_ns))
+            nonce=peers.nonce, hello_nonce=msg.nonce, pid_ns=peers.pid_ns)))
         peers.bind(new)
         self.log.info("prefill_bound", prefill=rank)
 
     def refuse(self, identity: bytes, rank: int, why: str) -> None:
         """Refused at hello: the prefill is told; the leader tells the runner too."""
-        self.replies.send(identity, wire.encode("error", detail=why))
+        self.replies.send(identity, wire.encode(wire.ErrorMsg(detail=why)))
         if self.leader:
             self.notices.refused.append((rank, why))

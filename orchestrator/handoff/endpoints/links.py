@@ -120,24 +120,24 @@ class Links:
         inst.control.send((inst.auth or self.me.auth).seal(payload))
         inst.told = _clock()
 
-    def open(self, frames: list[bytes], auth: Optional[Authenticator] = None) -> dict:
-        """A received control message, opened and checked; {} when refused (counted)."""
+    def open(self, frames: list[bytes], auth: Optional[Authenticator] = None) -> Optional[wire.Message]:
+        """A received control message, opened and checked; None when refused (counted)."""
         try:
             body = (auth or self.me.auth).unseal(frames[0]) if len(frames) == 1 else None
         except Replayed as exc:
             self.dropped.replayed += 1
             self.log.warning("control_replayed", error=str(exc))
-            return {}
+            return None
         if body is None:
             self.dropped.rejected += 1
             self.log.warning("control_rejected", reason="bad or missing MAC", frames=len(frames))
-            return {}
+            return None
         try:
             return wire.decode(body)
         except wire.WireError as exc:
             self.dropped.rejected += 1
             self.log.warning("control_dropped", error=str(exc))
-            return {}
+            return None
 
     def poll(self, timeout_ms: int) -> dict:
         return dict(self.poller.poll(timeout_ms))
@@ -152,7 +152,7 @@ class Links:
         """Say bye to every instance, close the sockets."""
         for inst in self.instances:
             try:
-                self.send(inst, wire.encode("bye"))
+                self.send(inst, wire.encode(wire.ByeMsg()))
             except zmq.ZMQError:
                 pass
             inst.control.close(0)

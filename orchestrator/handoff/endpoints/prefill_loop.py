@@ -161,8 +161,8 @@ class PrefillLoop:
             if inst.announce:
                 if not inst.owed - len(inst.announce):
                     inst.last_heard = _clock()  # nothing was owed before: the clock starts now
-                self.links.send(inst, wire.encode("arrive", reqs=inst.announce,
-                                                  contiguous=self.phase.coalesce))
+                self.links.send(inst, wire.encode(wire.ArriveMsg(reqs=inst.announce,
+                                                                 contiguous=self.phase.coalesce)))
                 inst.announce = []
 
     def form_step(self) -> None:
@@ -422,7 +422,7 @@ class PrefillLoop:
         every = heartbeat_s(links.timeout_s)
         for inst in links.instances:
             if not inst.lost and now - inst.told >= every:
-                links.send(inst, wire.encode("arrive", reqs=[], contiguous=self.phase.coalesce))
+                links.send(inst, wire.encode(wire.ArriveMsg(reqs=[], contiguous=self.phase.coalesce)))
 
     def end_arrivals(self) -> None:
         """A closed loop's workload.duration_s ran out: what arrived is the phase's count."""
@@ -482,27 +482,31 @@ class PrefillLoop:
         control = inst.control
         while cast(int, control.get(zmq.EVENTS)) & zmq.POLLIN:  # (no zmq.Again raised per drain)
             msg = self.links.open(control.recv_multipart(zmq.NOBLOCK), inst.auth)
-            if not msg:
+            if msg is None:
                 continue
             inst.last_heard = _clock()
-            kind = msg["type"]
-            if kind == "update":
-                for rid, slot in msg["grants"]:
-                    req = self.outstanding.get(rid)
-                    if req is None or req.inst != inst.index or req.verdict is not None:
-                        self.res.rejected += 1  # not ours, or already done
-                        continue
-                    if req.dst_slot >= 0:
-                        self.res.replayed += 1  # a second grant for one request
-                        continue
-                    req.dst_slot = slot
-                    inst.ungranted -= 1
-                    self.ready.append(req)
-                self.judged(inst, msg["v"])
-            elif kind == "error":
-                self.log.error("decode_error", decode=inst.index, detail=msg["detail"])
-            else:
-                self.res.rejected += 1
+            match msg:
+                case wire.UpdateMsg(grants=grants, v=verdicts):
+                    self.granted(inst, grants)
+                    self.judged(inst, verdicts)
+                case wire.ErrorMsg(detail=detail):
+                    self.log.error("decode_error", decode=inst.index, detail=detail)
+                case _:
+                    self.res.rejected += 1
+
+    def granted(self, inst: Instance, grants: list[list[int]]) -> None:
+        """Slots granted: each request granted once, by its own instance, while it waits."""
+        for rid, slot in grants:
+            req = self.outstanding.get(rid)
+            if req is None or req.inst != inst.index or req.verdict is not None:
+                self.res.rejected += 1  # not ours, or already done
+                continue
+            if req.dst_slot >= 0:
+                self.res.replayed += 1  # a second grant for one request
+                continue
+            req.dst_slot = slot
+            inst.ungranted -= 1
+            self.ready.append(req)
 
     def stop(self, detail: Detail) -> None:
         """Interrupted: announce nothing more, give what is in flight a moment, then fail

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -74,7 +75,7 @@ class TorchGroup(Group):
     """A decode instance of `size` ranks (processes): the collectives of each step, and what
     they showed (counted, and logged per step)."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, log_path):
+    def __init__(self, rank: int, size: int, device: torch.device, log_path: Path):
         import torch.distributed as dist
 
         self.dist = dist
@@ -93,7 +94,7 @@ class TorchGroup(Group):
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device)
 
-    def _reduce(self, values: list[int], op) -> list[int]:
+    def _reduce(self, values: list[int], op: Any) -> list[int]:
         t = self._tensor(values)
         t0 = time.perf_counter()
         self.dist.all_reduce(t, op=op)
@@ -178,8 +179,8 @@ class TorchGroup(Group):
             pass
 
 
-def join(plan, rendezvous: Rendezvous, tp_rank: int, tp: int, timeout_s: float, gpu: Optional[int],
-         log_path) -> TorchGroup:
+def join(rendezvous: Rendezvous, tp_rank: int, tp: int, timeout_s: float, gpu: Optional[int],
+         log_path: Path) -> TorchGroup:
     """Join the instance's group (every rank calls this with the same rendezvous)."""
     import torch.distributed as dist
 

@@ -15,7 +15,7 @@ import re
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from orchestrator.profile.plan import EngineTransport
 class EngineError(RuntimeError):
     """A Mooncake call returned an error code; `rc` and `context` say which and on what."""
 
-    def __init__(self, op: str, rc: int, **context):
+    def __init__(self, op: str, rc: int, **context: object):
         self.op, self.rc, self.context = op, rc, context
         detail = ", ".join(f"{k}={v}" for k, v in context.items())
         super().__init__(f"mooncake {op} returned {rc}" + (f" ({detail})" if detail else ""))
@@ -269,7 +269,7 @@ class MooncakeEngine:
                               blocks=len(srcs), bytes=int(sum(_as_list(lengths))))
         return batch
 
-    def wait(self, batch: int, **context) -> None:
+    def wait(self, batch: int, **context: object) -> None:
         """Until the batch has landed (Mooncake polls its status in a loop). Raises
         EngineError: Mooncake writes the good blocks of a failed batch anyway (no rollback),
         so the receiver must never trust a slot whose sender saw this raise."""
@@ -289,7 +289,7 @@ class MooncakeEngine:
                               blocks=len(srcs), bytes=int(sum(_as_list(lengths))))
 
     @property
-    def raw(self):
+    def raw(self) -> Any:
         """The underlying TransferEngine (benchmarks compare against it directly)."""
         return self._engine
 

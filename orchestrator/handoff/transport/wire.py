@@ -36,10 +36,11 @@ longer frame before buffering it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -73,7 +74,7 @@ def _ints(v: Any, limit: int = 64) -> bool:
     return isinstance(v, list) and len(v) <= limit and all(_u64(x) for x in v)
 
 
-def _rows(width: int):
+def _rows(width: int) -> Callable[[Any], bool]:
     def check(v: Any) -> bool:
         return (isinstance(v, list) and len(v) <= MAX_LIST
                 and all(isinstance(r, list) and len(r) == width and all(_u64(x) for x in r) for r in v))
@@ -124,20 +125,149 @@ def _versions(v: Any) -> bool:
         isinstance(x, str) and len(x) <= 256 for x in v.values())
 
 
-SCHEMA: dict[str, dict[str, Any]] = {
-    "hello": {"rank": _u64, "layout": _layout, "fingerprint": _str, "nonce": _nonce, "pid_ns": _str, "boot_id": _str},
-    "arrive": {"reqs": _rows(2), "contiguous": lambda v: isinstance(v, bool)},
-    "bye": {},
-    "bootstrap": {"session_id": _opt_str, "aux_ptrs": _ints, "item_lens": _ints, "slots": _u64,
-                  "layout": _layout, "fingerprint": _str, "tp_rank": _u64, "boot_id": _str,
-                  "scratch_ptr": _u64, "nonce": _nonce, "hello_nonce": _nonce, "pid_ns": _str},
-    "update": {"grants": _rows(2), "v": _rows(6)},
-    "error": {"detail": _str},
-    # the bootstrap address of a decode side started alone (role=decode)
-    # with what each side runs and the address SGLang would advertise there (handoff.peercheck)
-    "lookup": {"rank": _u64, "prefill_ranks": _u64, "versions": _versions, "advertised": _advertised},
-    "decodes": {"infos": _infos, "prefill_ranks": _u64, "versions": _versions, "advertised": _advertised},
-}
+# Each control message is a frozen dataclass (its fields in wire order, each with its check);
+# decode() checks a message once, here, and returns its dataclass; the endpoints dispatch on
+# the class. A message also reads as the JSON object it travels as (msg["type"], msg[key],
+# key in msg), for tests and tools that look at the wire itself.
+def _check(fits: Callable[[Any], bool], optional: bool = False) -> Any:
+    """A field of a control message: its check; `optional`, a key a sender may leave out (a
+    peer that predates it), None here when absent."""
+    meta = {"fits": fits, "optional": optional}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A control message (a subclass per type in SCHEMA)."""
+
+    TYPE: ClassVar[str] = ""
+
+    def fields(self) -> dict[str, Any]:
+        """Its JSON object's fields, in wire order (an absent optional key left out)."""
+        return {name: value for name, optional in _FIELDS[type(self)]
+                if (value := getattr(self, name)) is not None or not optional}
+
+    def as_json(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **self.fields()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_json()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.as_json()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_json())
+
+    def __len__(self) -> int:
+        return len(self.as_json())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.as_json().get(key, default)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.as_json())
+
+
+@dataclass(frozen=True)
+class HelloMsg(Message):
+    """prefill -> decode, under the bare secret: who it is and what its rows look like."""
+
+    TYPE: ClassVar[str] = "hello"
+    rank: int = _check(_u64)
+    layout: Layout = _check(_layout)
+    fingerprint: str = _check(_str)
+    nonce: str = _check(_nonce)
+    pid_ns: Optional[str] = _check(_str, optional=True)
+    boot_id: Optional[str] = _check(_str, optional=True)
+
+
+@dataclass(frozen=True)
+class ArriveMsg(Message):
+    """prefill -> decode: requests arrived (an empty one is the prefill's keepalive)."""
+
+    TYPE: ClassVar[str] = "arrive"
+    reqs: list[list[int]] = _check(_rows(2))  # [rid, room]
+    contiguous: bool = _check(lambda v: isinstance(v, bool))
+
+
+@dataclass(frozen=True)
+class ByeMsg(Message):
+    """prefill -> decode: this prefill rank writes nothing more."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True)
+class BootstrapMsg(Message):
+    """decode -> prefill, the answer to hello (under the bare secret): where its rows are."""
+
+    TYPE: ClassVar[str] = "bootstrap"
+    session_id: Optional[str] = _check(_opt_str)
+    aux_ptrs: list[int] = _check(_ints)
+    item_lens: list[int] = _check(_ints)
+    slots: int = _check(_u64)
+    layout: Layout = _check(_layout)
+    fingerprint: str = _check(_str)
+    tp_rank: int = _check(_u64)
+    boot_id: str = _check(_str)
+    scratch_ptr: int = _check(_u64)
+    nonce: str = _check(_nonce)
+    hello_nonce: str = _check(_nonce)
+    pid_ns: Optional[str] = _check(_str, optional=True)
+
+
+@dataclass(frozen=True)
+class UpdateMsg(Message):
+    """decode -> prefill: new grants and verdicts (an empty one is the decode's heartbeat)."""
+
+    TYPE: ClassVar[str] = "update"
+    grants: list[list[int]] = _check(_rows(2))  # [rid, slot]
+    v: list[list[int]] = _check(_rows(6))  # [rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns]
+
+
+@dataclass(frozen=True)
+class ErrorMsg(Message):
+    """A refusal, with the reason."""
+
+    TYPE: ClassVar[str] = "error"
+    detail: str = _check(_str)
+
+
+@dataclass(frozen=True)
+class LookupMsg(Message):
+    """role=prefill -> role=decode's bootstrap address: where are the decode endpoints?"""
+
+    TYPE: ClassVar[str] = "lookup"
+    rank: int = _check(_u64)
+    prefill_ranks: int = _check(_u64)
+    # what the prefill side runs, and the address SGLang would advertise on its host
+    # (orchestrator.handoff.peercheck; a peer that predates them leaves them out)
+    versions: Optional[dict[str, str]] = _check(_versions, optional=True)
+    advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+
+
+@dataclass(frozen=True)
+class DecodesMsg(Message):
+    """The answer to lookup: every decode instance's endpoints, a list per TP rank."""
+
+    TYPE: ClassVar[str] = "decodes"
+    infos: list[list[dict[str, Optional[str]]]] = _check(_infos)
+    prefill_ranks: int = _check(_u64)
+    versions: Optional[dict[str, str]] = _check(_versions, optional=True)  # as in LookupMsg
+    advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+
+
+MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
+    HelloMsg, ArriveMsg, ByeMsg, BootstrapMsg, UpdateMsg, ErrorMsg, LookupMsg, DecodesMsg)}
+# every type's keys and their checks, and the keys a sender may leave out (a peer that predates
+# them: the PID namespace and boot id a side sends at bootstrap, plan.same_process_space_rule)
+SCHEMA: dict[str, dict[str, Callable[[Any], bool]]] = {
+    t: {f.name: f.metadata["fits"] for f in dataclasses.fields(cls)} for t, cls in MESSAGES.items()}
+OPTIONAL: dict[str, frozenset[str]] = {
+    t: frozenset(f.name for f in dataclasses.fields(cls) if f.metadata["optional"]) for t, cls in MESSAGES.items()}
+_FIELDS: dict[type[Message], tuple[tuple[str, bool], ...]] = {
+    cls: tuple((f.name, bool(f.metadata["optional"])) for f in dataclasses.fields(cls)) for cls in MESSAGES.values()}
 
 
 CONTROL_FRAME_BYTES = MAX_MESSAGE_BYTES + 64  # a control payload, its sequence number and MAC
@@ -148,18 +278,17 @@ def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
     of every slot of the widest field, a step status of every slot, or a control message."""
     return max(max(item_lens, default=0) * slots, STEP_DTYPE.itemsize * slots, CONTROL_FRAME_BYTES)
 
-# Keys a sender may leave out (a peer that predates them): the PID namespace and boot id a
-# side sends at bootstrap (plan.same_process_space_rule).
-OPTIONAL: dict[str, frozenset] = {"hello": frozenset({"pid_ns", "boot_id"}), "bootstrap": frozenset({"pid_ns"}),
-                                   "lookup": frozenset({"versions", "advertised"}),
-                                   "decodes": frozenset({"versions", "advertised"})}
+
+def encode(msg: Message | str, **fields: Any) -> bytes:
+    """A control message's bytes: a Message, or a type and its fields as given (tests write
+    malformed ones this way)."""
+    if isinstance(msg, Message):
+        return json.dumps(msg.as_json(), separators=(",", ":")).encode()
+    return json.dumps({"type": msg, **fields}, separators=(",", ":")).encode()
 
 
-def encode(msg_type: str, **fields: Any) -> bytes:
-    return json.dumps({"type": msg_type, **fields}, separators=(",", ":")).encode()
-
-
-def decode(raw: bytes) -> dict[str, Any]:
+def decode(raw: bytes) -> Message:
+    """A received control message, checked against its type's fields (WireError if not)."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(raw)} B exceeds {MAX_MESSAGE_BYTES} B")
     try:
@@ -168,17 +297,18 @@ def decode(raw: bytes) -> dict[str, Any]:
         raise WireError(f"not JSON: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str) or msg["type"] not in SCHEMA:
         raise WireError("not a known message type")
-    fields = SCHEMA[msg["type"]]
-    extra = set(msg) - set(fields) - {"type"}
+    kind = msg.pop("type")
+    fields = SCHEMA[kind]
+    extra = set(msg) - set(fields)
     if extra:
-        raise WireError(f"{msg['type']}: unexpected keys {sorted(extra)}")
-    optional = OPTIONAL.get(msg["type"], frozenset())
+        raise WireError(f"{kind}: unexpected keys {sorted(extra)}")
+    optional = OPTIONAL[kind]
     for key, fits in fields.items():
         if key not in msg and key in optional:
             continue
         if key not in msg or not fits(msg[key]):
-            raise WireError(f"{msg['type']}: bad or missing {key!r}")
-    return msg
+            raise WireError(f"{kind}: bad or missing {key!r}")
+    return MESSAGES[kind](**msg)
 
 
 # ---- data plane: encoding ------------------------------------------------------------------
