@@ -172,9 +172,10 @@ def _tmpfs(path: Path, size: str) -> None:
         pytest.skip("needs root to mount a small tmpfs")
 
 
-@pytest.mark.parametrize("size,where", [("8k", ".hydra/"), ("64k", "")], ids=["hydra-save", "mid-run"])
+@pytest.mark.parametrize("size,where", [("8k", ".hydra/"), ("64k", ""), ("700k", "")],
+                         ids=["hydra-save", "mid-run", "records"])
 def test_a_full_disk_is_exit_3_and_one_line_naming_the_file(tmp_path, size, where):
-    """8k: Hydra's own .hydra/ save cannot fit; 64k: the per-request files fill mid-run.
+    """8k: Hydra's own .hydra/ save cannot fit; 64k, 700k: the per-request files fill mid-run.
     issue 31's trial: a traceback and exit 2 at both (recovery._append, hydra _save_config)."""
     disk = tmp_path / "small"
     _tmpfs(disk, size)
@@ -188,6 +189,7 @@ def test_a_full_disk_is_exit_3_and_one_line_naming_the_file(tmp_path, size, wher
     assert proc.returncode == 3, proc.stdout + proc.stderr
     line = _one_error(proc.stderr)
     assert line.startswith("error: no space left writing ") and f"run/{where}" in line, line
+    assert "a file of the run dir" not in line  # the file is named
     assert torn == [] and leftovers == []
 
 

@@ -85,7 +85,7 @@ from orchestrator.profile.config import (
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Plan
 from orchestrator.results.records import DecodeResult
-from orchestrator.results.rundir import RunFiles, proc_name
+from orchestrator.results.rundir import RunFile, RunFiles, proc_name
 
 _clock = time.monotonic
 
@@ -177,7 +177,7 @@ class DecodeEndpoint:
         self.notices = Notices()
         self.res = DecodeResult(self.name, tp_rank=self.tp_rank)
         judge = Judge(c.gate, c.transport.timeout_s, buffers, digest, self.res)
-        self.records = open(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)
+        self.records = RunFile(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)  # NoSpace names it
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
         rows = Rows(buffers, digest, slots, c.gate.read,
                     decode_setup(buffers, c.faults, c.gate.zero_room_on_free), self.group.size == 1)

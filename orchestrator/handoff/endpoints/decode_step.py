@@ -18,6 +18,7 @@ from orchestrator.handoff.endpoints.judge import Judge, Rows
 from orchestrator.handoff.endpoints.tp import NOT_TAKEN, Group
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import DecodeResult
+from orchestrator.results.rundir import RunFile
 
 _clock = time.monotonic
 HOLDS = (Detail.room_never_landed, Detail.written_by_someone_else)  # failures that held a slot long
@@ -29,7 +30,7 @@ class Stepper:
     its verdicts file (`records`, a line per verdict); `slots`: buffers.size."""
 
     def __init__(self, ledger: Ledger, rows: Rows, judge: Judge, group: Group, grants: Grants,
-                 res: DecodeResult, records: IO[str], log: structlog.stdlib.BoundLogger, slots: int):
+                 res: DecodeResult, records: IO[str] | RunFile, log: structlog.stdlib.BoundLogger, slots: int):
         self.ledger, self.rows, self.judge, self.group, self.grants = ledger, rows, judge, group, grants
         self.res, self.records, self.log, self.slots = res, records, log, slots
         self.leader = group.rank == 0

@@ -28,6 +28,7 @@ from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_o
 from orchestrator.profile.config import FillMode, SetBufMode, StatusMode, TransportConfig, WorkloadConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import RankResult, Record
+from orchestrator.results.rundir import RunFile
 
 _clock = time.monotonic
 ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see PrefillLoop.issue)
@@ -120,7 +121,7 @@ class PrefillLoop:
         self.finished = 0
         self.stopping = False
         self.more_now = False  # issue() stopped at its budget with arrivals due now
-        self.sink = open(settings.records_path, "a", buffering=1 << 16)
+        self.sink = RunFile(settings.records_path, "a", buffering=1 << 16)  # NoSpace names it
         self._recs: list[Record] = []  # finished, not yet counted and written (flush_records)
         self._stages: list[tuple[float, ...]] = []
         self.judged_unsent = 0  # verdicts in for requests whose send has not finished

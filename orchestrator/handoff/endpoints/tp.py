@@ -33,6 +33,7 @@ import torch
 
 from orchestrator.handoff.protocol import Rendezvous
 from orchestrator.results.outcomes import KVPoll
+from orchestrator.results.rundir import RunFile
 from orchestrator.results.stats import LatencyHistogram
 
 NOT_TAKEN = 1 << 20  # outcome slot of a request a rank did not take this step (never the MIN)
@@ -85,7 +86,7 @@ class TorchGroup(Group):
         self.stats = {"steps": 0, "steps_disagreed": 0, "requests_disagreed": 0,
                       "taken_unready": 0, "taken_wrong_room": 0, "gate_waits": 0,
                       "verdicts_split": 0}
-        self.log = open(log_path, "w", buffering=1 << 16)
+        self.log = RunFile(log_path, "w", buffering=1 << 16)  # NoSpace names it
         self.seen: list[int] = []  # this step's polls, this rank's and agreed
         self.agreed: list[int] = []
         self.disagreed = 0  # requests of this step the ranks polled differently
