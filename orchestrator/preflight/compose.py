@@ -326,6 +326,23 @@ def hydra_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _files_problem(overrides: Optional[list[str]], dirs: list[Path]) -> Optional[str]:
+    """A --config-dir YAML file that does not parse (only those the run reads), or a run dir
+    another live run holds (before Hydra writes into it)."""
+    for directory in dirs:
+        problem = yaml_problem(directory, overrides)
+        if problem is not None:
+            return problem
+    for o in overrides or ():
+        if o.startswith("hydra.run.dir=") and "${" not in o:
+            from orchestrator.results.rundir import run_dir_busy
+
+            busy = run_dir_busy(Path(o.split("=", 1)[1]))
+            if busy is not None:
+                return busy
+    return None
+
+
 def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
     """One line naming what Hydra or validate would refuse in these overrides, else None.
     Every value of a sweep (a=1,2) is checked, each with the others at their first value. A
@@ -342,17 +359,9 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
         return None
     overrides = cli_overrides(argv)
     dirs = config_dirs(argv)
-    for directory in dirs:
-        problem = yaml_problem(directory, overrides if overrides is not None else None)
-        if problem is not None:
-            return problem
-    for o in overrides or ():
-        if o.startswith("hydra.run.dir=") and "${" not in o:  # before Hydra writes into it
-            from orchestrator.results.rundir import run_dir_busy
-
-            busy = run_dir_busy(Path(o.split("=", 1)[1]))
-            if busy is not None:
-                return busy
+    problem = _files_problem(overrides, dirs)
+    if problem is not None:
+        return problem
     if overrides is None or any("${hydra:" in o for o in overrides):
         return None  # another primary config, or values only a running job can resolve
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -424,7 +433,7 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
         if asked_help and exc.code in (0, None):
             from orchestrator.profile.keys import help_text
 
-            print("\n" + help_text(), flush=True)
+            print("\n" + help_text(load_profile([])), flush=True)
         if exc.code == 1 and not started():
             raise SystemExit(2) from None
         raise

@@ -21,7 +21,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.preflight.compose import ProfileError
 from orchestrator.preflight.serving import (
@@ -705,7 +705,20 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
         out.append(Finding(Level.WARN, SEND_AUX_TCP_VAR, f"differs ({both(SEND_AUX_TCP_VAR)}): only "
                                                          "the prefill's value chooses the route; set "
                                                          "the same on both to avoid surprises."))
-    out += _addresses(a, b)
+    out += _addresses(a, b) + _previews_and_images(a, b, both)
+    if "nvlink_intra" in (ta, tb) and (oa.get("mem_pool") == "INTRA_NODE_NVLINK"
+                                       or ob.get("mem_pool") == "INTRA_NODE_NVLINK"):
+        out.append(_pid_namespace(a.environment, b.environment))
+    if not out:
+        out.append(Finding(Level.OK, "prefill/decode", "same pool, same aux layout switches, same "
+                                                       f"Mooncake transport ({ta})."))
+    return out
+
+
+def _previews_and_images(a: Reading, b: Reading, both: Callable[[str], str]) -> list[Finding]:
+    """A customized_info capacity that differs (a preview of PR #40107), and two images."""
+    ea, eb = a.environment.env, b.environment.env
+    out: list[Finding] = []
     ca, cb = ea.get(CUSTOMIZED_INFO_VAR, CUSTOMIZED_INFO_DEFAULT), eb.get(CUSTOMIZED_INFO_VAR, CUSTOMIZED_INFO_DEFAULT)
     if ca.strip() != cb.strip():
         out.append(Finding(Level.FAIL, CUSTOMIZED_INFO_VAR,
@@ -722,12 +735,6 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
                            "below 0.3.11 on one side and 0.3.11 or later on the other: \"Failed to get "
                            "segment descriptor\", SGLang #26008, Mooncake #2177); run the same image, or "
                            "compare with python -m orchestrator.doctor --peer-versions inside each."))
-    if "nvlink_intra" in (ta, tb) and (oa.get("mem_pool") == "INTRA_NODE_NVLINK"
-                                       or ob.get("mem_pool") == "INTRA_NODE_NVLINK"):
-        out.append(_pid_namespace(a.environment, b.environment))
-    if not out:
-        out.append(Finding(Level.OK, "prefill/decode", "same pool, same aux layout switches, same "
-                                                       f"Mooncake transport ({ta})."))
     return out
 
 

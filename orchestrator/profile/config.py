@@ -164,6 +164,10 @@ class GateRead(Enum):
     side_stream = "side_stream"
 
 
+# Cores from which `auto` spins (endpoints.poll) and completes by spinning (completion)
+SPIN_MIN_CORES = 8
+
+
 class PollMode(Enum):
     """endpoints.poll: how the endpoints' loops wait for the next message. spin polls without
     sleeping (as SGLang's scheduler loop does; a wake-up costs nothing, a core is busy);
@@ -175,17 +179,11 @@ class PollMode(Enum):
     spin = "spin"
     block = "block"
 
-    def spins(self, cores: Optional[int] = None) -> bool:
-        """Whether the loops spin. auto decides by `cores`, by default the cores this process
-        may use (affinity and cgroup quota: platform.usable_cores), never the host's count."""
+    def spins(self, cores: int) -> bool:
+        """Whether the loops spin. auto decides by `cores`: the cores this process may use
+        (affinity and cgroup quota: platform.usable_cores), never the host's count."""
         if self is not PollMode.auto:
             return self is PollMode.spin
-        if cores is None:
-            from orchestrator.profile.platform import usable_cores
-
-            cores = usable_cores()
-        from orchestrator.profile.plan import SPIN_MIN_CORES
-
         return cores >= SPIN_MIN_CORES
 
 

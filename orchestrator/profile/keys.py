@@ -128,12 +128,8 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def keys(cfg: Optional[OrchestratorConfig] = None) -> list[Key]:
-    """Every key with the default of `cfg` (default: the composed conf/ with no overrides)."""
-    if cfg is None:
-        from orchestrator.preflight.compose import load_profile
-
-        cfg = load_profile([])
+def keys(cfg: OrchestratorConfig) -> list[Key]:
+    """Every key with the default of `cfg` (the composed conf/ with no overrides, for --help)."""
     out = []
     for k in schema_keys():
         value: Any = cfg
@@ -151,7 +147,7 @@ def first_sentence(text: str) -> str:
     return text
 
 
-def help_text(cfg: Optional[OrchestratorConfig] = None) -> str:
+def help_text(cfg: OrchestratorConfig) -> str:
     """The `--help` section: one line per key, `key=default  meaning [choices]`."""
     rows = []
     for k in keys(cfg):

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Mapping, Optional
 
 from orchestrator.profile.config import (
+    SPIN_MIN_CORES,
     CompletionSetting,
     ConfigError,
     EngineTransportSetting,
@@ -141,7 +142,6 @@ def engine_env(transport: EngineTransport, tcp_progress_timeout_s: int) -> dict[
     return env
 
 
-SPIN_MIN_CORES = 8
 
 
 def completion_rule(setting: CompletionSetting, cpu_count: int) -> CompletionSetting:

@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from orchestrator.results.rundir import RunFiles
 
@@ -135,6 +135,21 @@ def _shown(pcts, n: int) -> list[tuple[str, float, float]]:
     return [(name, v, q) for name, v, q in named if v is not None and n * (1 - q) >= 1]
 
 
+def _cdf_axes(ax: Any, metric: str, drawn: list[tuple[str, list[float]]]) -> None:
+    """A CDF panel's log x axis (1-2-5 ticks), labels, title, grid and legend."""
+    lo = min(min(v) for _, v in drawn)
+    hi = max(max(v) for _, v in drawn)
+    ax.set_xscale("log")
+    log_ticks(ax.xaxis, max(lo, 1e-3), max(hi, lo * 1.01, 1e-3))
+    ax.tick_params(axis="x", labelsize="small", labelrotation=30)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel(f"{metric} latency (us, log scale)")
+    ax.set_ylabel("fraction of requests (CDF)")
+    ax.set_title(f"{metric}" + (" (verified)" if metric != "send_aux" else " (every send)"), fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
+
 def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
                 marks: Optional[dict[str, LatencyMarks]] = None, qs=DEFAULT_QS) -> Optional[Path]:
     """One panel per metric (up to three in a row, four as two by two): the CDF of each
@@ -182,17 +197,7 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
                 ax.axvline(mean, color=color, linestyle="-.", linewidth=0.8, alpha=0.7)
             if top is not None:
                 ax.plot([top], [1.0], marker="v", markersize=6, color=color)
-        lo = min(min(v) for _, v in drawn)
-        hi = max(max(v) for _, v in drawn)
-        ax.set_xscale("log")
-        log_ticks(ax.xaxis, max(lo, 1e-3), max(hi, lo * 1.01, 1e-3))
-        ax.tick_params(axis="x", labelsize="small", labelrotation=30)
-        ax.set_ylim(0, 1.02)
-        ax.set_xlabel(f"{metric} latency (us, log scale)")
-        ax.set_ylabel("fraction of requests (CDF)")
-        ax.set_title(f"{metric}" + (" (verified)" if metric != "send_aux" else " (every send)"), fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+        _cdf_axes(ax, metric, drawn)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title + "\nmarks: percentiles dotted, mean dash-dotted, max a triangle", fontsize=10)

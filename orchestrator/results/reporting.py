@@ -38,6 +38,7 @@ from orchestrator.results.schema import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_SIGNAL,
+    Agreement,
     Authenticated,
     DecodeCounts,
     DecodeGate,
@@ -175,7 +176,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
         {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
         Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
-        decode_verified, {**{name: r.memory for name, r in out.ranks.items()},
+        Agreement(decode_verified), {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
     res.ending.warnings += warnings
@@ -185,7 +186,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
             res.slots_held_by_failed_s[why] = round(res.slots_held_by_failed_s.get(why, 0.0) + s, 3)
     if decode_verified != verified and out.run_dir:  # one truth: the difference, named
         late = verified_after_lost(Path(out.run_dir))
-        res.verified_after_lost, res.verified_after_lost_ids = len(late), late[:100]
+        res.agreement.verified_after_lost, res.agreement.verified_after_lost_ids = len(late), late[:100]
     return res
 
 

@@ -344,7 +344,30 @@ class Ending:
                    out.slow_to_stop, out.engine_log, list(out.warnings))
 
 
-_GROUPS = (Timing, Transports, Ending)
+@dataclass
+class Agreement:
+    """The decode's side of the count (top-level keys): its own verified against the prefill's,
+    requests a decode verified (its verdicts file, decode_verified) that their prefill had
+    already failed (requests.jsonl, verified): the verdict came after the prefill gave up on
+    the decode. verified + verified_after_lost = decode_verified; the ids (first 100) name them."""
+
+    decode_verified: int = 0
+    verified_after_lost: int = 0
+    verified_after_lost_ids: list[int] = field(default_factory=list)
+    # slot-seconds the decode's slots were held by rows that failed room_never_landed or
+    # written_by_someone_else (grant to verdict, summed; gate.never_landed_s bounds the first)
+    slots_held_by_failed_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Origin:
+    """Which side wrote the results and where (top-level keys, set by orchestrator.handoff.app)."""
+
+    role: Optional[str] = None
+    run_dir: Optional[str] = None
+
+
+_GROUPS = (Timing, Transports, Ending, Agreement, Origin)
 
 
 class Results:
@@ -452,25 +475,48 @@ class JobResults(Results):
     pairs: dict[str, Pair]
     authenticated: Authenticated
     decode: dict[str, DecodeCounts]
-    decode_verified: int
+    agreement: Agreement
     memory_kb: dict[str, dict]
     ending: Ending
     plan: PlanInfo
     error: Optional[str]
     tp: Optional[TpSummary]
     decode_gate: DecodeGate
-    role: Optional[str] = None  # set by orchestrator.app
-    run_dir: Optional[str] = None
+    origin: Origin = field(default_factory=Origin)
     # what SGLang 0.5.23's decode would hold in Transferring for ever (None: nothing)
     sglang_0_5_23: Optional[Held] = None
-    # requests a decode verified (its verdicts file, decode_verified) that their prefill had
-    # already failed (requests.jsonl, verified): the verdict came after the prefill gave up on
-    # the decode. verified + verified_after_lost = decode_verified; the ids (first 100) name them.
-    verified_after_lost: int = 0
-    verified_after_lost_ids: list[int] = field(default_factory=list)
-    # slot-seconds the decode's slots were held by rows that failed room_never_landed or
-    # written_by_someone_else (grant to verdict, summed; gate.never_landed_s bounds the first)
-    slots_held_by_failed_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decode_verified(self) -> int:
+        return self.agreement.decode_verified
+
+    @property
+    def verified_after_lost(self) -> int:
+        return self.agreement.verified_after_lost
+
+    @property
+    def verified_after_lost_ids(self) -> list[int]:
+        return self.agreement.verified_after_lost_ids
+
+    @property
+    def slots_held_by_failed_s(self) -> dict[str, float]:
+        return self.agreement.slots_held_by_failed_s
+
+    @property
+    def role(self) -> Optional[str]:
+        return self.origin.role
+
+    @role.setter
+    def role(self, value: Optional[str]) -> None:
+        self.origin.role = value
+
+    @property
+    def run_dir(self) -> Optional[str]:
+        return self.origin.run_dir
+
+    @run_dir.setter
+    def run_dir(self, value: Optional[str]) -> None:
+        self.origin.run_dir = value
 
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
              "sglang_0_5_23", "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
@@ -486,7 +532,8 @@ class JobResults(Results):
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "JobResults":
         flat = {f.name: d.get(f.name) for f in fields(cls)}
-        return cls(**{**flat, **_groups(d), "latency_us": LatencyUs.from_json(d.get("latency_us")),
+        return cls(**{**flat, **_groups(d), "agreement": read_section(Agreement, d),
+                      "origin": read_section(Origin, d), "latency_us": LatencyUs.from_json(d.get("latency_us")),
                       "handoff_stages_us": each(Percentiles.from_json)(d.get("handoff_stages_us")),
                       "workload": read_section(Workload, d.get("workload")),
                       "pairs": each(Pair.from_json)(d.get("pairs")),

@@ -84,6 +84,7 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Plan
+from orchestrator.profile.platform import usable_cores
 from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile, RunFiles, proc_name
 
@@ -214,7 +215,7 @@ class DecodeEndpoint:
         poller.register(self.net.data, zmq.POLLIN)
         poller.register(chan.fileno(), zmq.POLLIN)
         lockstep = self.group.size > 1
-        spin = self.config.endpoints.poll.spins()
+        spin = self.config.endpoints.poll.spins(usable_cores())
         watch = self.config.role is Role.decode and self.leader  # role=both: the runner watches them
         self.log.info("decode_loop", poll="spin" if spin else "block")
         load = self.load

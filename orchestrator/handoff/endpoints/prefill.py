@@ -69,7 +69,7 @@ from orchestrator.profile.config import (
     WorkloadConfig,
 )
 from orchestrator.profile.plan import Plan
-from orchestrator.profile.platform import boot_id
+from orchestrator.profile.platform import boot_id, usable_cores
 from orchestrator.results.logs import DecisionLog
 from orchestrator.results.records import RankResult
 from orchestrator.results.rundir import RunFiles, proc_name
@@ -173,7 +173,7 @@ class PrefillEndpoint:
             handshake.connect(decodes)
         finally:
             self.stuck = self.stuck or handshake.stuck
-        spin = c.endpoints.poll.spins()
+        spin = c.endpoints.poll.spins(usable_cores())
         nap_s = (c.transport.mooncake.nap_us / 1e6
                  if self.plan.completion is CompletionSetting.nap else 0.0)
         self._sender = Sender(self.ctx, self.links.wake_addr, self.log_decisions, nap_s,
