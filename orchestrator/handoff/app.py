@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from orchestrator.handoff.lifecycle import Signals
 from orchestrator.handoff.runner import run_handoffs
-from orchestrator.profile.config import ConfigError, OrchestratorConfig, Role, resolve_host, resolve_seed, validate
+from orchestrator.profile.config import ConfigError, OrchestratorConfig, Role, typed, validate
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
@@ -64,9 +64,9 @@ def save_hydra(cfg, run_dir: Path) -> None:
 
 def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
-    obj = validate(cfg)
-    resolve_host(obj)
-    drawn = resolve_seed(obj)
+    given = typed(cfg)
+    obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
+    drawn = given.workload.seed is None
     plan = check_profile(obj, detect())
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
                     console_level=logging.INFO if obj.logging.console else logging.WARNING)

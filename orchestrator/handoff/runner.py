@@ -12,6 +12,7 @@ role=prefill meet through orchestrator.bootstrap.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -35,7 +36,7 @@ from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals, resu
 from orchestrator.handoff.mps import mps_for, record_servers
 from orchestrator.handoff.recovery import decode_from_disk, reconstruct
 from orchestrator.handoff.transport.auth import run_secret
-from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, resolve_seed
+from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, with_seed
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult
@@ -133,12 +134,13 @@ class Job:
     def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
                  progress: Optional[_Progress] = None, driver=None, bulk_bytes: int = 0,
                  secret: Optional[bytes] = None):
+        if cfg.workload.seed is None:  # callers other than the CLI (which draws and records it): in a copy
+            cfg = dataclasses.replace(cfg, workload=with_seed(cfg.workload))
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
-        resolve_seed(cfg)  # callers other than the CLI (which records it) get one too
         self.out = RunResult()
         self.out.run_dir = str(run_dir)
         self.signals = Signals()

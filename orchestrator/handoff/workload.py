@@ -174,7 +174,7 @@ def arrival_offsets(rate: Optional[float], seed: Optional[int], n: int, rank: in
     most `n`), drawn in chunks: a long run's ceiling is never allocated."""
     if rate is None:
         return None
-    assert seed is not None  # an open loop runs with its seed resolved (config.resolve_seed)
+    assert seed is not None  # an open loop runs with its seed resolved (config.with_seed)
     rng = np.random.Generator(np.random.Philox(key=[seed & ((1 << 64) - 1), rank]))
 
     def gaps(k: int) -> np.ndarray:

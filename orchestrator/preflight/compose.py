@@ -96,9 +96,11 @@ def _one_line(exc: BaseException) -> str:
     return text
 
 
-def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> OrchestratorConfig:
-    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it; the
-    directories of --config-dir join the search path as they do on the command line.
+def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = (),
+                 resolve: bool = False) -> OrchestratorConfig:
+    """Compose conf/ with `overrides` (as tests/conftest.py does) and validate it (with
+    `resolve`: host and seed resolved first, as the run does); the directories of
+    --config-dir join the search path as they do on the command line.
 
     Raises ProfileError with a one-line message for anything Hydra or validate rejects; a
     mistake in a file of a config dir names the file and the key.
@@ -119,7 +121,7 @@ def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = ()) -> 
             from omegaconf import OmegaConf
 
             cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
-        return validate(cfg)
+        return validate(cfg, resolve)
     except ConfigError as exc:
         raise ProfileError(in_file(exc, used, overrides)) from None
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf errors: one line, no traceback
@@ -385,18 +387,17 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
             choices.append([text])
     base = [c[0] for c in choices]
     combos = [base] + [base[:i] + [v] + base[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+    one = len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None
     for combo in combos:
         try:
-            cfg = load_profile(combo, dirs)
+            cfg = load_profile(combo, dirs, resolve=one)  # one job: its host resolved, as the run does
         except ProfileError as exc:
             return str(exc)
-    if rules and len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None:
-        from orchestrator.profile.config import resolve_host
+    if rules and one:
         from orchestrator.profile.platform import detect
         from orchestrator.profile.rules import check_profile
 
         try:
-            resolve_host(cfg)
             check_profile(cfg, detect())
         except ConfigError as exc:
             return in_file(exc, [f for d in dirs for f in _named_files(d, base)], base)

@@ -7,7 +7,7 @@ matched by member NAME, so members are spelled exactly as users type them). What
 cannot check (ranges, ports, hosts) sits beside the fields it checks, as each section's
 ``check()`` method, which raises :class:`ConfigError`: one sentence naming the key, the bad
 value and what is allowed. Checks that need more than one section or the machine live in
-the rule book, :mod:`orchestrator.rules`.
+the rule book, :mod:`orchestrator.profile.rules`.
 """
 
 from __future__ import annotations
@@ -856,29 +856,39 @@ def peer_address(peer: Optional[str], bootstrap_file: Optional[str], timeout_s: 
         time.sleep(0.5)
 
 
-def resolve_seed(cfg: OrchestratorConfig) -> bool:
-    """workload.seed=null: draw this run's seed (True when drawn)."""
-    if cfg.workload.seed is not None:
-        return False
+def with_seed(workload: WorkloadConfig) -> WorkloadConfig:
+    """workload.seed=null: a copy of the section with this run's seed drawn; a pinned seed
+    gives the section itself."""
+    if workload.seed is not None:
+        return workload
     import secrets
 
-    cfg.workload.seed = secrets.randbelow(MAX_SEED + 1)
-    return True
+    return dataclasses.replace(workload, seed=secrets.randbelow(MAX_SEED + 1))
 
 
-def resolve_host(cfg: OrchestratorConfig) -> None:
-    """transport.host=auto: this host's IPv4 address on its default route (no packet sent)."""
-    if cfg.transport.host != "auto":
-        return
+def with_host(transport: TransportConfig) -> TransportConfig:
+    """transport.host=auto with transport.allow_remote=true: a copy of the section with this
+    host's IPv4 address on its default route (no packet sent). Anything else gives the section
+    itself (auto without allow_remote is refused by its check)."""
+    if transport.host != "auto" or not transport.allow_remote:
+        return transport
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the outgoing interface
-            cfg.transport.host = s.getsockname()[0]
+            host = s.getsockname()[0]
         except OSError:
             raise ConfigError("transport.host", "auto", "an explicit IPv4 address: this host has "
                                                          "no default route to pick one from") from None
+    return dataclasses.replace(transport, host=host)
+
+
+def resolved(cfg: OrchestratorConfig) -> OrchestratorConfig:
+    """A new config with transport.host=auto and workload.seed=null resolved (with_host,
+    with_seed); `cfg` itself is not changed. Done before the checks, so the checked config is
+    the one that runs."""
+    return dataclasses.replace(cfg, transport=with_host(cfg.transport), workload=with_seed(cfg.workload))
 
 
 _SCHEMAS = {c.__name__: c for c in (MemPoolConfig, FieldConfig, LayoutConfig, BuffersConfig,
@@ -927,12 +937,17 @@ def typed(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
-def validate(cfg: DictConfig | OrchestratorConfig) -> OrchestratorConfig:
-    """The typed config, with every section's range and form checks passed.
+def validate(cfg: DictConfig | OrchestratorConfig, resolve: bool = False) -> OrchestratorConfig:
+    """The typed config, with every section's range and form checks passed: the one place
+    they run. With `resolve`, host and seed are resolved first (:func:`resolved`), so what
+    was checked is what runs; nothing changes the config after this.
 
     Raises ConfigError for the first problem found (one actionable sentence). Whether the
-    profile can run on a given machine is the rule book's question (orchestrator.rules).
+    profile can run on a given machine is the rule book's question (orchestrator.profile.rules),
+    which takes the config this returns.
     """
     obj = typed(cfg)
+    if resolve:
+        obj = resolved(obj)
     obj.check()
     return obj

@@ -1,14 +1,15 @@
 """The rule book: can this profile run on this machine, and how? One function answers it
 for the run, the doctor and export_env alike, so they can never disagree.
 
-check_profile(cfg, platform) returns the Plan or raises ConfigError (one line: key, value,
-what is allowed). It applies, in order:
-  1. every config section's own range and form checks (orchestrator.config);
+check_profile(cfg, platform) takes a validated config (orchestrator.profile.config.validate
+ran every section's own range and form checks, once) and returns the Plan or raises
+ConfigError (one line: key, value, what is allowed). It applies, in order:
+  1. a named secret must be set;
   2. the plan's rules: device, route, engine transport, fallback, GPU placement,
      allocator settings (orchestrator.plan);
   3. what a fault needs (a route, TP ranks);
-  4. the secret: a named one must be set; a run across hosts must name one; NVLink stays
-     on one host; rdma needs an RDMA device unless it may degrade;
+  4. the secret: a run across hosts must name one; NVLink stays on one host; rdma needs an
+     RDMA device unless it may degrade;
   5. the digest: blake2b reads rows on the host;
   6. the metadata service the runner would start;
   7. memory: every process's buffers must fit the host's available memory (host buffers)
@@ -64,7 +65,6 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     t = cfg.transport
     if t.secret_env is not None:  # the variable it names holds a usable secret
         secret_from_env(t.secret_env, platform.env)
-    cfg.check()
     _check_workload(cfg)
     held = cfg.gate.never_landed_s
     if held is not None and held > cfg.transport.timeout_s:
