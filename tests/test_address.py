@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.profile.address import (
+    AddressSource as Step,
+)
+from orchestrator.profile.address import (
     Host,
     Interface,
-    Step,
     advertise,
     interfaces_from_ip_json,
     judge,

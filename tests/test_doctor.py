@@ -18,7 +18,6 @@ from orchestrator.preflight.doctor import (
     Check,
     CudaProbe,
     MooncakeProbe,
-    Status,
     check_alloc_conf,
     check_cuda,
     check_host,
@@ -30,6 +29,9 @@ from orchestrator.preflight.doctor import (
     intra_nvlink_built,
     port_is_free,
     rpc_port_range,
+)
+from orchestrator.preflight.doctor import (
+    CheckStatus as Status,
 )
 from orchestrator.profile.config import ConfigError
 from orchestrator.profile.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan

@@ -17,7 +17,8 @@ import yaml
 
 from orchestrator.preflight import deployment as dep
 from orchestrator.preflight.compose import load_profile
-from orchestrator.preflight.deployment import Level, Role, Wheel
+from orchestrator.preflight.deployment import DisaggregationMode as Role
+from orchestrator.preflight.deployment import Level, Wheel
 from orchestrator.preflight.serving import profile_from_env, serving_env
 from orchestrator.profile.config import ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType, RouteSetting
 from orchestrator.profile.plan import Platform

@@ -190,7 +190,8 @@ def _other_pid_namespace() -> str:
 
 def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory):
     """Two containers on one node without --pid=host: the rule fires on the plan (no GPU)."""
-    from orchestrator.preflight.doctor import Status, check_process_space
+    from orchestrator.preflight.doctor import CheckStatus as Status
+    from orchestrator.preflight.doctor import check_process_space
     from orchestrator.profile.plan import same_process_space_rule
     from orchestrator.profile.platform import boot_id, pid_namespace
 

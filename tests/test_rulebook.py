@@ -63,7 +63,7 @@ def test_run_doctor_and_export_env_accept_alike(overrides, capsys):
     assert precheck(overrides) is None
     assert _code(export_env.main, overrides) == 0
     report = doctor.run_checks(doctor.load_profile(overrides), overrides)
-    assert next(c for c in report.checks if c.name == "plan").status is not doctor.Status.FAIL
+    assert next(c for c in report.checks if c.name == "plan").status is not doctor.CheckStatus.FAIL
 
 
 def test_the_real_command_line_refuses_the_same_way(tmp_path):

@@ -16,7 +16,8 @@ import pytest
 
 from orchestrator.handoff.workload import arrival_offsets
 from orchestrator.profile.config import ConfigError
-from orchestrator.results.progress import Mode, Progress, mode_for
+from orchestrator.results.progress import Mode, mode_for
+from orchestrator.results.progress import ProgressMeter as Progress
 from orchestrator.results.schema import Percentiles, RunStatus
 from orchestrator.results.stats import LatencyHistogram
 

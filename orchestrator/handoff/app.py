@@ -18,7 +18,7 @@ from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
 from orchestrator.results.logs import configure
-from orchestrator.results.progress import Progress, mode_for
+from orchestrator.results.progress import ProgressMeter, mode_for
 from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, unlock_run_dir, write_atomic
 from orchestrator.results.schema import DecodeSideResults, JobResults, NotRun, Results
 
@@ -79,8 +79,8 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
 
     w, lg = obj.workload, obj.logging
     total = w.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
-    progress = (Progress(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
-                         mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
+    progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
+                              mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
                 if obj.role is not Role.decode else None)
     try:
         out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)

@@ -110,7 +110,7 @@ def _said(msg, out: RunResult) -> str:
 
 
 class _Progress(Protocol):
-    """What run_handoffs reports to (orchestrator.results.progress.Progress, the bench's line;
+    """What run_handoffs reports to (orchestrator.results.progress.ProgressMeter, the bench's line;
     one with a `phase` method is told each driver phase's label too, one with `stage` and
     `tick` the runner's own stages and a beat from its loops)."""
 

@@ -60,7 +60,9 @@ class Level(Enum):
     FAIL = "FAIL"
 
 
-class Role(Enum):
+class DisaggregationMode(Enum):
+    """The side a deployment serves: SGLang's --disaggregation-mode prefill|decode."""
+
     prefill = "prefill"
     decode = "decode"
 
@@ -94,7 +96,7 @@ class Environment:
     label: str  # "prefill.env", "Deployment/sglang-prefill container sglang"
     env: dict[str, str]  # what the container sees; a valueFrom MC_* variable reads as ""
     unknown: tuple[tuple[str, str], ...] = ()  # (name, where its value comes from)
-    role: Optional[Role] = None
+    role: Optional[DisaggregationMode] = None
     pod: Optional[Pod] = None
     args: tuple[str, ...] = ()  # command + args
     image: str = ""  # the container's image (manifests only): the versions it runs come with it
@@ -152,17 +154,17 @@ def parse_env_output(text: str) -> dict[str, str]:
     return env
 
 
-def _role_of(*texts: str) -> Optional[Role]:
+def _role_of(*texts: str) -> Optional[DisaggregationMode]:
     for text in texts:
         words = set(re.split(r"[^a-z]+", text.lower()))
         if "prefill" in words and "decode" not in words:
-            return Role.prefill
+            return DisaggregationMode.prefill
         if "decode" in words and "prefill" not in words:
-            return Role.decode
+            return DisaggregationMode.decode
     return None
 
 
-def _mode_arg(args: Sequence[str]) -> Optional[Role]:
+def _mode_arg(args: Sequence[str]) -> Optional[DisaggregationMode]:
     """SGLang's --disaggregation-mode prefill|decode in a command line."""
     for i, arg in enumerate(args):
         value = None
@@ -171,7 +173,7 @@ def _mode_arg(args: Sequence[str]) -> Optional[Role]:
         elif arg.startswith("--disaggregation-mode="):
             value = arg.split("=", 1)[1]
         if value in ("prefill", "decode"):
-            return Role(value)
+            return DisaggregationMode(value)
     return None
 
 
@@ -657,8 +659,8 @@ def _describe(plan: Plan, env: Mapping[str, str]) -> str:
 def pairs(readings: Sequence[Reading]) -> list[tuple[Reading, Reading]]:
     """Every prefill against every decode; two environments of unknown role: the first is the
     prefill."""
-    prefills = [r for r in readings if r.environment.role is Role.prefill]
-    decodes = [r for r in readings if r.environment.role is Role.decode]
+    prefills = [r for r in readings if r.environment.role is DisaggregationMode.prefill]
+    decodes = [r for r in readings if r.environment.role is DisaggregationMode.decode]
     if prefills and decodes:
         return [(p, d) for p in prefills for d in decodes]
     if len(readings) == 2:

@@ -65,19 +65,19 @@ from orchestrator.profile.sharing import MPS_CONTROL
 # Results
 
 
-class Status(str, Enum):
+class CheckStatus(str, Enum):
     OK = "OK"
     WARN = "WARN"
     FAIL = "FAIL"
 
 
-_RANK = {Status.OK: 0, Status.WARN: 1, Status.FAIL: 2}
+_RANK = {CheckStatus.OK: 0, CheckStatus.WARN: 1, CheckStatus.FAIL: 2}
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    status: Status
+    status: CheckStatus
     detail: str
 
     def as_dict(self) -> dict[str, str]:
@@ -87,9 +87,9 @@ class Check:
         return f"{self.status.value:<4}  {self.name:<10}  {self.detail}"
 
 
-def _verdict(name: str, findings: Sequence[tuple[Status, str]]) -> Check:
+def _verdict(name: str, findings: Sequence[tuple[CheckStatus, str]]) -> Check:
     """One Check from (status, sentence) findings: the worst status, the sentences in order."""
-    status = max((s for s, _ in findings), key=_RANK.__getitem__, default=Status.OK)
+    status = max((s for s, _ in findings), key=_RANK.__getitem__, default=CheckStatus.OK)
     return Check(name, status, " ".join(text for _, text in findings))
 
 
@@ -171,12 +171,12 @@ def probe_mooncake() -> MooncakeProbe:
 
 
 def check_mooncake(probe: MooncakeProbe, uses_engine: bool, wants_nvlink: bool) -> Check:
-    findings: list[tuple[Status, str]] = []
-    needed = Status.FAIL if uses_engine else Status.WARN
+    findings: list[tuple[CheckStatus, str]] = []
+    needed = CheckStatus.FAIL if uses_engine else CheckStatus.WARN
     role = ("the plan sends aux by Mooncake batch writes" if uses_engine
             else "the plan sends aux over the ZMQ tcp route and starts no engine")
     if probe.distribution is None and not probe.import_error:
-        findings.append((Status.WARN, "mooncake imports but no known wheel is installed (a source "
+        findings.append((CheckStatus.WARN, "mooncake imports but no known wheel is installed (a source "
                                       "build?): its build flags are read from its engine .so."))
     elif probe.distribution is None:
         findings.append((needed, "No Mooncake wheel is installed (looked for mooncake-transfer-engine, "
@@ -184,7 +184,7 @@ def check_mooncake(probe: MooncakeProbe, uses_engine: bool, wants_nvlink: bool) 
                          "mooncake-transfer-engine-non-cuda on a CPU box, -cuda13 with CUDA 13."))
     else:
         name, version = probe.distribution
-        findings.append((Status.OK, f"{name} {version}."))
+        findings.append((CheckStatus.OK, f"{name} {version}."))
     if probe.import_error:
         fix = ("install the library it links: `apt-get install -y libibverbs1`"
                if "libibverbs" in probe.import_error
@@ -192,30 +192,30 @@ def check_mooncake(probe: MooncakeProbe, uses_engine: bool, wants_nvlink: bool) 
                     "CUDA 13: -cuda13, no GPU: -non-cuda)")
         findings.append((needed, f"`import mooncake.engine` fails ({probe.import_error}); {role}: {fix}."))
     elif probe.distribution is not None:
-        findings.append((Status.OK, "`import mooncake.engine` works."))
-    findings.append((Status.OK, "CUDA build (ships mooncake.allocator)." if probe.cuda_build
+        findings.append((CheckStatus.OK, "`import mooncake.engine` works."))
+    findings.append((CheckStatus.OK, "CUDA build (ships mooncake.allocator)." if probe.cuda_build
                      else "Not a CUDA build (no mooncake.allocator): TCP/RDMA transports only."))
     marker = NVLINK_MISSING_MARKER.decode()
     why = f"\"{marker}\", an error Mooncake compiles in only without -DUSE_INTRA_NVLINK=ON"
     if probe.intra_nvlink_built is None:
-        findings.append((Status.WARN if wants_nvlink else Status.OK,
+        findings.append((CheckStatus.WARN if wants_nvlink else CheckStatus.OK,
                          "No readable mooncake/engine*.so: cannot tell whether intra-node NVLink is "
                          "built in."))
     elif probe.intra_nvlink_built:
-        findings.append((Status.OK, f"Intra-node NVLink built in: {probe.engine_so} lacks {why}."))
+        findings.append((CheckStatus.OK, f"Intra-node NVLink built in: {probe.engine_so} lacks {why}."))
     else:
-        findings.append((Status.OK, f"No intra-node NVLink: {probe.engine_so} contains {why}."))
+        findings.append((CheckStatus.OK, f"No intra-node NVLink: {probe.engine_so} contains {why}."))
     if wants_nvlink:
         if not probe.cuda_build or probe.intra_nvlink_built is False:
-            findings.append((Status.FAIL,
+            findings.append((CheckStatus.FAIL,
                              "The profile needs the nvlink_intra transport, which this build lacks: "
                              "install mooncake-transfer-engine-cuda13 (CUDA 13) or "
                              "mooncake-transfer-engine (CUDA 12) on a GPU machine, or set "
                              "transport.fallback=degrade to run on host buffers over TCP."))
         else:
-            findings.append((Status.OK, "The profile's nvlink_intra transport is built in."))
+            findings.append((CheckStatus.OK, "The profile's nvlink_intra transport is built in."))
     elif uses_engine:
-        findings.append((Status.OK, "The profile's engine transport needs no special build flag."))
+        findings.append((CheckStatus.OK, "The profile's engine transport needs no special build flag."))
     return _verdict("mooncake", findings)
 
 
@@ -225,15 +225,15 @@ def check_mooncake(probe: MooncakeProbe, uses_engine: bool, wants_nvlink: bool) 
 
 def check_plan(plan: Optional[Plan], error: Optional[ConfigError]) -> Check:
     if plan is None:
-        return Check("plan", Status.FAIL, f"The profile cannot run here: {error}")
+        return Check("plan", CheckStatus.FAIL, f"The profile cannot run here: {error}")
     text = (f"mem_pool={plan.mem_pool.value}: buffers on {plan.buffer_device.value}, route "
             f"{plan.route.value} ({plan.route_reason.value}), declared transport "
             f"{plan.declared_transport}, fallback={plan.fallback.value}")
     if plan.prefill_gpus is not None:
         text += f", GPUs prefill {list(plan.prefill_gpus)} / decode {list(plan.decode_gpus or ())}"
-    findings = [(Status.OK, text + ".")]
+    findings = [(CheckStatus.OK, text + ".")]
     for event in plan.events:
-        findings.append((Status.WARN, f"Degraded ({event.reason.value}): {event.detail}; the run "
+        findings.append((CheckStatus.WARN, f"Degraded ({event.reason.value}): {event.detail}; the run "
                                       "logs a fallback event and its numbers are TCP numbers."))
     return _verdict("plan", findings)
 
@@ -270,30 +270,30 @@ def probe_cuda(prefill_gpu: Optional[int], decode_gpu: Optional[int]) -> CudaPro
 def check_cuda(device: Device, prefill_gpu: Optional[int], decode_gpu: Optional[int],
                probe: Optional[CudaProbe]) -> Check:
     if device is not Device.cuda:
-        return Check("cuda", Status.OK, f"Not needed: the buffers live on {device.value}.")
+        return Check("cuda", CheckStatus.OK, f"Not needed: the buffers live on {device.value}.")
     if probe is None or probe.error:
         why = probe.error if probe and probe.error else "not probed"
-        return Check("cuda", Status.FAIL, f"Buffers are planned on CUDA but torch's CUDA state could "
+        return Check("cuda", CheckStatus.FAIL, f"Buffers are planned on CUDA but torch's CUDA state could "
                                           f"not be read ({why}): check the driver and nvidia-smi.")
     if probe.device_count == 0:
-        return Check("cuda", Status.FAIL,
+        return Check("cuda", CheckStatus.FAIL,
                      "Buffers are planned on CUDA but torch sees no CUDA device: run on a GPU machine "
                      "with a CUDA build of torch, or pick mem_pool=NONE (or transport.fallback=degrade).")
     devices = ", ".join(f"{i}: {n}" for i, n in enumerate(probe.names)) or "?"
-    findings: list[tuple[Status, str]] = [
-        (Status.OK, f"{probe.device_count} CUDA device(s) ({devices}).")]
+    findings: list[tuple[CheckStatus, str]] = [
+        (CheckStatus.OK, f"{probe.device_count} CUDA device(s) ({devices}).")]
     for key, idx in (("endpoints.prefill_gpus", prefill_gpu), ("endpoints.decode_gpus", decode_gpu)):
         if idx is not None and idx >= probe.device_count:
-            findings.append((Status.FAIL, f"{key}={idx} does not exist here "
+            findings.append((CheckStatus.FAIL, f"{key}={idx} does not exist here "
                                           f"(devices 0..{probe.device_count - 1})."))
     if prefill_gpu is not None and prefill_gpu == decode_gpu:
-        findings.append((Status.OK, f"Both endpoints on GPU {prefill_gpu}: no peer access needed "
+        findings.append((CheckStatus.OK, f"Both endpoints on GPU {prefill_gpu}: no peer access needed "
                                     "(CUDA IPC within one device)."))
     elif probe.peer_access is True:
-        findings.append((Status.OK, f"GPU {prefill_gpu} can access GPU {decode_gpu} as a peer "
+        findings.append((CheckStatus.OK, f"GPU {prefill_gpu} can access GPU {decode_gpu} as a peer "
                                     "(torch.cuda.can_device_access_peer)."))
     elif probe.peer_access is False:
-        findings.append((Status.WARN, f"GPU {prefill_gpu} cannot access GPU {decode_gpu} as a peer: "
+        findings.append((CheckStatus.WARN, f"GPU {prefill_gpu} cannot access GPU {decode_gpu} as a peer: "
                                       "copies between them will not go over NVLink P2P; check "
                                       "`nvidia-smi topo -m` or pick GPUs joined by NVLink "
                                       "(endpoints.prefill_gpus / endpoints.decode_gpus)."))
@@ -311,20 +311,20 @@ def check_mc_env(env: Mapping[str, str], wants_nvlink: bool, plan_env: Mapping[s
     """The shell's MC_* variables against the plan. WARN only: this tool's own runs set or
     unset every managed name from plan.mc_env; a serving engine started from this shell
     does not."""
-    findings: list[tuple[Status, str]] = []
+    findings: list[tuple[CheckStatus, str]] = []
     off = sorted(k for k, v in env.items() if k.startswith("MC_") and v.strip().lower() in OFF_LOOKING)
     if off:
         shown = ", ".join(f"{k}={env[k]!r}" for k in off)
-        findings.append((Status.WARN, f"{shown} set in this shell: Mooncake only tests presence, so "
+        findings.append((CheckStatus.WARN, f"{shown} set in this shell: Mooncake only tests presence, so "
                                       "this still turns the feature ON; `unset` it instead."))
     if wants_nvlink and "MC_INTRANODE_NVLINK" not in env:
-        findings.append((Status.WARN, "MC_INTRANODE_NVLINK is not set in this shell: a serving engine "
+        findings.append((CheckStatus.WARN, "MC_INTRANODE_NVLINK is not set in this shell: a serving engine "
                                       "started from here would silently run on TCP (protocol "
                                       "nvlink_intra alone does not select NVLink); this tool's runs "
                                       "set it from the plan; for SGLang: "
                                       "eval \"$(python -m orchestrator.export_env ...)\"."))
     if wants_nvlink and "MC_FORCE_TCP" in env:
-        findings.append((Status.WARN, "MC_FORCE_TCP is set in this shell while the plan wants "
+        findings.append((CheckStatus.WARN, "MC_FORCE_TCP is set in this shell while the plan wants "
                                       "nvlink_intra: a serving engine started from here would run on "
                                       "TCP; this tool's runs unset it; `unset MC_FORCE_TCP` or use "
                                       "python -m orchestrator.export_env."))
@@ -336,7 +336,7 @@ def check_mc_env(env: Mapping[str, str], wants_nvlink: bool, plan_env: Mapping[s
         if differ:
             text += (f" The shell differs from the plan in {', '.join(differ)}; this tool's runs "
                      "set them, a serving engine needs python -m orchestrator.export_env.")
-        findings.append((Status.OK, text))
+        findings.append((CheckStatus.OK, text))
     return _verdict("mc-env", findings)
 
 
@@ -346,15 +346,15 @@ def check_mc_env(env: Mapping[str, str], wants_nvlink: bool, plan_env: Mapping[s
 def check_alloc_conf(env: Mapping[str, str], wants_nvlink: bool) -> Check:
     on = expandable_segments(env)
     if not on:
-        return Check("alloc-conf", Status.OK, "PyTorch expandable segments are off: CUDA tensors are "
+        return Check("alloc-conf", CheckStatus.OK, "PyTorch expandable segments are off: CUDA tensors are "
                                               "cudaMalloc'd and have CUDA IPC handles.")
     shown = ", ".join(f"{n}={env[n]}" for n in on)
     if wants_nvlink:
-        return Check("alloc-conf", Status.FAIL,
+        return Check("alloc-conf", CheckStatus.FAIL,
                      f"{shown} with an nvlink_intra plan: expandable-segment memory comes from "
                      "cuMemCreate, has no CUDA IPC handle and fails to register with Mooncake's "
                      "NVLink transport (the plan check refuses it); remove expandable_segments:True.")
-    return Check("alloc-conf", Status.OK, f"{shown} is set; harmless here (the plan does not use "
+    return Check("alloc-conf", CheckStatus.OK, f"{shown} is set; harmless here (the plan does not use "
                                           "nvlink_intra), but it breaks INTRA_NODE_NVLINK profiles.")
 
 
@@ -371,9 +371,9 @@ def check_rpc_ports(env: Mapping[str, str], host: str,
     """Probe `sample` random ports of the range plus both ends (all of a small range).
     A plan that starts no engine (tcp route) gets at most a WARN: the run does not need them."""
     check = _rpc_ports(env, host, is_free, sample, rng)
-    if uses_engine or check.status is Status.OK:
+    if uses_engine or check.status is CheckStatus.OK:
         return check
-    return Check(check.name, Status.WARN, "The plan starts no Mooncake engine (tcp route), so this "
+    return Check(check.name, CheckStatus.WARN, "The plan starts no Mooncake engine (tcp route), so this "
                                           "run does not need the port, but a serving engine would: "
                                           + check.detail)
 
@@ -384,13 +384,13 @@ def _rpc_ports(env: Mapping[str, str], host: str, is_free: Callable[[str, int], 
     try:
         lo, hi = rpc_port_range(env)
     except ValueError as exc:
-        return Check(name, Status.FAIL, f"{exc}: Mooncake would pick its RPC port from a bogus range "
+        return Check(name, CheckStatus.FAIL, f"{exc}: Mooncake would pick its RPC port from a bogus range "
                                         "(and segfaults at initialize when none is free); unset "
                                         "MC_MIN_RPC_PORT / MC_MAX_RPC_PORT or fix them.")
     where = ("from MC_MIN_RPC_PORT/MC_MAX_RPC_PORT" if "MC_MIN_RPC_PORT" in env or "MC_MAX_RPC_PORT" in env
              else "Mooncake's default")
     if hi < lo:
-        return Check(name, Status.FAIL, f"RPC port range {lo}..{hi} ({where}) is empty: Mooncake picks "
+        return Check(name, CheckStatus.FAIL, f"RPC port range {lo}..{hi} ({where}) is empty: Mooncake picks "
                                         "its RPC port there and segfaults at initialize when it finds "
                                         "none; unset MC_MIN_RPC_PORT / MC_MAX_RPC_PORT or make min <= max.")
     width = hi - lo + 1
@@ -403,13 +403,13 @@ def _rpc_ports(env: Mapping[str, str], host: str, is_free: Callable[[str, int], 
     text = (f"RPC port range {lo}..{hi} ({where}, {width} ports): {free} of {len(ports)} probed "
             f"ports bind on 0.0.0.0 and {host}.")
     if free == 0:
-        return Check(name, Status.FAIL, text + " None is free: Mooncake would segfault at initialize; "
+        return Check(name, CheckStatus.FAIL, text + " None is free: Mooncake would segfault at initialize; "
                                                "free some ports or widen the range.")
     if width < NARROW_RANGE:
-        return Check(name, Status.WARN, text + f" The range is narrower than {NARROW_RANGE} ports: each "
+        return Check(name, CheckStatus.WARN, text + f" The range is narrower than {NARROW_RANGE} ports: each "
                                                "engine takes one at random, and initialize segfaults "
                                                "when none is left; widen it or unset the variables.")
-    return Check(name, Status.OK, text)
+    return Check(name, CheckStatus.OK, text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,16 +432,16 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
     and then the planes are reachable from the network: WARN. (Whether the profile may run
     at all, secret included, is the plan check's: the rule book.)"""
     name = "host"
-    findings: list[tuple[Status, str]] = []
+    findings: list[tuple[CheckStatus, str]] = []
     try:
         addr = ipaddress.IPv4Address(host)
     except ValueError:
-        return Check(name, Status.FAIL, f"transport.host={host!r} is not an IPv4 address.")
+        return Check(name, CheckStatus.FAIL, f"transport.host={host!r} is not an IPv4 address.")
     if is_loopback(host):
-        findings.append((Status.OK, f"transport.host={host}: the ZMQ data and control planes bind "
+        findings.append((CheckStatus.OK, f"transport.host={host}: the ZMQ data and control planes bind "
                                     "loopback only (both endpoints on this machine)."))
     elif (err := try_bind(host)) is not None:
-        findings.append((Status.FAIL, f"transport.host={host} is not an address of this machine "
+        findings.append((CheckStatus.FAIL, f"transport.host={host} is not an address of this machine "
                                       f"(bind failed: {err}); use 127.0.0.1 or an address from "
                                       "`ip -4 addr`."))
     else:
@@ -449,11 +449,11 @@ def check_host(host: str, try_bind: Callable[[str], Optional[str]] = bind_error,
                    if addr.is_unspecified else "is a local non-loopback address")
         auth = ("every message carries a MAC and every row a keyed digest (transport.secret_env); "
                 "nothing is encrypted")
-        findings.append((Status.WARN, f"transport.host={host} {exposed}: the data and control planes "
+        findings.append((CheckStatus.WARN, f"transport.host={host} {exposed}: the data and control planes "
                                       f"are reachable from the network; {auth}; firewall it, or use "
                                       "127.0.0.1 when both endpoints are on this machine."))
     if uses_engine:
-        findings.append((Status.WARN, "Mooncake itself binds its handshake (RPC) and TCP-transport "
+        findings.append((CheckStatus.WARN, "Mooncake itself binds its handshake (RPC) and TCP-transport "
                                       "listeners on all interfaces whatever host it is given "
                                       "(seen with ss on 0.3.13/0.3.14): firewall ports "
                                       "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT or run in a network "
@@ -473,7 +473,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(c.status is not Status.FAIL for c in self.checks)
+        return all(c.status is not CheckStatus.FAIL for c in self.checks)
 
     def as_dict(self) -> dict:
         return {"profile": overrides_dict(self.overrides), "ok": self.ok,
@@ -482,7 +482,7 @@ class Report:
 
     def text(self) -> str:
         lines = [c.line() for c in self.checks]
-        failed = [c.name for c in self.checks if c.status is Status.FAIL]
+        failed = [c.name for c in self.checks if c.status is CheckStatus.FAIL]
         label = profile_label(self.overrides)
         if failed:
             lines.append(f"=> {label}: cannot run as declared here ({len(failed)} FAIL: {', '.join(failed)})")
@@ -534,10 +534,10 @@ def check_layouts(cfg: OrchestratorConfig, peer: OrchestratorConfig, peer_label:
 
     diff = first_difference(profile_layout(cfg), profile_layout(peer))
     if diff is None:
-        return Check("layout", Status.OK,
+        return Check("layout", CheckStatus.OK,
                      f"{cfg.layout.name} and the peer's ({peer_label or 'defaults'}: "
                      f"{peer.layout.name}) give the same {len(profile_layout(cfg))} fields")
-    return Check("layout", Status.FAIL,
+    return Check("layout", CheckStatus.FAIL,
                  f"the peer's profile ({peer_label}) gives another aux layout: {diff}; a run "
                  "between them is refused at bootstrap, and SGLang would corrupt memory silently")
 
@@ -717,17 +717,17 @@ def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optio
         mine = (pid_namespace(), boot_id())
     ns = mine[0] or "unknown"
     if transport is not EngineTransport.nvlink_intra:
-        return Check("pid-ns", Status.OK, f"This side's PID namespace is {ns}; the engine transport is not "
+        return Check("pid-ns", CheckStatus.OK, f"This side's PID namespace is {ns}; the engine transport is not "
                      "nvlink_intra, so the peer's may differ.")
     if peer_pid_ns is None:
-        return Check("pid-ns", Status.WARN,
+        return Check("pid-ns", CheckStatus.WARN,
                      f"This side's PID namespace is {ns}: nvlink_intra (CUDA IPC) needs the peer in the same "
                      "one (--pid=host, Kubernetes hostPID: true); pass the peer's as --peer-pid-ns (its "
                      "doctor prints it) to compare now. A run compares them at bootstrap.")
     why = same_process_space_rule(transport, mine, (peer_pid_ns, ""))
     if why is not None:
-        return Check("pid-ns", Status.FAIL, why + "; a run between them is refused at bootstrap")
-    return Check("pid-ns", Status.OK, f"Both sides are in PID namespace {ns}: nvlink_intra's CUDA IPC can map "
+        return Check("pid-ns", CheckStatus.FAIL, why + "; a run between them is refused at bootstrap")
+    return Check("pid-ns", CheckStatus.OK, f"Both sides are in PID namespace {ns}: nvlink_intra's CUDA IPC can map "
                  "the peer's memory.")
 
 
@@ -743,7 +743,7 @@ def check_address(env: Mapping[str, str], peer_address: Optional[str] = None, ho
     status, detail = address.summary(adv, address.judge(adv, host, peer_address))
     if peer_address:
         detail += f" (peer: {peer_address})"
-    return Check("address", Status(status), detail)
+    return Check("address", CheckStatus(status), detail)
 
 
 def check_versions(mine: Mapping[str, str], peer: Optional[Mapping[str, str]] = None,
@@ -754,13 +754,13 @@ def check_versions(mine: Mapping[str, str], peer: Optional[Mapping[str, str]] = 
 
     text = f"this side: {versions.as_text(mine)}"
     if peer is None:
-        return Check("versions", Status.OK, text + " (pass the other side's line as --peer-versions "
+        return Check("versions", CheckStatus.OK, text + " (pass the other side's line as --peer-versions "
                                                    "to compare; a split run compares them at bootstrap)")
     text += f"; the peer{peer_label}: {versions.as_text(peer)}"
     found = versions.skew(mine, peer)
     if not found:
-        return Check("versions", Status.OK, text + "; the same")
-    status = Status.FAIL if any(f for f, _ in found) else Status.WARN
+        return Check("versions", CheckStatus.OK, text + "; the same")
+    status = CheckStatus.FAIL if any(f for f, _ in found) else CheckStatus.WARN
     return Check("versions", status, text + ". " + " ".join(t + "." for _, t in found))
 
 

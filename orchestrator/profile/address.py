@@ -47,7 +47,7 @@ BRIDGE_KINDS = frozenset({"bridge"})
 BRIDGE_PREFIXES = ("docker", "br-", "cni", "virbr", "podman", "kube-bridge", "lxcbr", "lxdbr")
 
 
-class Step(Enum):
+class AddressSource(Enum):
     """The step of SGLang 0.5.23's rule that chose the address."""
 
     sglang_host_ip = "SGLANG_HOST_IP"
@@ -95,7 +95,7 @@ class Host:
 @dataclass(frozen=True)
 class Advertised:
     address: Optional[str]
-    step: Step
+    step: AddressSource
     interface: Optional[str] = None  # the interface holding the address, when it is this host's
     note: str = ""  # what the rule skipped on the way (a NIC without address, ...)
     error: Optional[str] = None  # why SGLang would not start
@@ -104,11 +104,11 @@ class Advertised:
         if self.address is None:
             return f"none: {self.error}"
         where = f" on {self.interface}" if self.interface else ""
-        how = {Step.sglang_host_ip: "SGLANG_HOST_IP is set", Step.host_ip: "HOST_IP is set",
-               Step.nic: "the address of SGLANG_LOCAL_IP_NIC's interface",
-               Step.default_route: "no SGLANG_HOST_IP/HOST_IP/SGLANG_LOCAL_IP_NIC: the default "
+        how = {AddressSource.sglang_host_ip: "SGLANG_HOST_IP is set", AddressSource.host_ip: "HOST_IP is set",
+               AddressSource.nic: "the address of SGLANG_LOCAL_IP_NIC's interface",
+               AddressSource.default_route: "no SGLANG_HOST_IP/HOST_IP/SGLANG_LOCAL_IP_NIC: the default "
                                    "route's source (UDP connect towards 8.8.8.8)",
-               Step.hostname: "no variable, no default route: the hostname's address"}[self.step]
+               AddressSource.hostname: "no variable, no default route: the hostname's address"}[self.step]
         return f"{self.address}{where} (step {self.step.value}: {how}{'; ' + self.note if self.note else ''})"
 
 
@@ -129,7 +129,7 @@ def _nic_address(iface: Interface) -> Optional[str]:
 def advertise(host: Host) -> Advertised:
     """SGLang 0.5.23's get_local_ip_auto on `host`, naming the step that chose."""
     env = host.env
-    for var, step in zip(HOST_IP_VARS, (Step.sglang_host_ip, Step.host_ip)):
+    for var, step in zip(HOST_IP_VARS, (AddressSource.sglang_host_ip, AddressSource.host_ip)):
         if env.get(var, ""):
             value = env[var]
             iface = host.interface_of(value)
@@ -138,24 +138,24 @@ def advertise(host: Host) -> Advertised:
     nic = env.get(NIC_VAR)
     if nic:
         if not host.netifaces:
-            return Advertised(None, Step.none, error=f"{NIC_VAR}={nic} needs the netifaces package, "
+            return Advertised(None, AddressSource.none, error=f"{NIC_VAR}={nic} needs the netifaces package, "
                               "which is not installed: SGLang raises ImportError at start-up "
                               "(pip install netifaces in the image)")
         iface = next((i for i in host.interfaces if i.name == nic), None)
         address = _nic_address(iface) if iface is not None else None
         if address is not None:
-            return Advertised(address, Step.nic, nic)
+            return Advertised(address, AddressSource.nic, nic)
         notes.append(f"{NIC_VAR}={nic} " + ("is no interface here" if iface is None else
                                              "has no usable address") + " (SGLang warns and goes on)")
     if host.route_source:
         iface = host.interface_of(host.route_source)
-        return Advertised(host.route_source, Step.default_route, iface.name if iface else None,
+        return Advertised(host.route_source, AddressSource.default_route, iface.name if iface else None,
                           "; ".join(notes))
     addr = host.hostname_addr
     if addr and addr not in ("127.0.0.1", "0.0.0.0", "::1"):
         iface = host.interface_of(addr)
-        return Advertised(addr, Step.hostname, iface.name if iface else None, "; ".join(notes))
-    return Advertised(None, Step.none, note="; ".join(notes),
+        return Advertised(addr, AddressSource.hostname, iface.name if iface else None, "; ".join(notes))
+    return Advertised(None, AddressSource.none, note="; ".join(notes),
                       error="no variable, no default route and no usable hostname address: SGLang "
                             "raises ValueError('Can not get local ip') at start-up")
 
@@ -297,7 +297,7 @@ def judge(adv: Advertised, host: Host, peer: Optional[str] = None) -> list[Flag]
                 out.append(Flag(False, f"{adv.address} ({mine.network} on {iface.name}) is on another "
                                        f"subnet than the peer's {peer}: traffic goes through a "
                                        "router; check the peer can reach it"))
-    if adv.step is Step.default_route:
+    if adv.step is AddressSource.default_route:
         others = host.others()
         if len(others) > 1:
             names = ", ".join(i.name for i in others)

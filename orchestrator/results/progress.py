@@ -40,7 +40,7 @@ def _n(v: int) -> str:
     return f"{v:,}"
 
 
-class Progress:
+class ProgressMeter:
     """What runner.run_handoffs reports to: `stage` (the runner's phase), `start` (the
     handoff phase begins), a call per pipe Progress message (finished, verified), `tick`
     (the runner's loops, to keep the elapsed time moving), `close` (the summary follows)."""
