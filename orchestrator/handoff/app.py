@@ -7,13 +7,25 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Optional, Protocol, TypeVar
 
 from omegaconf import DictConfig
+from structlog.stdlib import BoundLogger
 
 from orchestrator.handoff.lifecycle import Signals
 from orchestrator.handoff.runner import run_handoffs
-from orchestrator.profile.config import ConfigError, OrchestratorConfig, Role, typed, validate
+from orchestrator.profile.config import (
+    ConfigError,
+    EndpointsConfig,
+    LoggingConfig,
+    OrchestratorConfig,
+    ReportConfig,
+    Role,
+    WorkloadConfig,
+    typed,
+    validate,
+)
+from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
@@ -32,7 +44,25 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
     try:
         save_hydra(cfg, run_dir)  # .hydra/ only under the lock: a loser writes nothing
         with Signals() as signals:
-            return _run_job(cfg, run_dir, signals)
+            logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
+            given = typed(cfg)
+            obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
+            plan = check_profile(obj, detect())
+            log = _log_plan(run_dir, obj.logging, plan)
+            _write_fingerprint(run_dir, obj.workload, plan, drawn=given.workload.seed is None)
+            w, lg = obj.workload, obj.logging
+            total = w.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
+            progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
+                                      mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
+                        if obj.role is not Role.decode else None)
+            try:
+                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
+            finally:
+                if progress is not None:
+                    progress.close()
+            results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
+                       else reporting.build_results(obj, plan, out))
+            return _finish(obj, run_dir, results, out.no_space, log)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
 
@@ -62,36 +92,45 @@ def save_hydra(cfg, run_dir: Path) -> None:
         write_atomic(out / name, OmegaConf.to_yaml(node))
 
 
-def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
-    logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
-    given = typed(cfg)
-    obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
-    drawn = given.workload.seed is None
-    plan = check_profile(obj, detect())
+class PlotSections(Protocol):
+    """The config sections a run's outputs read (an OrchestratorConfig has them)."""
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def endpoints(self) -> EndpointsConfig: ...
+
+    @property
+    def workload(self) -> WorkloadConfig: ...
+
+    @property
+    def report(self) -> ReportConfig: ...
+
+
+def _log_plan(run_dir: Path, logs: LoggingConfig, plan: Plan) -> BoundLogger:
+    """The run's structured log (logging.console: on the console too), opened with the plan."""
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
-                    console_level=logging.INFO if obj.logging.console else logging.WARNING)
+                    console_level=logging.INFO if logs.console else logging.WARNING)
     log.info("plan", **plan.as_dict())
     for event in plan.events:
         log.warning(event.event, reason=event.reason.value, detail=event.detail)
-    fp = fingerprint.collect(obj, plan)
+    return log
+
+
+def _write_fingerprint(run_dir: Path, workload: WorkloadConfig, plan: Plan, drawn: bool) -> None:
+    fp = fingerprint.collect(workload, plan)
     fp["seeds"]["drawn"] = drawn  # replay passes a drawn seed back (orchestrator.replay)
     write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
 
-    w, lg = obj.workload, obj.logging
-    total = w.requests * obj.endpoints.prefill_ranks  # requests are per prefill rank
-    progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
-                              mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
-                if obj.role is not Role.decode else None)
-    try:
-        out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
-    finally:
-        if progress is not None:
-            progress.close()
-    results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
-               else reporting.build_results(obj, plan, out))
+
+def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
+            no_space: Optional[str], log: BoundLogger) -> Results:
+    """results.json, latency.png, the summary; a full disk (`no_space`: the file an endpoint
+    or the runner could not write) ends it in one line."""
     results.role, results.run_dir = obj.role.value, str(run_dir)
-    if out.no_space is not None:  # an endpoint's file, or a record the runner appended
-        full = NoSpace(out.no_space)
+    if no_space is not None:  # an endpoint's file, or a record the runner appended
+        full = NoSpace(no_space)
         results.failed_writing(str(full))
         try:
             _write_outputs(obj, run_dir, results)
@@ -114,19 +153,19 @@ def _run_job(cfg, run_dir: Path, signals: Signals) -> Results:
     return results
 
 
-def _plotted(obj: OrchestratorConfig, results) -> bool:
+def _plotted(obj: PlotSections, results: Results) -> bool:
     """Whether this run draws latency.png (a run of the prefill side)."""
     return obj.role is not Role.decode and isinstance(results, JobResults)
 
 
-def _write_outputs(obj: OrchestratorConfig, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
+def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
     reporting.write(run_dir, results)
     if _plotted(obj, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
         assert isinstance(results, JobResults)  # (_plotted)
         _latency_png(obj, run_dir, results)
 
 
-def _latency_title(obj: OrchestratorConfig, run_dir: Path, results: JobResults) -> str:
+def _latency_title(obj: PlotSections, run_dir: Path, results: JobResults) -> str:
     """latency.png's title: the plan, the transport, the rank/TP layout, the run."""
     plan, e = results.plan, obj.endpoints
     transport = results.transports.effective_transport or plan.declared_transport
@@ -136,7 +175,7 @@ def _latency_title(obj: OrchestratorConfig, run_dir: Path, results: JobResults) 
             f"run {plots.short_dir(run_dir)}{ended}")
 
 
-def _latency_png(obj: OrchestratorConfig, run_dir: Path, results: JobResults) -> None:
+def _latency_png(obj: PlotSections, run_dir: Path, results: JobResults) -> None:
     """latency.png: the CDFs of the run's latencies, the summary's own marks on them."""
     png = run_dir / plots.LATENCY_PNG
     lat = results.latency_us

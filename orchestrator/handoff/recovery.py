@@ -4,9 +4,9 @@ from its verdicts file, a prefill rank from its requests file and every decode's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
-from orchestrator.profile.config import OrchestratorConfig
+from orchestrator.profile.config import BuffersConfig, EndpointsConfig, LayoutConfig, WorkloadConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult, RankResult, Record, read_jsonl, read_records
 from orchestrator.results.rundir import NoSpace, RunFiles, parse_proc_name
@@ -24,7 +24,23 @@ def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
     return res
 
 
-def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, missing: Detail,
+class RecoverySections(Protocol):
+    """The config sections a rank's requests are accounted from (an OrchestratorConfig has them)."""
+
+    @property
+    def workload(self) -> WorkloadConfig: ...
+
+    @property
+    def endpoints(self) -> EndpointsConfig: ...
+
+    @property
+    def buffers(self) -> BuffersConfig: ...
+
+    @property
+    def layout(self) -> LayoutConfig: ...
+
+
+def reconstruct(cfg: RecoverySections, run_dir: Path, rank: int, name: str, missing: Detail,
                 route: str = "", ran: bool = True, phase: tuple = (None, None),
                 full: Optional[list[NoSpace]] = None) -> RankResult:
     """A prefill rank that could not report: its requests file holds what it recorded;
@@ -44,7 +60,7 @@ def reconstruct(cfg: OrchestratorConfig, run_dir: Path, rank: int, name: str, mi
     path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
     from orchestrator.profile.layout import profile_layout
 
-    res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg)))
+    res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg.buffers, cfg.layout)))
     seen: set[int] = set()
     for rec in read_records(path):
         if base <= rec.rid < base + n and rec.rid not in seen:

@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from orchestrator.profile.config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
 
@@ -206,7 +206,7 @@ def overrides_dict(overrides: Sequence[str]) -> dict[str, Optional[str]]:
     return out
 
 
-def error_exit(message: str) -> None:
+def error_exit(message: str) -> NoReturn:
     print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 

@@ -37,7 +37,7 @@ from orchestrator.preflight.serving import (
 )
 from orchestrator.profile.address import HOST_IP_VARS, NIC_VAR, Host, advertise
 from orchestrator.profile.address import judge as address_judge
-from orchestrator.profile.config import ConfigError, MemPoolType, OrchestratorConfig
+from orchestrator.profile.config import ConfigError, EndpointsConfig, MemPoolType, OrchestratorConfig
 from orchestrator.profile.plan import (
     ALLOC_CONF_VARS,
     EngineTransport,
@@ -350,11 +350,11 @@ class Reading:
         return [f"{k}={v}" for k, v in (self.overrides or {}).items()]
 
 
-def deployment_platform(env: Mapping[str, str], cfg: OrchestratorConfig) -> Platform:
+def deployment_platform(env: Mapping[str, str], endpoints: EndpointsConfig) -> Platform:
     """The machine a deployment runs on, as the rule book should see it: as many GPUs as the
-    profile places, a CUDA Mooncake build, an RDMA device (Mooncake's auto-discovery case),
-    and the deployment's own environment (its allocator settings count)."""
-    e = cfg.endpoints
+    profile places (`endpoints`), a CUDA Mooncake build, an RDMA device (Mooncake's
+    auto-discovery case), and the deployment's own environment (its allocator settings count)."""
+    e = endpoints
     declared = (e.prefill_gpus or []) + (e.decode_gpus or [])
     gpus = max(2, e.prefill_ranks + e.decode_procs, max(declared, default=0) + 1)
     return Platform(cuda_devices=gpus, mooncake_cuda=True, rdma_devices=("assumed",), env=dict(env))
@@ -426,7 +426,7 @@ def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = (
         out.append(Finding(Level.FAIL, "profile", f"the implied profile cannot be composed: {exc}"))
         return reading
     reading.cfg = cfg
-    platform = deployment_platform(env, cfg)
+    platform = deployment_platform(env, cfg.endpoints)
     try:
         reading.plan = check_profile(cfg, platform)
     except ConfigError as exc:
@@ -687,7 +687,8 @@ def cross_check(a: Reading, b: Reading) -> list[Finding]:
         if a.cfg is not None and b.cfg is not None:
             from orchestrator.profile.layout import first_difference, profile_layout
 
-            diff = first_difference(profile_layout(a.cfg), profile_layout(b.cfg))
+            diff = first_difference(profile_layout(a.cfg.buffers, a.cfg.layout),
+                                    profile_layout(b.cfg.buffers, b.cfg.layout))
         out.append(Finding(Level.FAIL, SAMPLING_MASK_VAR,
                            f"differs ({both(SAMPLING_MASK_VAR)}): the aux layouts differ"
                            + (f" ({diff.replace('this side', 'prefill').replace('the peer', 'decode')})"

@@ -47,12 +47,20 @@ from orchestrator.preflight.compose import (
     profile_label,
     profile_parser,
 )
-from orchestrator.profile.config import ConfigError, MemPoolType, OrchestratorConfig, is_loopback
+from orchestrator.profile.config import (
+    BuffersConfig,
+    ConfigError,
+    LayoutConfig,
+    MemPoolType,
+    OrchestratorConfig,
+    is_loopback,
+)
 from orchestrator.profile.plan import (
     ALLOC_CONF_VARS,
     Device,
     EngineTransport,
     Plan,
+    PlanSections,
     Platform,
     Route,
     expandable_segments,
@@ -97,7 +105,7 @@ def _verdict(name: str, findings: Sequence[tuple[CheckStatus, str]]) -> Check:
 # What the profile asks of the machine (also when the rule book refuses it here)
 
 
-def intended_plan(cfg: OrchestratorConfig, platform: Platform) -> Optional[Plan]:
+def intended_plan(cfg: PlanSections, platform: Platform) -> Optional[Plan]:
     """The plan the same rules make on a machine that has what the profile asks for (its
     GPUs, a CUDA Mooncake build): what the build, CUDA and NVLink checks look for when this
     machine is refused. None when no machine could run the profile."""
@@ -527,16 +535,20 @@ def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
     return Report(list(overrides), checks, plan)
 
 
-def check_layouts(cfg: OrchestratorConfig, peer: OrchestratorConfig, peer_label: str) -> Check:
-    """Two profiles (a prefill's and a decode's) must give the same aux layout: field names,
-    dtypes and item lengths, in order. SGLang itself never compares them."""
+def check_layouts(mine: tuple[LayoutConfig, BuffersConfig], peer: tuple[LayoutConfig, BuffersConfig],
+                  peer_label: str) -> Check:
+    """Two profiles (a prefill's and a decode's: each its layout and buffers sections) must
+    give the same aux layout: field names, dtypes and item lengths, in order. SGLang itself
+    never compares them."""
     from orchestrator.profile.layout import first_difference, profile_layout
 
-    diff = first_difference(profile_layout(cfg), profile_layout(peer))
+    (layout, buffers), (peer_layout, peer_buffers) = mine, peer
+    fields = profile_layout(buffers, layout)
+    diff = first_difference(fields, profile_layout(peer_buffers, peer_layout))
     if diff is None:
         return Check("layout", CheckStatus.OK,
-                     f"{cfg.layout.name} and the peer's ({peer_label or 'defaults'}: "
-                     f"{peer.layout.name}) give the same {len(profile_layout(cfg))} fields")
+                     f"{layout.name} and the peer's ({peer_label or 'defaults'}: "
+                     f"{peer_layout.name}) give the same {len(fields)} fields")
     return Check("layout", CheckStatus.FAIL,
                  f"the peer's profile ({peer_label}) gives another aux layout: {diff}; a run "
                  "between them is refused at bootstrap, and SGLang would corrupt memory silently")
@@ -825,7 +837,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         peer_versions, label = versions.local(peer.layout.name), " (its profile, on this machine)"
     report.checks.append(check_versions(mine, peer_versions, label))
     if peer is not None:
-        report.checks.append(check_layouts(cfg, peer, args.peer))
+        report.checks.append(check_layouts((cfg.layout, cfg.buffers), (peer.layout, peer.buffers), args.peer))
     from orchestrator.profile.platform import detect
 
     intent = report.plan or intended_plan(cfg, detect())

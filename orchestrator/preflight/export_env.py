@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from orchestrator.preflight.compose import ProfileError, error_exit, load_profile, profile_label, profile_parser
 from orchestrator.preflight.serving import serving_env
-from orchestrator.profile.config import ConfigError, OrchestratorConfig
+from orchestrator.profile.config import ConfigError
 from orchestrator.profile.plan import Plan, Platform
 from orchestrator.profile.rules import check_profile
 
@@ -66,27 +66,6 @@ def header_for(overrides: Sequence[str], plan: Plan, gpus: Optional[int]) -> str
     return text
 
 
-def _plan_or_exit(cfg: OrchestratorConfig, gpus: Optional[int]) -> Plan:
-    if gpus is not None:
-        platform = assumed_platform(gpus)
-    else:
-        from orchestrator.profile.platform import detect
-
-        platform = detect()
-    try:
-        return check_profile(cfg, platform)
-    except ConfigError as exc:
-        message = str(exc)
-        if gpus is None:
-            try:  # would a GPU machine plan it? then say how to export it from here
-                check_profile(cfg, assumed_platform(8))
-                message += " (to export it for a GPU machine from here, add --assume-gpus N)"
-            except ConfigError:
-                pass
-        error_exit(message)
-        raise  # unreachable: error_exit raises SystemExit
-
-
 def _gpus(text: str) -> int:
     try:
         value = int(text)
@@ -117,7 +96,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_profile(args.overrides)
     except ProfileError as exc:
         error_exit(str(exc))
-    plan = _plan_or_exit(cfg, args.assume_gpus)
+    gpus = args.assume_gpus
+    if gpus is not None:
+        platform = assumed_platform(gpus)
+    else:
+        from orchestrator.profile.platform import detect
+
+        platform = detect()
+    try:
+        plan = check_profile(cfg, platform)
+    except ConfigError as exc:
+        message = str(exc)
+        if gpus is None:
+            try:  # would a GPU machine plan it? then say how to export it from here
+                check_profile(cfg, assumed_platform(8))
+                message += " (to export it for a GPU machine from here, add --assume-gpus N)"
+            except ConfigError:
+                pass
+        error_exit(message)
     env = serving_env(plan)
     if args.format == "json":
         print(render_json(env))

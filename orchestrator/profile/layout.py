@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 import yaml
 
-from orchestrator.profile.config import CONF_DIR, LAYOUT_DTYPES, FieldConfig, LayoutConfig
+from orchestrator.profile.config import CONF_DIR, LAYOUT_DTYPES, BuffersConfig, FieldConfig, LayoutConfig
 
 LAYOUT_DIR = CONF_DIR / "layout"
 DEFAULT_LAYOUT = "sglang_0_5_23"
@@ -100,14 +100,14 @@ def describe(specs: Sequence[FieldSpec]) -> list[list[Any]]:
     return [[s.name, str(s.dtype).removeprefix("torch."), s.item_len] for s in specs]
 
 
-def profile_layout(cfg) -> list[list[Any]]:
-    """The description a profile's buffers will send at bootstrap (cfg: an
-    OrchestratorConfig), computed without building them."""
-    b = cfg.buffers
+def profile_layout(buffers: BuffersConfig, layout: LayoutConfig) -> list[list[Any]]:
+    """The description a profile's buffers will send at bootstrap, computed without
+    building them."""
+    b = buffers
     hidden = getattr(torch, b.hidden_states_dtype.value)
     sizes = Sizes(b.hidden_size, hidden, b.max_sampling_mask_tokens, b.max_top_logprobs_num,
                   b.output_dsa_topk_indices_dim, b.kv_checksum_enabled, b.enable_sampling_mask)
-    return describe(field_specs(cfg.layout, sizes))
+    return describe(field_specs(layout, sizes))
 
 
 def fingerprint(description: list[list[Any]]) -> str:

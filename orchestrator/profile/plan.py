@@ -12,21 +12,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Protocol
 
 from orchestrator.profile.config import (
     SPIN_MIN_CORES,
     CompletionSetting,
     ConfigError,
+    EndpointsConfig,
     EngineTransportSetting,
     FallbackPolicy,
+    MemPoolConfig,
     MemPoolType,
+    MooncakeConfig,
     MpsMode,
-    OrchestratorConfig,
     Role,
     RouteSetting,
+    TransportConfig,
 )
 from orchestrator.profile.sharing import GpuSharing, processes_on_gpus, sharing_rule
+
+
+class PlanSections(Protocol):
+    """The config sections the plan reads (an OrchestratorConfig has them)."""
+
+    @property
+    def mem_pool(self) -> MemPoolConfig: ...
+
+    @property
+    def transport(self) -> TransportConfig: ...
+
+    @property
+    def endpoints(self) -> EndpointsConfig: ...
+
+    @property
+    def role(self) -> Role: ...
 
 
 class Device(Enum):
@@ -257,8 +276,8 @@ def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gp
     return prefill, decode
 
 
-def _gpu_placement(cfg: OrchestratorConfig, platform: Platform) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    e, n = cfg.endpoints, platform.cuda_devices
+def _gpu_placement(endpoints: EndpointsConfig, platform: Platform) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    e, n = endpoints, platform.cuda_devices
     prefill, decode = gpu_placement(e.prefill_ranks, e.decode_procs, e.prefill_gpus, e.decode_gpus, n)
     for key, gpus in (("endpoints.prefill_gpus", prefill), ("endpoints.decode_gpus", decode)):
         if max(gpus) >= n:
@@ -266,7 +285,7 @@ def _gpu_placement(cfg: OrchestratorConfig, platform: Platform) -> tuple[tuple[i
     return prefill, decode
 
 
-def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+def make_plan(cfg: PlanSections, platform: Platform) -> Plan:
     """Compose the rules for one run; raise ConfigError for combinations that cannot work."""
     pool = cfg.mem_pool.type
     setting = cfg.transport.route
@@ -297,12 +316,12 @@ def make_plan(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     transport: Optional[EngineTransport] = None
     env: dict[str, Optional[str]] = {}
     if route is Route.engine:
-        transport = _engine_transport(cfg, device, bool(events), platform)
+        transport = _engine_transport(cfg.transport.mooncake, device, bool(events), platform)
         env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
 
     prefill_gpus = decode_gpus = None
     if device is Device.cuda:
-        prefill_gpus, decode_gpus = _gpu_placement(cfg, platform)
+        prefill_gpus, decode_gpus = _gpu_placement(cfg.endpoints, platform)
     e = cfg.endpoints
     here = processes_on_gpus(prefill_gpus if cfg.role is not Role.decode else None,  # this command's own
                              decode_gpus if cfg.role is not Role.prefill else None, e.decode_ranks, e.decode_tp)
@@ -349,11 +368,11 @@ def _cuda_or_fallback(pool: MemPoolType, policy: FallbackPolicy, platform: Platf
     return Device.cpu
 
 
-def _engine_transport(cfg: OrchestratorConfig, device: Device, degraded: bool,
+def _engine_transport(mooncake: MooncakeConfig, device: Device, degraded: bool,
                       platform: Platform) -> EngineTransport:
     """The engine route's Mooncake transport (tcp after a fallback, unless one was set), with
     the combinations that cannot register the buffers refused."""
-    mc_setting = cfg.transport.mooncake.transport
+    mc_setting = mooncake.transport
     if degraded and mc_setting is EngineTransportSetting.auto:
         transport = EngineTransport.tcp
     else:

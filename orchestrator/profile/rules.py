@@ -19,17 +19,22 @@ Pure: the machine is described by `platform` (its env snapshot included).
 
 from __future__ import annotations
 
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from orchestrator.handoff.faults import FAULTS
 from orchestrator.handoff.transport.auth import secret_from_env
 from orchestrator.profile.config import (
+    BuffersConfig,
     ConfigError,
     DigestKind,
+    EndpointsConfig,
     FallbackPolicy,
     FaultKind,
+    LayoutConfig,
     OrchestratorConfig,
     Role,
+    WorkloadConfig,
     is_loopback,
 )
 from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
@@ -39,10 +44,10 @@ MAX_OPEN_LOOP_REQUESTS = 100_000_000  # arrival times are drawn up front (8 byte
 RATE_WAIT_TIMEOUTS = 100  # the first arrival expected within this many transport.timeout_s
 
 
-def _check_workload(cfg: OrchestratorConfig) -> None:
-    """Request ids fit their 64-bit fields (every rank's: ids run to requests x ranks, and
-    rooms derive from them), and an open loop's first arrival is expected in reasonable time."""
-    w, ranks = cfg.workload, cfg.endpoints.prefill_ranks
+def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:
+    """Request ids fit their 64-bit fields (every rank's, endpoints.prefill_ranks=`ranks`: ids
+    run to requests x ranks, and rooms derive from them), and an open loop's first arrival is
+    expected in reasonable time (transport.timeout_s=`t`)."""
     if w.requests * ranks - 1 > MAX_REQUEST_ID:
         raise ConfigError("workload.requests", w.requests,
                           f"at most {MAX_REQUEST_ID // ranks:,} with endpoints.prefill_ranks={ranks} "
@@ -53,7 +58,6 @@ def _check_workload(cfg: OrchestratorConfig) -> None:
         raise ConfigError("workload.requests", w.requests,
                           f"at most {MAX_OPEN_LOOP_REQUESTS:,} with workload.rate set (each arrival "
                           "time is drawn before the run)")
-    t = cfg.transport.timeout_s
     if 1.0 / w.rate > t * RATE_WAIT_TIMEOUTS:
         raise ConfigError("workload.rate", w.rate,
                           f"at least {1.0 / (t * RATE_WAIT_TIMEOUTS):g} requests per second: the first "
@@ -61,11 +65,21 @@ def _check_workload(cfg: OrchestratorConfig) -> None:
                           f"transport.timeout_s={t:g}")
 
 
+class BufferSections(Protocol):
+    """The config sections one process's buffers are sized from (an OrchestratorConfig has them)."""
+
+    @property
+    def buffers(self) -> BuffersConfig: ...
+
+    @property
+    def layout(self) -> LayoutConfig: ...
+
+
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     t = cfg.transport
     if t.secret_env is not None:  # the variable it names holds a usable secret
         secret_from_env(t.secret_env, platform.env)
-    _check_workload(cfg)
+    _check_workload(cfg.workload, cfg.endpoints.prefill_ranks, cfg.transport.timeout_s)
     held = cfg.gate.never_landed_s
     if held is not None and held > cfg.transport.timeout_s:
         raise ConfigError("gate.never_landed_s", held,
@@ -116,11 +130,11 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
-    _check_memory(cfg, plan, platform)
+    _check_memory(cfg.endpoints, cfg.role, cfg.buffers.size, buffer_bytes(cfg), plan, platform)
     return plan
 
 
-def buffer_bytes(cfg: OrchestratorConfig) -> int:
+def buffer_bytes(cfg: BufferSections) -> int:
     """One process's MetadataBuffers arena (every present field, 256-byte aligned, plus its
     alignment slack and warm-up scratch), computed from the layout without allocating."""
     from orchestrator.handoff.buffers import TORCH_DTYPES
@@ -133,15 +147,14 @@ def buffer_bytes(cfg: OrchestratorConfig) -> int:
     return sum(-(-b.size * s.item_len // 256) * 256 for s in field_specs(cfg.layout, sizes)) + 3 * 256
 
 
-def _check_memory(cfg: OrchestratorConfig, plan: Plan, platform: Platform) -> None:
-    e = cfg.endpoints
-    each = buffer_bytes(cfg)
+def _check_memory(e: EndpointsConfig, role: Role, size: int, each: int, plan: Plan, platform: Platform) -> None:
+    """Every process's buffers (`each` bytes, buffers.size=`size` slots) fit where they live."""
     if plan.buffer_device is Device.cpu:
-        procs = ((e.prefill_ranks if cfg.role is not Role.decode else 0)
-                 + (e.decode_ranks * e.decode_tp if cfg.role is not Role.prefill else 0))
+        procs = ((e.prefill_ranks if role is not Role.decode else 0)
+                 + (e.decode_ranks * e.decode_tp if role is not Role.prefill else 0))
         need, have = each * procs, platform.host_mem_bytes
         if have is not None and need > have:
-            raise ConfigError("buffers.size", cfg.buffers.size,
+            raise ConfigError("buffers.size", size,
                               f"fewer slots or a smaller row: {procs} processes' host buffers would "
                               f"need {need:,} bytes ({each:,} each) and this host has {have:,} "
                               "bytes available")
@@ -152,6 +165,6 @@ def _check_memory(cfg: OrchestratorConfig, plan: Plan, platform: Platform) -> No
         for gpu, need in sorted(per_gpu.items()):
             have = platform.gpu_mem_bytes[gpu] if gpu < len(platform.gpu_mem_bytes) else None
             if have is not None and need > have:
-                raise ConfigError("buffers.size", cfg.buffers.size,
+                raise ConfigError("buffers.size", size,
                                   f"fewer slots or a smaller row: the buffers on GPU {gpu} would need "
                                   f"{need:,} bytes ({each:,} per process) and it has {have:,} bytes")

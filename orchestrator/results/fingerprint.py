@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from orchestrator.profile.config import OrchestratorConfig
+from orchestrator.profile.config import WorkloadConfig
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import mooncake_distribution
 
@@ -71,7 +71,8 @@ def host_load() -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "cpus_usable": usable, "load_avg": load}
 
 
-def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
+def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
+    """fingerprint.json: versions, machine, git commit, the plan's MC_* env and the run's seed."""
     import torch
 
     packages = {name: _version(name) for name in PACKAGES}
@@ -89,5 +90,5 @@ def collect(cfg: OrchestratorConfig, plan: Plan) -> dict[str, Any]:
         "mc_env": dict(plan.mc_env),
         "gpu_sharing": plan.sharing.as_dict(),  # as planned (results.json: as the run had it)
         "git": git_commit(),
-        "seeds": {"workload.seed": cfg.workload.seed},
+        "seeds": {"workload.seed": workload.seed},
     }

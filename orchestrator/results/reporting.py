@@ -16,9 +16,19 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
-from orchestrator.profile.config import OrchestratorConfig
+from orchestrator.profile.config import (
+    BuffersConfig,
+    EndpointsConfig,
+    FaultsConfig,
+    GateConfig,
+    LayoutConfig,
+    ReportConfig,
+    TransportConfig,
+    VerifyConfig,
+    WorkloadConfig,
+)
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.sharing import sharing_line, sharing_warning
 from orchestrator.results.outcomes import Detail, Outcome
@@ -59,6 +69,9 @@ from orchestrator.results.schema import (
     Workload,
 )
 from orchestrator.results.stats import LatencyHistogram
+
+if TYPE_CHECKING:
+    from orchestrator.results.transferring import Held
 
 __all__ = ["EXIT_OK", "EXIT_NOT_VERIFIED", "EXIT_REFUSED", "EXIT_LOST", "EXIT_SIGNAL", "build_results",
            "build_decode_side", "batch_caps", "summary", "decode_summary", "merge", "write", "rel"]
@@ -110,29 +123,59 @@ def _effective(out: RunResult) -> Optional[str]:
         "mixed:" + ",".join(f"{k}={v}" for k, v in sorted(out.transports.items())) if transports else None)
 
 
-def _timing(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Timing:
+class ReportSections(Protocol):
+    """The config sections results.json reports (an OrchestratorConfig has them)."""
+
+    @property
+    def workload(self) -> WorkloadConfig: ...
+
+    @property
+    def transport(self) -> TransportConfig: ...
+
+    @property
+    def endpoints(self) -> EndpointsConfig: ...
+
+    @property
+    def buffers(self) -> BuffersConfig: ...
+
+    @property
+    def layout(self) -> LayoutConfig: ...
+
+    @property
+    def verify(self) -> VerifyConfig: ...
+
+    @property
+    def gate(self) -> GateConfig: ...
+
+    @property
+    def faults(self) -> FaultsConfig: ...
+
+    @property
+    def report(self) -> ReportConfig: ...
+
+
+def _timing(w: WorkloadConfig, e: EndpointsConfig, out: RunResult, m: _Merged) -> Timing:
     ranks = list(out.ranks.values())
     verified = m.outcomes[Outcome.verified]
     starts = [r.t_start for r in ranks if r.t_start is not None]
     lasts = [r.t_last for r in ranks if r.t_last is not None]
     wall = (max(lasts) - min(starts)) if starts and lasts and max(lasts) > min(starts) else None
     row_bytes = max((r.row_bytes for r in ranks), default=0)
-    w = cfg.workload
-    per_send = _per_send(cfg, m.sends, sum(m.routes.values()))
+    per_send = _per_send(e.decode_tp, m.sends, sum(m.routes.values()))
     return Timing(out.startup_s, out.startup_by_process, round(wall, 4) if wall else None,
                   round(verified / wall, 1) if wall and verified else None,
                   round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
                   row_bytes, m.sends, round(m.blocks / m.sends, 2) if m.sends else None,
-                  w.rate * cfg.endpoints.prefill_ranks if w.rate is not None else None,
+                  w.rate * e.prefill_ranks if w.rate is not None else None,
                   round(per_send, 2) if per_send is not None else None)
 
 
-def _per_send(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> Optional[float]:
+def _per_send(decode_tp: int, sends: Optional[int], routed: int) -> Optional[float]:
     """Request rows per send call: `routed` requests went to every decode TP rank in `sends`."""
-    return routed * cfg.endpoints.decode_tp / sends if sends else None
+    return routed * decode_tp / sends if sends else None
 
 
-def _workload(cfg: OrchestratorConfig) -> Workload:
+def _workload(cfg: ReportSections) -> Workload:
     w, t = cfg.workload, cfg.transport
     return Workload(w.concurrency, w.rate, w.batch_size, w.fill.value, t.coalesce, t.status.value,
                     w.duplicate_rooms, w.seed, cfg.layout.name, cfg.verify.digest.value,
@@ -140,8 +183,7 @@ def _workload(cfg: OrchestratorConfig) -> Workload:
                     w.duration_s, w.burstiness)
 
 
-def _authenticated(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Authenticated:
-    secret_env = cfg.transport.secret_env
+def _authenticated(secret_env: Optional[str], out: RunResult, m: _Merged) -> Authenticated:
     decodes = out.decodes.values()
     return Authenticated(f"transport.secret_env={secret_env}" if secret_env else "generated for this run",
                          m.rejected + sum(d.rejected_auth for d in decodes),
@@ -149,7 +191,7 @@ def _authenticated(cfg: OrchestratorConfig, out: RunResult, m: _Merged) -> Authe
                          sum(d.hijack_refused for d in decodes))
 
 
-def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobResults:
+def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults:
     m = _Merged()
     for r in out.ranks.values():
         m.add(r)
@@ -163,12 +205,13 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     ranks = list(out.ranks.values())
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
     # this module's own sections first, then what lower modules give (the plan's view last)
-    t, workload, auth, tp = _timing(cfg, out, m), _workload(cfg), _authenticated(cfg, out, m), _tp(cfg, out)
+    t, workload = _timing(cfg.workload, cfg.endpoints, out, m), _workload(cfg)
+    auth, tp = _authenticated(cfg.transport.secret_env, out, m), _tp(cfg.endpoints.decode_tp, cfg.gate, out)
     warnings = (batch_caps(cfg, t.sends, sum(m.routes.values()))
                 + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None)
                 + [w for w in (sharing_warning(out.gpu_sharing),) if w]
-                + _ceiling_warnings(cfg, out))
-    gate = _gate(cfg, out)
+                + _ceiling_warnings(cfg.workload, out))
+    gate = _gate(cfg.gate, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
         counter_dict(m.routes), counter_dict(m.details), m.latency_us(cfg.report.percentiles),
@@ -190,7 +233,7 @@ def build_results(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> JobRes
     return res
 
 
-def _held(cfg: OrchestratorConfig, res: JobResults):
+def _held(cfg: ReportSections, res: JobResults) -> Optional[Held]:
     """What SGLang 0.5.23's decode would hold in Transferring for ever (orchestrator.results.transferring)."""
     from orchestrator.profile.config import FaultKind
     from orchestrator.results.transferring import held
@@ -228,7 +271,7 @@ def verified_after_lost(run_dir: Path) -> list[int]:
                    if rec.outcome is not Outcome.verified and rec.rid in verified})
 
 
-def _gate(cfg: OrchestratorConfig, out: RunResult) -> DecodeGate:
+def _gate(g: GateConfig, out: RunResult) -> DecodeGate:
     """What the readiness gate's reads cost the decode loop (gate.read), per poll, over every
     decode process; and endpoints.decode_load's forward steps/s with and without handoffs."""
     reads, stalls = LatencyHistogram(), LatencyHistogram()
@@ -236,11 +279,11 @@ def _gate(cfg: OrchestratorConfig, out: RunResult) -> DecodeGate:
         reads.merge(d.gate_read_us)
         stalls.merge(d.stall_us)
     loads = [DecodeLoad(**d.load) for d in out.decodes.values() if d.load]
-    return DecodeGate(cfg.gate.read.value, Percentiles.of(reads), Percentiles.of(stalls), reads.n,
+    return DecodeGate(g.read.value, Percentiles.of(reads), Percentiles.of(stalls), reads.n,
                       loads[0] if len(loads) == 1 else (loads or None))
 
 
-def batch_caps(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> list[str]:
+def batch_caps(cfg: ReportSections, sends: Optional[int], routed: int) -> list[str]:
     """What keeps a forward step below workload.batch_size, with the cap and the key to
     raise (once per run, in results.json `warnings` and the summary); `sends` were made for
     `routed` requests."""
@@ -254,13 +297,13 @@ def batch_caps(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> li
         caps.append(f"workload.batch_size={w.batch_size} is capped at {w.concurrency} requests per step "
                     f"by workload.concurrency={w.concurrency}: raise workload.concurrency (and buffers.size) "
                     f"to several times the batch")
-    per_request = len(profile_layout(cfg)) * cfg.endpoints.decode_tp  # blocks of one request's write
+    per_request = len(profile_layout(b, cfg.layout)) * cfg.endpoints.decode_tp  # blocks of one request's write
     window = t.max_inflight_blocks // per_request
     if not t.coalesce and window < w.batch_size:
         caps.append(f"workload.batch_size={w.batch_size} is capped at {max(1, window)} requests per step "
                     f"by transport.max_inflight_blocks={t.max_inflight_blocks} ({per_request} blocks per "
                     f"request): raise transport.max_inflight_blocks")
-    per_send = _per_send(cfg, sends, routed)
+    per_send = _per_send(cfg.endpoints.decode_tp, sends, routed)
     if t.coalesce and per_send is not None and not caps and per_send < 0.5 * w.batch_size:
         caps.append(f"coalesced sends carried {per_send:.1f} requests each, workload.batch_size="
                     f"{w.batch_size}: a step takes what is ready; raise workload.concurrency={w.concurrency} "
@@ -268,9 +311,8 @@ def batch_caps(cfg: OrchestratorConfig, sends: Optional[int], routed: int) -> li
     return caps
 
 
-def _ceiling_warnings(cfg: OrchestratorConfig, out: RunResult) -> list[str]:
+def _ceiling_warnings(w: WorkloadConfig, out: RunResult) -> list[str]:
     """workload.duration_s: the ranks that reached workload.requests before the clock."""
-    w = cfg.workload
     early = sorted(name for name, r in out.ranks.items() if r.ended_by == "requests")
     if w.duration_s is None or not early:
         return []
@@ -293,10 +335,11 @@ def _open_loop_warnings(offered: Optional[float], achieved: Optional[float],
     return []
 
 
-def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
-    """Decode TP groups: where ranks disagreed before agreeing, what a decode without this
-    tool's digest would have taken silently, what hung, and what the agreement cost."""
-    if cfg.endpoints.decode_tp == 1:
+def _tp(decode_tp: int, g: GateConfig, out: RunResult) -> Optional[TpSummary]:
+    """Decode TP groups (endpoints.decode_tp ranks each): where ranks disagreed before
+    agreeing, what a decode without this tool's digest would have taken silently, what hung,
+    and what the agreement cost."""
+    if decode_tp == 1:
         return None
     ranks = [d for d in out.decodes.values() if d.tp]
     leaders = [d.tp for d in ranks if d.tp_rank == 0]
@@ -305,7 +348,7 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
     steps, disagreed, requests_disagreed = (sum(t.get(k, 0) for t in leaders)
                                             for k in ("steps", "steps_disagreed", "requests_disagreed"))
     return TpSummary(
-        cfg.endpoints.decode_tp, TpGate(cfg.gate.readiness, cfg.gate.zero_room_on_free, cfg.gate.settle_ms),
+        decode_tp, TpGate(g.readiness, g.zero_room_on_free, g.settle_ms),
         steps, disagreed, requests_disagreed, unready + wrong_room, unready, wrong_room,
         sum(d.details.get(Detail.room_never_landed, 0) for d in ranks),
         # the gate saw the right room but the rest of the row had not landed (blocks of one
@@ -320,7 +363,7 @@ def _tp(cfg: OrchestratorConfig, out: RunResult) -> Optional[TpSummary]:
         {d.name: d.tp.get("allreduce_us") for d in ranks})
 
 
-def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> DecodeSideResults:
+def build_decode_side(cfg: ReportSections, plan: Plan, out: RunResult) -> DecodeSideResults:
     """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
     outcomes: Counter[Outcome] = Counter()
     details: Counter[Detail] = Counter()
@@ -330,7 +373,7 @@ def build_decode_side(cfg: OrchestratorConfig, plan: Plan, out: RunResult) -> De
             details.update(d.details)
     transports = set(out.transports.values())
     effective = transports.pop() if len(transports) == 1 else None
-    tp = _tp(cfg, out)
+    tp = _tp(cfg.endpoints.decode_tp, cfg.gate, out)
     return DecodeSideResults(
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),

@@ -24,14 +24,13 @@ shared monotonic clock). Results: bench.json and bench.md in the run dir.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,7 +57,7 @@ from orchestrator.profile.config import (
     register_configs,
     validate,
 )
-from orchestrator.profile.plan import Device, Plan, Route
+from orchestrator.profile.plan import Device, Plan, Platform, Route
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import sharing_warning
@@ -353,44 +352,37 @@ def _label(p: Plan) -> str:
     return f"engine {p.engine_transport.value}, {where}->{where}{mps}"
 
 
-def paths(cfg: OrchestratorConfig, platform) -> list[Path_]:
-    base = copy.deepcopy(cfg)
+def paths(cfg: OrchestratorConfig, platform: Platform) -> list[Path_]:
+    """The aux paths measured side by side, each a new config with the bench's sizes: the
+    profile's engine path, its engine over tcp, host buffers over the engine, the tcp route."""
     b = cfg.bench
-    base.buffers.size = max(cfg.buffers.size, 4 * b.batch_size + b.batch_size)
-    base.workload.requests = b.handoffs + 4 * b.requests
-    base.transport.timeout_s = max(cfg.transport.timeout_s, 10.0)
+    base = validate(replace(
+        cfg, buffers=replace(cfg.buffers, size=max(cfg.buffers.size, 4 * b.batch_size + b.batch_size)),
+        workload=replace(cfg.workload, requests=b.handoffs + 4 * b.requests),
+        transport=replace(cfg.transport, timeout_s=max(cfg.transport.timeout_s, 10.0))))
     plan = check_profile(base, platform)
+    t = base.transport
+    engine_tcp = replace(t.mooncake, transport=EngineTransportSetting.tcp)
+    host = replace(base.mem_pool, type=MemPoolType.NONE)
+    todo: list[OrchestratorConfig] = []
+    if plan.route is Route.engine:
+        assert plan.engine_transport is not None  # (the engine route)
+        todo.append(base)
+        if plan.engine_transport.value != "tcp":
+            todo.append(replace(base, transport=replace(t, mooncake=engine_tcp)))
+        if plan.buffer_device is not Device.cpu:
+            todo.append(replace(base, mem_pool=host,
+                                transport=replace(t, route=RouteSetting.auto, mooncake=engine_tcp)))
+    todo.append(replace(base, mem_pool=host, transport=replace(t, route=RouteSetting.tcp)))
     out: list[Path_] = []
-
-    def variant(**changes) -> OrchestratorConfig:
-        c = copy.deepcopy(base)
-        for dotted, value in changes.items():
-            obj = c
-            *parents, leaf = dotted.split("__")
-            for part in parents:
-                obj = getattr(obj, part)
-            setattr(obj, leaf, value)
-        return c
-
-    def add(c: OrchestratorConfig) -> None:
+    for c in todo:
         p = check_profile(c, platform)
         out.append(Path_(_label(p), c, p))
         if p.sharing.shared and p.sharing.mps:  # its twin without MPS: what time-slicing costs
-            twin = copy.deepcopy(c)
-            twin.endpoints.mps = MpsMode.off
+            twin = replace(c, endpoints=replace(c.endpoints, mps=MpsMode.off))
             q = check_profile(twin, platform)
             if not q.sharing.mps:
                 out.append(Path_(_label(q), twin, q, NO_MPS_PHASES))
-
-    if plan.route is Route.engine:
-        assert plan.engine_transport is not None  # (the engine route)
-        add(base)
-        if plan.engine_transport.value != "tcp":
-            add(variant(transport__mooncake__transport=EngineTransportSetting.tcp))
-        if plan.buffer_device is not Device.cpu:
-            add(variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.auto,
-                        transport__mooncake__transport=EngineTransportSetting.tcp))
-    add(variant(mem_pool__type=MemPoolType.NONE, transport__route=RouteSetting.tcp))
     return out
 
 
