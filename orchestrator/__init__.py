@@ -11,7 +11,7 @@ second ends with one line, not a traceback from inside torch's import.
 __all__ = ["MetadataBuffers"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "MetadataBuffers":
         from orchestrator.handoff.buffers import MetadataBuffers
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Any
 
 
 class _EarlyStop(BaseException):
     """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
 
 
-def _early(signum, _frame):
+def _early(signum: int, _frame: object) -> None:
     raise _EarlyStop(signum)
 
 
@@ -73,7 +74,7 @@ def main(cfg: DictConfig) -> float:
     return float(results.verified)
 
 
-def _in_process(hc) -> bool:
+def _in_process(hc: Any) -> bool:
     """Whether the jobs run in this process (Hydra's basic launcher)."""
     target = str((hc.launcher or {}).get("_target_", ""))
     return target.endswith("BasicLauncher")

@@ -165,6 +165,26 @@ def msg_reads(trees: list[tuple[Path, ast.Module]]) -> list[str]:
     return [f"{r}:{line} {what}" for r, line, what in sorted(out)]
 
 
+def _is_config(node: ast.AST | None) -> bool:
+    """An annotation that is the whole config: OrchestratorConfig, alone or in a union or an
+    Optional (a Callable returning one is a loader, not the config)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return False
+    if isinstance(node, ast.Name):
+        return node.id == WHOLE_CONFIG
+    if isinstance(node, ast.Attribute):
+        return node.attr == WHOLE_CONFIG
+    if isinstance(node, ast.BinOp):
+        return _is_config(node.left) or _is_config(node.right)
+    if isinstance(node, ast.Subscript) and _names(node.value) & {"Optional", "Union"}:
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return any(_is_config(e) for e in elts)
+    return False
+
+
 def whole_config(trees: list[tuple[Path, ast.Module]]) -> list[str]:
     """Functions (and methods) with a parameter annotated OrchestratorConfig, outside the schema."""
     out: list[tuple[str, int, str]] = []
@@ -175,7 +195,7 @@ def whole_config(trees: list[tuple[Path, ast.Module]]) -> list[str]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = n.args
                 params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p]
-                if any(WHOLE_CONFIG in _names(p.annotation) for p in params):
+                if any(_is_config(p.annotation) for p in params):
                     out.append((str(rel), n.lineno, n.name))
     return [f"{r}:{line} {name}" for r, line, name in sorted(out)]
 

@@ -70,7 +70,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
 HYDRA_SUBDIR = ".hydra"
 
 
-def save_hydra(cfg, run_dir: Path) -> None:
+def save_hydra(cfg: object, run_dir: Path) -> None:
     """What Hydra's own run_job would have saved to `.hydra/` (the entry point turns that
     off: hydra.output_subdir=null) for the job config `cfg`, saved here under the run dir's
     lock, atomically; a full disk raises NoSpace naming the file. Nothing outside a Hydra

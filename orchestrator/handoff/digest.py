@@ -51,12 +51,12 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from orchestrator.handoff.buffers import MetadataBuffers, _as_i64
+from orchestrator.handoff.buffers import MetadataBuffers, StagedRows, _as_i64
 from orchestrator.profile.config import DigestKind
 
 P = 16_777_213
@@ -97,7 +97,7 @@ def _capture_stream() -> "torch.cuda.Stream":
     return _CAPTURE_STREAMS[dev]
 
 
-def _capture(body) -> "torch.cuda.CUDAGraph":
+def _capture(body: Callable[[], None]) -> "torch.cuda.CUDAGraph":
     """A CUDA graph of body() (run twice on a side stream first, as capture requires); the
     graph keeps body(), and with it every tensor the replays read or write."""
     side = _capture_stream()
@@ -123,7 +123,9 @@ class Sealed:
     once the step's device work ran (result() waits on its event; once the rows were sent it
     is long done)."""
 
-    def __init__(self, tags=None, contents=None, out=None, k=0, event=None, pack_s=0.0):
+    def __init__(self, tags: Optional[list[int]] = None, contents: Optional[list[str]] = None,
+                 out: Optional[np.ndarray] = None, k: int = 0, event: Optional["torch.cuda.Event"] = None,
+                 pack_s: float = 0.0) -> None:
         self._tags, self._contents, self._out, self._k, self._event = tags, contents, out, k, event
         self.pack_s = pack_s  # seconds spent packing staged rows (buffers.set_buf=staged)
         self._lock = threading.Lock() if tags is None else None
@@ -135,12 +137,15 @@ class Sealed:
     def result(self) -> tuple[list[int], list[str]]:
         """(tags, fingerprints); the scheduler and the transfer thread may both ask."""
         if self._tags is None:
-            with self._lock:
+            lock, event, out_all = self._lock, self._event, self._out
+            assert lock is not None and event is not None and out_all is not None  # a device step's
+            with lock:
                 if self._tags is None:
-                    self._event.synchronize()
-                    out = self._out[:self._k]
+                    event.synchronize()
+                    out = out_all[:self._k]
                     self._contents = [f"{c:012x}" for c in out[:, 1].tolist()]
                     self._tags = out[:, 0].tolist()
+        assert self._tags is not None and self._contents is not None  # set above, or given
         return self._tags, self._contents
 
 
@@ -156,7 +161,7 @@ class _Ring:
     def __init__(self, items: list):
         self.items, self.i = items, 0
 
-    def next(self):
+    def next(self) -> Any:
         self.i = (self.i + 1) % len(self.items)
         return self.items[self.i]
 
@@ -348,14 +353,15 @@ class RowDigest:
             inp_d = torch.zeros(n, dtype=torch.int64, device=self.device)
             out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
 
-            def body(k=k, inp_h=inp_h, inp_d=inp_d, out_h=out_h):
+            def body(k: int = k, inp_h: torch.Tensor = inp_h, inp_d: torch.Tensor = inp_d,
+                     out_h: torch.Tensor = out_h) -> None:
                 inp_d.copy_(inp_h, non_blocking=True)
                 b.words.index_fill_(0, inp_d[k:], 0)  # freed slots' rooms zeroed (else: scratch)
                 out_h.copy_(self._product(self._table.index_select(0, inp_d[:k])), non_blocking=True)
 
             self._judge[k] = (_capture(body), inp_h.numpy(), out_h.numpy())
 
-    def warm_seal(self, max_batch: int, rows=None) -> None:
+    def warm_seal(self, max_batch: int, rows: Optional[StagedRows] = None) -> None:
         """Device rows, sender: the step's seal captured per bucket up to `max_batch` slots,
         with the staged-rows scatter too when `rows` (a buffers.StagedRows) is given. Call on
         fresh buffers: capturing runs each graph, which writes slot 0's own content back and
@@ -380,13 +386,13 @@ class RowDigest:
         inp_h[0] = b.scratch_word
         inp_d = torch.zeros((2, n), dtype=torch.int64, device=self.device)
 
-        def body():
+        def body() -> None:
             inp_d.copy_(inp_h, non_blocking=True)
             b.words.index_copy_(0, inp_d[0], inp_d[1])
 
         return _capture(body), inp_h.numpy(), _Slot()
 
-    def _capture_seal(self, k: int, rows) -> tuple:
+    def _capture_seal(self, k: int, rows: Optional[StagedRows]) -> tuple:
         b, dev = self.b, self.device
         inp_h = torch.zeros((6, k), dtype=torch.int64, pin_memory=True)
         inp_h[1] = inp_h[5] = b.scratch_word  # capture-time writes land in the scratch
@@ -401,10 +407,10 @@ class RowDigest:
             rows_d = torch.zeros((k, b.row_bytes), dtype=torch.uint8, device=dev)
             cols = rows.cols
 
-        def body():
+        def body() -> None:
             inp_d.copy_(inp_h, non_blocking=True)
             slots = inp_d[0]
-            if rows_d is not None:
+            if rows_d is not None and rows_h is not None:  # (set together)
                 rows_d.copy_(rows_h, non_blocking=True)
                 for f, t in enumerate(fields):
                     t.index_copy_(0, slots, rows_d[:, cols[f]:cols[f + 1]])
@@ -433,7 +439,7 @@ class RowDigest:
         return self._tags(c, pads)
 
     def seal(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
-             idents: Sequence[tuple[int, int]], rows=None, ahead: bool = False) -> Sealed:
+             idents: Sequence[tuple[int, int]], rows: Optional[StagedRows] = None, ahead: bool = False) -> Sealed:
         """A step's rows made ready to send: the rooms written, the digest taken and its tag
         written into kv_checksum (where the layout has it). `rows` (a buffers.StagedRows):
         the step's rows are first uploaded from it. `ahead`: the rows are as fill_ahead left
@@ -489,7 +495,7 @@ class RowDigest:
         return Sealed(tags, contents)
 
     def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
-                    rows) -> Sealed:
+                    rows: Optional[StagedRows]) -> Sealed:
         """Device rows: the step's seal graph of its bucket replayed (rooms written, digest
         taken, tags written, with `rows` the staged rows uploaded first); queued."""
         b = self.b
@@ -548,7 +554,7 @@ class RowDigest:
         return self._tags(c, pads)
 
     @staticmethod
-    def _tags(c: list[list[int]], pads) -> tuple[list[int], list[str]]:
+    def _tags(c: list[list[int]], pads: Sequence[tuple[int, int]]) -> tuple[list[int], list[str]]:
         tags = [pack_tag(row[0], row[1], pad) for row, pad in zip(c, pads)]
         return tags, [f"{row[2] | row[3] << 24:012x}" for row in c]
 

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import Any, Optional
 
 
@@ -28,17 +29,17 @@ class Signals:
         self._saved: dict[int, Any] = {}
         self._depth = 0  # entered again (the CLI's job, then its runner): one install, one restore
 
-    def __enter__(self):
+    def __enter__(self) -> Signals:
         self._depth += 1
         if self._depth == 1 and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._saved[sig] = signal.signal(sig, self._on)
         return self
 
-    def _on(self, signum, _frame):
+    def _on(self, signum: int, _frame: Optional[FrameType]) -> None:
         self.caught = signal.Signals(signum).name
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0:
             for sig, handler in self._saved.items():

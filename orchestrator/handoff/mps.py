@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
+from structlog.stdlib import BoundLogger
+
 from orchestrator.profile.sharing import MPS_CONTROL, MPS_ENV, GpuSharing, MpsDaemon
 
 START_S = 15.0  # the daemon's start, bounded
@@ -177,7 +179,7 @@ def record_servers(record: dict, sharing: GpuSharing) -> None:
 
 
 @contextlib.contextmanager
-def mps_for(sharing: GpuSharing, run_dir: Path, log) -> Iterator[dict]:
+def mps_for(sharing: GpuSharing, run_dir: Path, log: BoundLogger) -> Iterator[dict]:
     """While the run's processes are spawned and run: MPS as `sharing` decided (the run's own
     daemon started here, and stopped on the way out, however the block ends), its variables
     in os.environ for the children. Yields the run's `gpu_sharing` record, which says what

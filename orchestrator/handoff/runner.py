@@ -30,7 +30,7 @@ import structlog
 from orchestrator.handoff import protocol
 from orchestrator.handoff.bootstrap import lookup, serve_bootstrap, start_metadata_server
 from orchestrator.handoff.endpoints.decode import decode_main
-from orchestrator.handoff.endpoints.prefill import prefill_main
+from orchestrator.handoff.endpoints.prefill import PrefillEndpoint, prefill_main
 from orchestrator.handoff.faults import divert_control, strike
 from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
 from orchestrator.handoff.mps import mps_for, record_servers
@@ -89,21 +89,21 @@ def _kill(p: _Proc) -> None:
     p.proc.join(2)
 
 
-def _send(p: _Proc, msg) -> None:
+def _send(p: _Proc, msg: protocol.ToChild) -> None:
     try:
         p.conn.send(msg)
     except (BrokenPipeError, OSError):
         pass
 
 
-def _readable(conn) -> bool:
+def _readable(conn: protocol.Channel) -> bool:
     try:
         return conn.poll(0)
     except (EOFError, OSError):
         return False
 
 
-def _said(msg, out: RunResult) -> str:
+def _said(msg: protocol.ToRunner | protocol.ToChild, out: RunResult) -> str:
     """What an endpoint said that was not what the runner waited for: its error line (a
     full disk noted in `out`)."""
     return out.heard(msg.line) if isinstance(msg, protocol.Error) else repr(msg)
@@ -119,8 +119,13 @@ class _Progress(Protocol):
     def __call__(self, done: int, verified: Optional[int] = None) -> None: ...
 
 
+Driver = Callable[[PrefillEndpoint, protocol.Channel], Any]
+"""What a prefill rank runs and sends back (default: prefill.workload_driver; the bench's
+paths: sweep.bench.BenchDriver)."""
+
+
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
-                 driver=None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
+                 driver: Optional[Driver] = None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
                  signals: Optional[Signals] = None) -> RunResult:
     """Start every decode process and every prefill rank; run `driver` in the prefill ranks
     (default: the configured workload); watch them; return what they measured."""
@@ -132,8 +137,8 @@ class Job:
     started (each behind a protocol.Channel) and its outcome, `out`."""
 
     def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
-                 progress: Optional[_Progress] = None, driver=None, bulk_bytes: int = 0,
-                 secret: Optional[bytes] = None):
+                 progress: Optional[_Progress] = None, driver: Optional[Driver] = None, bulk_bytes: int = 0,
+                 secret: Optional[bytes] = None) -> None:
         if cfg.workload.seed is None:  # callers other than the CLI (which draws and records it): in a copy
             cfg = dataclasses.replace(cfg, workload=with_seed(cfg.workload))
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
@@ -234,7 +239,8 @@ class Job:
             self.metadata.wait(5)
 
     # ---- start ---------------------------------------------------------------------------
-    def _start(self, name: str, kind: str, index: int, tp_rank: int, target, args=(), kwargs=None) -> _Proc:
+    def _start(self, name: str, kind: str, index: int, tp_rank: int, target: Callable[..., None],
+               args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> _Proc:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=target, name=name, daemon=True, kwargs=kwargs or {},
@@ -314,7 +320,8 @@ class Job:
             return []
         return [[infos[(i, t)] for t in range(e.decode_tp)] for i in range(e.decode_ranks)]
 
-    def _on_start(self, p: _Proc, msg, infos: dict[tuple[int, int], dict]) -> None:
+    def _on_start(self, p: _Proc, msg: protocol.ToRunner | protocol.ToChild,
+                  infos: dict[tuple[int, int], dict]) -> None:
         out = self.out
         match msg:
             case protocol.Ready(info=info):
@@ -329,7 +336,7 @@ class Job:
             case _:
                 raise RunFailed(f"{p.name} endpoint did not start: {_said(msg, out)}")
 
-    def _on_running(self, p: _Proc, msg) -> None:
+    def _on_running(self, p: _Proc, msg: protocol.ToRunner | protocol.ToChild) -> None:
         if not isinstance(msg, protocol.Running):
             raise RunFailed(f"{p.name} endpoint failed: {_said(msg, self.out)}")
         p.last_seen = _clock()
@@ -380,7 +387,7 @@ class Job:
         elif self.stopped_at is None and _clock() - p.last_seen > watchdog:
             self._lose(p, f"sent nothing for {watchdog:g} s")
 
-    def _on_prefill(self, p: _Proc, msg) -> None:
+    def _on_prefill(self, p: _Proc, msg: protocol.ToRunner | protocol.ToChild) -> None:
         progress = self.progress
         match msg:
             case protocol.Progress(finished=n, verified=v):
@@ -477,13 +484,13 @@ class Job:
                 if take(msg):
                     return
 
-    def _prefill_result(self, p: _Proc, msg) -> bool:
+    def _prefill_result(self, p: _Proc, msg: protocol.ToRunner | protocol.ToChild) -> bool:
         if isinstance(msg, protocol.Result):
             self.out.add(p.name, msg.result)
             p.done = True
         return p.done
 
-    def _decode_result(self, d: _Proc, msg, own: dict[str, str]) -> bool:
+    def _decode_result(self, d: _Proc, msg: protocol.ToRunner | protocol.ToChild, own: dict[str, str]) -> bool:
         out = self.out
         match msg:
             case protocol.Stats(result=result):

@@ -130,7 +130,7 @@ def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = (),
         GlobalHydra.instance().clear()
 
 
-def _used_files(dirs: Sequence[Path], choices) -> list[Path]:
+def _used_files(dirs: Sequence[Path], choices: Any) -> list[Path]:
     """The files of `dirs` a composed profile read: GROUP/CHOICE.yaml for each choice."""
     out = []
     for group, choice in (choices or {}).items():
@@ -406,7 +406,7 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with a usage mistake said as every refusal is: one `error:` line, exit 2."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         error_exit(f"{message} ({self.prog} --help lists the flags)")
         raise AssertionError("unreachable")
 

@@ -386,7 +386,8 @@ def _shown(env: Mapping[str, str], var: str) -> str:
     return f"{var}={env[var]!r}" if var in env else f"{var} (unset)"
 
 
-def judge(environment: Environment, wheel: Wheel, load, extra: Sequence[str] = ()) -> Reading:
+def judge(environment: Environment, wheel: Wheel, load: Callable[[list[str]], OrchestratorConfig],
+          extra: Sequence[str] = ()) -> Reading:
     """Read one environment: its implied profile, the plan the rule book makes of it, and
     each trap. `load(overrides)` composes and validates a profile (profile.load_profile);
     `extra` are overrides the user adds (e.g. experiment=...), applied first."""

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.handoff.transport.ports import port_is_free, rpc_port_range
 from orchestrator.preflight.compose import (
@@ -68,6 +68,12 @@ from orchestrator.profile.plan import (
 )
 from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import MPS_CONTROL
+
+if TYPE_CHECKING:
+    from orchestrator.preflight.address import Host
+    from orchestrator.preflight.deployment import Environment, Finding, Reading, Wheel
+
+Crossed = list[tuple["Reading", "Reading", list["Finding"]]]  # prefill, decode, what their pair shows
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -558,10 +564,10 @@ def check_layouts(mine: tuple[LayoutConfig, BuffersConfig], peer: tuple[LayoutCo
 # A deployment's environment (--env-file / --manifest)
 
 
-def _read_inputs(env_files: Sequence[str], manifests: Sequence[str]):
+def _read_inputs(env_files: Sequence[str], manifests: Sequence[str]) -> list[Environment]:
     from orchestrator.preflight import deployment as dep
 
-    environments = []
+    environments: list[Environment] = []
     try:
         for name in env_files:
             if name == "-":
@@ -585,7 +591,7 @@ def _read_inputs(env_files: Sequence[str], manifests: Sequence[str]):
     return environments
 
 
-def _wheel():
+def _wheel() -> Wheel:
     from orchestrator.preflight.deployment import Wheel
 
     probe = probe_mooncake()
@@ -594,12 +600,14 @@ def _wheel():
     return Wheel(name, probe.intra_nvlink_built if probe.cuda_build else False)
 
 
-def env_report(env_files: Sequence[str], manifests: Sequence[str], extra: Sequence[str]):
+def env_report(env_files: Sequence[str], manifests: Sequence[str],
+               extra: Sequence[str]) -> tuple[list[Reading], list[Environment], Crossed]:
     from orchestrator.preflight import deployment as dep
 
     environments = _read_inputs(env_files, manifests)
     wheel = _wheel()
-    readings, skipped = [], []
+    readings: list[Reading] = []
+    skipped: list[Environment] = []
     for e in environments:
         if dep.serving(e):
             readings.append(dep.judge(e, wheel, load_profile, extra))
@@ -609,12 +617,13 @@ def env_report(env_files: Sequence[str], manifests: Sequence[str], extra: Sequen
     return readings, skipped, crossed
 
 
-def _title(reading) -> str:
+def _title(reading: Reading) -> str:
     role = reading.environment.role
     return reading.environment.label + (f" ({role.value})" if role else "")
 
 
-def env_text(readings, skipped, crossed, extra: Sequence[str]) -> str:
+def env_text(readings: Sequence[Reading], skipped: Sequence[Environment], crossed: Crossed,
+             extra: Sequence[str]) -> str:
     lines = []
     for r in readings:
         lines.append(f"== {_title(r)}")
@@ -641,14 +650,15 @@ def env_text(readings, skipped, crossed, extra: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def plan_text(reading) -> str:
+def plan_text(reading: Reading) -> str:
     from orchestrator.preflight.deployment import plan_line
 
     return plan_line(reading)
 
 
-def env_json(readings, skipped, crossed, extra: Sequence[str]) -> dict:
-    def one(r):
+def env_json(readings: Sequence[Reading], skipped: Sequence[Environment], crossed: Crossed,
+             extra: Sequence[str]) -> dict[str, Any]:
+    def one(r: Reading) -> dict[str, Any]:
         return {"label": r.environment.label,
                 "role": r.environment.role.value if r.environment.role else None,
                 "profile": [*extra, *r.profile] if r.overrides is not None else None,
@@ -665,7 +675,7 @@ def env_json(readings, skipped, crossed, extra: Sequence[str]) -> dict:
             "skipped": [e.label for e in skipped]}
 
 
-def run_implied(readings, extra: Sequence[str]) -> int:
+def run_implied(readings: Sequence[Reading], extra: Sequence[str]) -> int:
     """python -m orchestrator with the implied profile, here; its exit code."""
     profiles = {tuple([*extra, *r.profile]) for r in readings}
     if len(profiles) != 1:
@@ -686,7 +696,7 @@ def run_implied(readings, extra: Sequence[str]) -> int:
         return 130
 
 
-def env_main(args) -> int:
+def env_main(args: argparse.Namespace) -> int:
     from orchestrator.preflight.deployment import Level
     from orchestrator.preflight.serving import profile_from_env
 
@@ -743,7 +753,8 @@ def check_process_space(transport: Optional[EngineTransport], peer_pid_ns: Optio
                  "the peer's memory.")
 
 
-def check_address(env: Mapping[str, str], peer_address: Optional[str] = None, host=None) -> Check:
+def check_address(env: Mapping[str, str], peer_address: Optional[str] = None,
+                  host: Optional[Host] = None) -> Check:
     """The address this side would advertise under SGLang 0.5.23's rule (SGLANG_HOST_IP /
     HOST_IP, SGLANG_LOCAL_IP_NIC, the default route, the hostname), the step that chose it, and
     what a peer would trip on (orchestrator.profile.address). `peer_address`: the address the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Optional, Protocol
+from typing import Mapping, Optional, Protocol, Sequence
 
 from orchestrator.profile.config import (
     SPIN_MIN_CORES,
@@ -265,8 +265,8 @@ def expandable_segments(env: Mapping[str, str]) -> list[str]:
     return on
 
 
-def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus, decode_gpus,
-                  cuda_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def gpu_placement(prefill_ranks: int, decode_ranks: int, prefill_gpus: Optional[Sequence[int]],
+                  decode_gpus: Optional[Sequence[int]], cuda_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Declared GPUs, or auto: prefill ranks on GPUs 0.., decode processes on the next ones,
     wrapping modulo the GPU count (4+4 ranks on 8 GPUs: prefill 0-3, decode 4-7)."""
     n = max(cuda_devices, 1)

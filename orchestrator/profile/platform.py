@@ -130,7 +130,7 @@ def rdma_devices(sysfs: str = "/sys/class/infiniband") -> tuple[str, ...]:
         return ()
 
 
-def host_mem_available(meminfo: str = "/proc/meminfo"):
+def host_mem_available(meminfo: str = "/proc/meminfo") -> Optional[int]:
     """MemAvailable in bytes, or None where the kernel does not say."""
     try:
         for line in open(meminfo):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from orchestrator.profile.config import ConfigError, MpsMode
 from orchestrator.results.rundir import proc_name
@@ -98,7 +98,7 @@ def processes_on_gpus(prefill_gpus: Optional[tuple[int, ...]], decode_gpus: Opti
     return tuple((gpu, tuple(names)) for gpu, names in sorted(on.items()))
 
 
-def running_daemon(env: Mapping[str, str], exists) -> Optional[str]:
+def running_daemon(env: Mapping[str, str], exists: Callable[[str], bool]) -> Optional[str]:
     """The pipe dir of an MPS control daemon already running for processes with `env`
     (CUDA_MPS_PIPE_DIRECTORY, else the default), judged by its control pipe; None: none.
     `exists(path)` asks the file system (os.path.exists)."""

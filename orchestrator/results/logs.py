@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional, TextIO
 
 import structlog
 
@@ -64,7 +64,7 @@ def _json_formatter() -> logging.Formatter:
     )
 
 
-def _console_formatter(stream) -> logging.Formatter:
+def _console_formatter(stream: TextIO) -> logging.Formatter:
     return structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.dev.ConsoleRenderer(colors=stream.isatty())],

@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 from orchestrator.results.rundir import RunFiles
 
@@ -56,7 +56,7 @@ def layout_label(prefill_ranks: int, decode_ranks: int, decode_tp: int = 1) -> s
             + (f" (TP {decode_tp} each)" if decode_tp > 1 else " (TP 1)"))
 
 
-def log_ticks(axis, lo: float, hi: float) -> None:
+def log_ticks(axis: Any, lo: float, hi: float) -> None:
     """Enough labelled ticks on a log axis from `lo` to `hi`: every digit within less than a
     decade, 1-2-3-5 up to two, 1-2-5 up to four and a half, decades beyond; plain numbers."""
     from matplotlib import ticker
@@ -70,7 +70,7 @@ def log_ticks(axis, lo: float, hi: float) -> None:
     axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}"))
 
 
-def pyplot():
+def pyplot() -> Any:
     """matplotlib.pyplot on the headless backend."""
     import matplotlib
 
@@ -110,7 +110,7 @@ def run_latencies(run_dir: Path, arrival: bool = False) -> dict[str, dict[str, l
     return out
 
 
-def percentiles(values) -> dict[str, Optional[float]]:
+def percentiles(values: Iterable[float]) -> dict[str, Optional[float]]:
     """p50/p99/p999 the way results.json has them (orchestrator.stats.LatencyHistogram), so
     a plot marks exactly the numbers the summary prints."""
     from orchestrator.results.stats import LatencyHistogram
@@ -118,7 +118,7 @@ def percentiles(values) -> dict[str, Optional[float]]:
     return LatencyHistogram(values).summary()
 
 
-def _marks_of(values, qs) -> SimpleNamespace:
+def _marks_of(values: Iterable[float], qs: Sequence[float]) -> SimpleNamespace:
     """What results.Percentiles would hold for these values (one computation for both)."""
     from orchestrator.results.stats import LatencyHistogram
 
@@ -126,7 +126,7 @@ def _marks_of(values, qs) -> SimpleNamespace:
     return SimpleNamespace(**h.summary(), mean=h.mean, max=h.peak, percentiles=h.chosen(qs), measured=True)
 
 
-def _shown(pcts, n: int) -> list[tuple[str, float, float]]:
+def _shown(pcts: Any, n: int) -> list[tuple[str, float, float]]:
     """(name, value, q) of the percentiles to mark: the chosen ones where the marks have them
     (else p50/p99/p999), each only where n requests can tell it apart from the max."""
     chosen = getattr(pcts, "percentiles", None)
@@ -151,7 +151,7 @@ def _cdf_axes(ax: Any, metric: str, drawn: list[tuple[str, list[float]]]) -> Non
 
 
 def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
-                marks: Optional[dict[str, LatencyMarks]] = None, qs=DEFAULT_QS) -> Optional[Path]:
+                marks: Optional[dict[str, LatencyMarks]] = None, qs: Sequence[float] = DEFAULT_QS) -> Optional[Path]:
     """One panel per metric (up to three in a row, four as two by two): the CDF of each
     route's latencies on a log x axis, its chosen percentiles (report.percentiles: `qs`)
     marked and labelled beside their lines, each label at its own height below the curve
@@ -208,11 +208,11 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
 
 
 def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, LatencyMarks]] = None,
-                    arrival: bool = False, qs=DEFAULT_QS) -> Optional[Path]:
+                    arrival: bool = False, qs: Sequence[float] = DEFAULT_QS) -> Optional[Path]:
     return latency_cdf(Path(run_dir) / LATENCY_PNG, run_latencies(run_dir, arrival), title, marks, qs)
 
 
-def draw_later(run_dir: Path, title: str, arrival: bool = False, qs=DEFAULT_QS) -> None:
+def draw_later(run_dir: Path, title: str, arrival: bool = False, qs: Sequence[float] = DEFAULT_QS) -> None:
     """An interrupted run's latency.png, drawn by a process of its own, in a session of its
     own, while and after this one exits: importing matplotlib and drawing take seconds on a
     busy 2-core box (4 s and 3 s at load 18), and a stop ends within about 2 s. Its marks are
@@ -246,7 +246,7 @@ def _draw(run_dir: Path, opts: dict) -> Optional[Path]:
     return run_dir / LATENCY_PNG
 
 
-def short_dir(path) -> str:
+def short_dir(path: str | Path) -> str:
     """A run or sweep dir as a title names it: its last two parts (outputs/<date>/<time>),
     never a temp dir's whole path."""
     parts = Path(path).parts

@@ -16,7 +16,9 @@ import enum
 import shutil
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional, TextIO
+
+from structlog.stdlib import BoundLogger
 
 
 class Mode(enum.Enum):
@@ -25,7 +27,7 @@ class Mode(enum.Enum):
     off = "off"
 
 
-def mode_for(setting: Optional[bool], console: bool, stream=None) -> Mode:
+def mode_for(setting: Optional[bool], console: bool, stream: Optional[TextIO] = None) -> Mode:
     """logging.progress (null: auto), logging.console and where stderr goes -> the mode."""
     stream = stream or sys.stderr
     tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -47,8 +49,9 @@ class ProgressMeter:
 
     REDRAW_S = 0.2
 
-    def __init__(self, total: Optional[int], log=None, stream=None, every_s: float = 5.0,
-                 mode: Mode = Mode.live, duration_s: Optional[float] = None, clock=time.monotonic):
+    def __init__(self, total: Optional[int], log: Optional[BoundLogger] = None, stream: Optional[TextIO] = None,
+                 every_s: float = 5.0, mode: Mode = Mode.live, duration_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.total, self.log, self.mode = total, log, mode
         self.stream = stream or sys.stderr
         self.every_s, self.duration_s, self.clock = every_s, duration_s, clock

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, TextIO
 
 
 def proc_name(kind: str, index: int, count: int, tp_rank: int = 0, tp: int = 1) -> str:
@@ -115,7 +115,7 @@ def _holder(path: Path) -> str:
         return "?"
 
 
-def lock_run_dir(run_dir: Path):
+def lock_run_dir(run_dir: Path) -> TextIO:
     """Hold `run_dir`'s lock for as long as the returned file stays open (one run per run
     dir; the kernel drops the lock when the process ends, however it ends). Raises
     RunDirBusy when another process holds it. A lock file that its holder removed at its end
@@ -152,7 +152,7 @@ def lock_run_dir(run_dir: Path):
     return fh
 
 
-def unlock_run_dir(fh) -> None:
+def unlock_run_dir(fh: TextIO) -> None:
     """The run's last act: remove the lock file while still holding its lock (a run that
     opened it meanwhile sees it gone and takes a new one, lock_run_dir), then let go."""
     import os
@@ -192,7 +192,7 @@ class NoSpace(OSError):
     def __str__(self) -> str:
         return f"no space left writing {self.path}"
 
-    def __reduce__(self):  # crosses the runner's pipe
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # crosses the runner's pipe
         return NoSpace, (str(self.path),)
 
 
@@ -256,7 +256,7 @@ class RunFile:
                 raise NoSpace(self.path) from None
             raise
 
-    def _guard(self, call, *args):
+    def _guard(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
         except OSError as exc:
@@ -282,14 +282,14 @@ class RunFile:
         if not self.fh.closed:
             self._guard(self.fh.close)
 
-    def __enter__(self):
+    def __enter__(self) -> RunFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _private_temp(directory: Path, name: str):
+def _private_temp(directory: Path, name: str) -> tuple[Path, int]:
     """A new temporary file beside `name` in `directory`: a random name, created with
     O_CREAT|O_EXCL|O_NOFOLLOW, so a symlink or file planted in a shared directory is never
     opened or followed (the target is then replaced by rename, which follows nothing)."""

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence, TypeVar, Union
 
 from orchestrator.results.records import DecodeResult, RunResult, counter_dict
 from orchestrator.results.rundir import RunFiles
@@ -45,15 +45,18 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def read_section(cls, d: Any, **typed):
+S = TypeVar("S")
+
+
+def read_section(cls: type[S], d: Any, **typed: Callable[[Any], Any]) -> S:
     """A section read back from JSON: each field as it is there (absent: None), the `typed`
     ones through their own reader."""
     d = d if isinstance(d, dict) else {}
     return cls(**{f.name: typed[f.name](d.get(f.name)) if f.name in typed else d.get(f.name)
-                  for f in fields(cls)})
+                  for f in fields(cls)})  # type: ignore[arg-type]  # cls: a dataclass
 
 
-def each(read):
+def each(read: Callable[[Any], S]) -> Callable[[Any], dict[str, S]]:
     """A reader of {name: section} from one of a section."""
     return lambda d: {k: read(v) for k, v in (d or {}).items()}
 
@@ -201,7 +204,7 @@ class DecodeLoad:
     serving_over_idle: Optional[float] = None
 
 
-def _loads(v: Any):
+def _loads(v: Any) -> Union[None, DecodeLoad, list[DecodeLoad]]:
     if v is None:
         return None
     return [read_section(DecodeLoad, x) for x in v] if isinstance(v, list) else read_section(DecodeLoad, v)

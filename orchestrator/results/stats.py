@@ -8,7 +8,7 @@ per-request values are in requests.jsonl; the benchmark keeps exact samples of i
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class LatencyHistogram:
         self.max = top if self.max is None else max(self.max, top)
         return self
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         self.fold()
         return self.__dict__
 

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -147,7 +147,10 @@ def _phase_result(name: str, res: RankResult, phase: PhaseSpec) -> PhaseResult:
                        {k: h.percentile(50) for k, h in res.stages.items()})
 
 
-def _optional(cls):
+S = TypeVar("S")
+
+
+def _optional(cls: type[S]) -> Callable[[Any], Optional[S]]:
     """A reader of an optional section of bench.json."""
     return lambda v: None if v is None else read_section(cls, v)
 
@@ -251,7 +254,7 @@ class BenchDriver:
     bulk_bytes: int
     only: Optional[tuple[str, ...]] = None  # run only these phases (a path's no-MPS twin)
 
-    def __call__(self, ep: PrefillEndpoint, conn) -> PathResult:
+    def __call__(self, ep: PrefillEndpoint, conn: protocol.Channel) -> PathResult:
         out = PathResult(self.name, ep.side.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
         base = 0
         B, n = self.batch, self.requests
@@ -517,7 +520,7 @@ def ratios(paths: list[PathReport]) -> dict[str, Any]:
     return out
 
 
-def _cell(v):
+def _cell(v: Any) -> Any:
     return "-" if v is None else v
 
 

@@ -153,7 +153,7 @@ def quiet_submitit(log_path: Path) -> None:
     watcher = submitit_slurm.SlurmInfoWatcher
     original = getattr(watcher, "_pd_aux_make_command", None) or watcher._make_command
 
-    def _make_command(self):  # the same sacct call, its stderr appended to the log
+    def _make_command(self: Any) -> Optional[list[str]]:  # the same sacct call, its stderr appended to the log
         command = original(self)
         if command is None:
             return None

@@ -362,7 +362,7 @@ def _series(swept: list[str], x_key: str, ok: list[dict[str, Any]]) -> dict[tupl
     return series
 
 
-def _lines(ax, key: str, series: dict, load: bool) -> None:
+def _lines(ax: Any, key: str, series: dict, load: bool) -> None:
     """A panel's lines: `key` against x for each series (with a load sweep's p99 dashed)."""
     for n_series, (label, pts) in enumerate(sorted(series.items())):
         marker, style = STYLES[n_series % len(STYLES)]
@@ -383,7 +383,7 @@ def _lines(ax, key: str, series: dict, load: bool) -> None:
                     zorder=3 + n_series)
 
 
-def _offered_line(ax, xs: list[float], measured_top: float) -> bool:
+def _offered_line(ax: Any, xs: list[float], measured_top: float) -> bool:
     """A load sweep's offered = achieved diagonal; True when it was clipped off the chart."""
     offered = sorted(set(xs))
     ax.plot(offered, offered, color="gray", linestyle=":", zorder=2, label="offered")
@@ -395,7 +395,7 @@ def _offered_line(ax, xs: list[float], measured_top: float) -> bool:
     return False
 
 
-def _axes(ax, key: str, title: str, x_label: str, xs: list[float], has_series: bool, load: bool,
+def _axes(ax: Any, key: str, title: str, x_label: str, xs: list[float], has_series: bool, load: bool,
           clipped: bool) -> None:
     """A panel's titles, scales, ticks and legend."""
     ax.set_title(title, fontsize=10)
