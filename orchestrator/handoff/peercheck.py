@@ -33,8 +33,8 @@ PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the add
 class PeerCheck:
     """One side's part: what it sends (`fields()`), and its verdict on the peer's (`judge`)."""
 
-    def __init__(self, t: TransportConfig, layout: str, side: str, secret: bytes, log,
-                 env: Optional[Mapping[str, str]] = None):
+    def __init__(self, t: TransportConfig, layout: str, side: str, secret: bytes, log: Any,
+                 env: Optional[Mapping[str, str]] = None) -> None:
         """`t`: the transport section; `layout`: layout.name."""
         self.side, self.log = side, log
         self.timeout_s = t.timeout_s

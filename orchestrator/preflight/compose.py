@@ -432,9 +432,9 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
         main()
     except SystemExit as exc:
         if asked_help and exc.code in (0, None):
-            from orchestrator.profile.keys import help_text
+            from orchestrator.profile.keys import help_text, keys
 
-            print("\n" + help_text(load_profile([])), flush=True)
+            print("\n" + help_text(keys(load_profile([]))), flush=True)
         if exc.code == 1 and not started():
             raise SystemExit(2) from None
         raise

@@ -16,7 +16,7 @@ import tokenize
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from orchestrator.profile.config import OrchestratorConfig
 
@@ -147,10 +147,11 @@ def first_sentence(text: str) -> str:
     return text
 
 
-def help_text(cfg: OrchestratorConfig) -> str:
-    """The `--help` section: one line per key, `key=default  meaning [choices]`."""
+def help_text(every: Sequence[Key]) -> str:
+    """The `--help` section for `every` key (keys()): one line per key,
+    `key=default  meaning [choices]`."""
     rows = []
-    for k in keys(cfg):
+    for k in every:
         doc = first_sentence(k.doc)
         if k.choices and not all(c in doc for c in k.choices):  # unless the doc names them
             doc = (doc + " " if doc else "") + f"[{', '.join(k.choices)}]"
