@@ -102,8 +102,7 @@ class PrefillLoop:
                  phase: PhaseSpec, conn: Optional[protocol.Channel], faults: LoopFaults):
         self.links, self.rows, self.sender, self.settings = links, rows, sender, settings
         self.phase, self.conn, self.faults = phase, conn, faults
-        self.w = w = settings.workload
-        self.log = settings.log
+        w = settings.workload
         self.total = phase.requests
         self.offsets = arrival_offsets(phase.rate, w.seed, phase.requests, settings.rank, phase.burstiness,
                                        phase.duration_s)
@@ -125,7 +124,6 @@ class PrefillLoop:
         self._recs: list[Record] = []  # finished, not yet counted and written (flush_records)
         self._stages: list[tuple[float, ...]] = []
         self.judged_unsent = 0  # verdicts in for requests whose send has not finished
-        self.route = settings.route
         self.warm = min(1000, self.total // 10)
         ranks = max(len(inst.links) for inst in links.instances)
         self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
@@ -139,7 +137,7 @@ class PrefillLoop:
         instances = self.links.instances
         rid = self.phase.rid_base + i
         inst = instances[decode_of(rid, len(instances))]
-        room = room_of(self.w, rid)
+        room = room_of(self.settings.workload, rid)
         req = Req(rid, room, inst.index, t_arrive, self.rows.keys.pad(self.settings.rank, rid))
         if inst.lost:
             req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
@@ -200,7 +198,7 @@ class PrefillLoop:
             b.sync()
         per_link: dict[int, tuple[Link, list[Transfer]]] = {}
         for req, slot in zip(reqs, slots):
-            req.src_slot, req.t_step, req.route = slot, t_step, self.route
+            req.src_slot, req.t_step, req.route = slot, t_step, self.settings.route
             inst = self.links.instances[req.inst]
             for link in inst.links:
                 per_link.setdefault(id(link), (link, []))[1].append(
@@ -263,7 +261,7 @@ class PrefillLoop:
                 continue
             if (req.src_slot < 0 if req.dst_slot >= 0 else o is not Outcome.failed):
                 self.res.replayed += 1  # a verdict for a row not sent yet
-                self.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
+                self.settings.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
                                  outcome=o.value)
                 continue
             t_verified = t_ns / 1e9 if inst.same_clock else now
@@ -320,7 +318,7 @@ class PrefillLoop:
         the write returns; the record does not wait for it)."""
         inst.lost = True
         self.res.lost[inst.index] = why
-        self.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
+        self.settings.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
         for req in list(self.outstanding.values()):
             if req.inst == inst.index and req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
@@ -330,17 +328,32 @@ class PrefillLoop:
         inst.owed = inst.ungranted = 0
 
     # ---- the loop -----------------------------------------------------------------------
-    def run(self) -> RankResult:
-        links, phase, sender = self.links, self.phase, self.sender
-        if phase.fill is FillMode.ahead:
+    def _begin(self) -> float:
+        """The phase's start: rows filled ahead where asked, the clocks set; returns t0."""
+        if self.phase.fill is FillMode.ahead:
             self.rows.fill_ahead()
         t0 = _clock()
         self.res.t_start = t0
         if self.phase.duration_s is not None and self.offsets is None:
             self.deadline = t0 + self.phase.duration_s
-        self.res.clock = "one_way" if all(i.same_clock for i in links.instances) else "round_trip"
-        for inst in links.instances:
+        self.res.clock = "one_way" if all(i.same_clock for i in self.links.instances) else "round_trip"
+        for inst in self.links.instances:
             inst.last_heard = t0
+        return t0
+
+    def _finish(self) -> RankResult:
+        """The phase's end: memory and dropped frames into the result, the records file closed."""
+        memory = self.settings.memory
+        memory["rss_kb_end"] = rss_kb()
+        self.res.memory = dict(memory)
+        self.res.rejected += self.links.dropped.rejected
+        self.res.replayed += self.links.dropped.replayed
+        self.sink.close()
+        return self.res
+
+    def run(self) -> RankResult:
+        links, sender = self.links, self.sender
+        t0 = self._begin()
         last_progress = last_iter = t0
         conn_fd = self.conn.fileno() if self.conn is not None else None
         if conn_fd is not None:
@@ -388,13 +401,7 @@ class PrefillLoop:
             self.flush_records()
             if conn_fd is not None:
                 links.poller.unregister(conn_fd)
-        memory = self.settings.memory
-        memory["rss_kb_end"] = rss_kb()
-        self.res.memory = dict(memory)
-        self.res.rejected += links.dropped.rejected
-        self.res.replayed += links.dropped.replayed
-        self.sink.close()
-        return self.res
+        return self._finish()
 
     def from_runner(self) -> None:
         """A message from the runner: stop, or a decode instance is gone (it saw it exit)."""
@@ -491,7 +498,7 @@ class PrefillLoop:
                     self.granted(inst, grants)
                     self.judged(inst, verdicts)
                 case wire.ErrorMsg(detail=detail):
-                    self.log.error("decode_error", decode=inst.index, detail=detail)
+                    self.settings.log.error("decode_error", decode=inst.index, detail=detail)
                 case _:
                     self.res.rejected += 1
 
