@@ -1,5 +1,5 @@
 """`python -m orchestrator [overrides]`: one job, or a sweep with -m. The exit code is the
-job's (see orchestrator.reporting), or the worst of a sweep's jobs (read back from their
+job's (see orchestrator.results.reporting), or the worst of a sweep's jobs (read back from their
 results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations

@@ -445,7 +445,7 @@ class PinnedStage:
 class StagedRows:
     """buffers.set_buf=staged on device rows: SGLang's set_buf writes go to a pinned host
     copy of the rows (host-speed writes), and a step's rows go up in one copy, scattered to
-    their slots by one kernel per field (orchestrator.digest's step graph). The copy holds
+    their slots by one kernel per field (orchestrator.handoff.digest's step graph). The copy holds
     what the device rows hold (both start equal, and only this process writes its rows), so
     the bytes that land are those SGLang's set_buf would have written."""
 

@@ -41,7 +41,7 @@ same bytes again or reads them again):
     the tags computed and written into kv_checksum, tags and fingerprints copied back;
   - the receiver's read: upload the slots, gather, digest, copy back.
 Nothing in either waits: the caller's one wait per step covers it (a stream sync, or on the
-sender the engine's own ordering; see orchestrator.endpoints.prefill).
+sender the engine's own ordering; see orchestrator.handoff.endpoints.prefill).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class RowCheck:
 
 class Keys:
     """The secret-derived parts of the digest (weights seed, pad key). `nonce`, the prefill
-    process's per-run nonce (orchestrator.transport.auth), goes into the pad key: a row and tag from
+    process's per-run nonce (orchestrator.handoff.transport.auth), goes into the pad key: a row and tag from
     another run, even under the same secret, carries the wrong pad."""
 
     def __init__(self, secret: bytes, nonce: str = ""):

@@ -1,7 +1,7 @@
 """The pipe between the runner and each endpoint process: one frozen dataclass per message,
 and a `Channel` that sends and receives only these.
 
-The network protocol (orchestrator.transport.wire) is validated field by field because a peer on the
+The network protocol (orchestrator.handoff.transport.wire) is validated field by field because a peer on the
 wire is not trusted. This pipe is a multiprocessing Pipe to a child this run spawned, so a
 message is trusted, but it is still typed: a receiver matches on the class (`match msg:
 case Ready(info=info): ...`), and anything else arriving is a `ProtocolError`, never a

@@ -3,11 +3,11 @@ up in parallel), hand the prefills the decode endpoints, watch, collect what the
 
 A `Job` holds one run: its processes, each behind a protocol.Channel, and its RunResult.
 Every wait is bounded. A process that dies or stops reporting is ended, and its requests are
-accounted for from what was recorded on disk (orchestrator.recovery): everything a decode
+accounted for from what was recorded on disk (orchestrator.handoff.recovery): everything a decode
 already judged keeps its verdict, the rest fail with a reason. Process faults are carried
 out here when a prefill reaches the exact checkpoint the fault names. SIGINT and SIGTERM end
 the run within about two seconds with what was measured so far. role=decode and
-role=prefill meet through orchestrator.bootstrap.
+role=prefill meet through orchestrator.handoff.bootstrap.
 """
 
 from __future__ import annotations

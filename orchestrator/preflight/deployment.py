@@ -4,9 +4,9 @@ which known traps it falls into. The other half of export_env.
 Input is text: a dotenv file, the output of ``env``, or a Kubernetes manifest (Pod,
 Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob, LeaderWorkerSet, a ``List``,
 several documents in one file). Each SGLang container becomes one :class:`Environment`.
-:func:`judge` maps it to the profile it implies (:func:`orchestrator.serving.profile_from_env`,
+:func:`judge` maps it to the profile it implies (:func:`orchestrator.preflight.serving.profile_from_env`,
 the reverse of ``serving_env``), plans that profile with the rule book
-(:func:`orchestrator.rules.check_profile`) for the machine a deployment runs on (GPUs, a CUDA
+(:func:`orchestrator.profile.rules.check_profile`) for the machine a deployment runs on (GPUs, a CUDA
 Mooncake build, an RDMA device), and names each trap as a FAIL or WARN :class:`Finding`
 that names the variable and the fix. :func:`cross_check` compares a prefill's environment
 with a decode's (pool, aux layout switches, transport, PID namespace).

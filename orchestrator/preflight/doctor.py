@@ -2,7 +2,7 @@
 declared?
 
 The overrides are Hydra overrides, composed exactly as the main CLI composes them (schema,
-``conf/config.yaml``, ``validate``), then planned with :func:`orchestrator.plan.make_plan`
+``conf/config.yaml``, ``validate``), then planned with :func:`orchestrator.profile.plan.make_plan`
 against the detected platform. Each check prints one line: OK, WARN or FAIL, its name, and a
 sentence saying what was found and what to do. Exit codes: 0 when no check FAILs (the profile
 can run as declared; WARNs are advice), 1 when one does, 2 when the profile itself is broken
@@ -16,7 +16,7 @@ the machine.
 ``--env-file FILE`` (a dotenv file; ``-``: ``env`` output on stdin) and ``--manifest FILE.yaml``
 (a Kubernetes manifest), each repeatable, judge a deployment's environment instead: the
 profile it implies, the plan SGLang and Mooncake would run with it, each trap, and a prefill
-against a decode (:mod:`orchestrator.deployment` does the reading and judging; this is the
+against a decode (:mod:`orchestrator.preflight.deployment` does the reading and judging; this is the
 command line). ``--run`` then runs the implied profile here. Exit codes as above; 2 also for
 input that cannot be read (one ``error: ...`` line).
 """

@@ -2,10 +2,10 @@
 environment a serving engine (SGLang on Mooncake) needs to reproduce a profile.
 
 The profile is composed and validated like the main CLI does, judged by the rule book
-(:func:`orchestrator.rules.check_profile`, which the run and the doctor apply too) against
+(:func:`orchestrator.profile.rules.check_profile`, which the run and the doctor apply too) against
 this machine, or with ``--assume-gpus N`` against N CUDA devices and a CUDA Mooncake build
 (so a GPU profile can be exported from a laptop), and mapped by the pure
-:func:`orchestrator.serving.serving_env`.
+:func:`orchestrator.preflight.serving.serving_env`.
 
 ``--format sh`` (default) prints a comment naming the profile, then ``export NAME=value``
 lines and ``unset NAME`` lines, each group sorted by name, values shell-quoted; apply them

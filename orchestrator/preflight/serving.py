@@ -1,6 +1,6 @@
 """The environment a serving engine (SGLang on Mooncake) needs to reproduce a plan. Pure.
 
-:func:`serving_env` maps a :class:`~orchestrator.plan.Plan` to environment variables: a
+:func:`serving_env` maps a :class:`~orchestrator.profile.plan.Plan` to environment variables: a
 string means "export this value", ``None`` means "must be unset" (Mooncake tests MC_*
 variables for PRESENCE only, so leaving one in the shell with any value, even ``0``, turns
 its feature on). ``python -m orchestrator.export_env`` prints the mapping as shell lines or

@@ -291,7 +291,7 @@ class FieldConfig:
     """part of get_buf()'s tuple (None there when absent)"""
 
 
-# What a layout field may declare (orchestrator.layout maps the dtype names to torch's)
+# What a layout field may declare (orchestrator.profile.layout maps the dtype names to torch's)
 LAYOUT_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "uint64", "float16", "bfloat16",
                  "float32", "float64")
 WIDTH_KEYS = ("hidden_size", "max_top_logprobs_num", "max_sampling_mask_tokens",

@@ -82,7 +82,7 @@ class Reason(Enum):
 
 @dataclass(frozen=True)
 class Platform:
-    """What the machine offers; detected by orchestrator.platform, passed in here as data."""
+    """What the machine offers; detected by orchestrator.profile.platform, passed in here as data."""
 
     cuda_devices: int = 0
     npu: bool = False

@@ -6,7 +6,7 @@ ran every section's own range and form checks, once) and returns the Plan or rai
 ConfigError (one line: key, value, what is allowed). It applies, in order:
   1. a named secret must be set;
   2. the plan's rules: device, route, engine transport, fallback, GPU placement,
-     allocator settings (orchestrator.plan);
+     allocator settings (orchestrator.profile.plan);
   3. what a fault needs (a route, TP ranks);
   4. the secret: a run across hosts must name one; NVLink stays on one host; rdma needs an
      RDMA device unless it may degrade;

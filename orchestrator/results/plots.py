@@ -111,7 +111,7 @@ def run_latencies(run_dir: Path, arrival: bool = False) -> dict[str, dict[str, l
 
 
 def percentiles(values: Iterable[float]) -> dict[str, Optional[float]]:
-    """p50/p99/p999 the way results.json has them (orchestrator.stats.LatencyHistogram), so
+    """p50/p99/p999 the way results.json has them (orchestrator.results.stats.LatencyHistogram), so
     a plot marks exactly the numbers the summary prints."""
     from orchestrator.results.stats import LatencyHistogram
 

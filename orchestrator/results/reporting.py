@@ -1,4 +1,4 @@
-"""Turn a run's typed results into a job's results (orchestrator.results.JobResults), a short
+"""Turn a run's typed results into a job's results (orchestrator.results.schema.JobResults), a short
 console summary and an exit code; results.json is their to_json().
 
 Exit codes (a script can trust them):

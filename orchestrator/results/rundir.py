@@ -85,7 +85,7 @@ class RunFiles:
 
     @property
     def results(self) -> Path:
-        """The run's results (orchestrator.reporting), written once at its end."""
+        """The run's results (orchestrator.results.reporting), written once at its end."""
         return self.root / self.RESULTS
 
     def log(self, role: str) -> Path:

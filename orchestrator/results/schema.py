@@ -281,7 +281,7 @@ class TpSummary:
 
 @dataclass
 class PlanInfo:
-    """results.json `plan` (orchestrator.plan.Plan.as_dict()), kept whole; what readers use,
+    """results.json `plan` (orchestrator.profile.plan.Plan.as_dict()), kept whole; what readers use,
     by name."""
 
     data: dict = field(default_factory=dict)
@@ -421,7 +421,7 @@ class Results:
 
     @property
     def exit_code(self) -> int:
-        """orchestrator.reporting's exit codes: the signal's, lost (3), not verified (1) or 0."""
+        """orchestrator.results.reporting's exit codes: the signal's, lost (3), not verified (1) or 0."""
         e = self.ending
         if e.recorded_exit is not None:
             return e.recorded_exit

@@ -224,7 +224,7 @@ class PathReport:
 class BenchResults:
     """bench.json: every route's report, and the ratios between them."""
 
-    profile: dict  # the selected profile's plan (orchestrator.plan.Plan.as_dict())
+    profile: dict  # the selected profile's plan (orchestrator.profile.plan.Plan.as_dict())
     batch_size: int
     paths: list[PathReport] = field(default_factory=list)
     interrupted: Optional[str] = None  # "SIGINT" / "SIGTERM": the paths not yet run are left out

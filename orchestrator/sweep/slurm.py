@@ -1,7 +1,7 @@
 """Before a sweep goes to Slurm (hydra/launcher=slurm, slurm_pd): what the partition offers
 against what the launcher asks for, and submitit's polling noise out of the console.
 
-Called from the sweep callback (orchestrator.sweep.SweepSummary.on_multirun_start), in the
+Called from the sweep callback (orchestrator.sweep.sweep.SweepSummary.on_multirun_start), in the
 submitting process, before the launcher submits anything. A request no node of the partition
 can hold would pend forever (squeue: `PartitionConfig`, or `Resources` for good) with nothing
 on the console saying why; it is refused here with one line naming the key, the value and what

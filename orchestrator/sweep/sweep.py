@@ -7,7 +7,7 @@ rebuilds the same files.
 
 A job dir is a subdir whose name is a whole number (Hydra's `hydra.job.num`). Its row
 carries the swept values (from `.hydra/overrides.yaml`, `hydra.*` keys left out) and a
-status (orchestrator.results.RunStatus): `ok` (every request verified, no error), `failed`
+status (orchestrator.results.schema.RunStatus): `ok` (every request verified, no error), `failed`
 (ran, but not every request was verified), `interrupted` (SIGINT/SIGTERM ended it),
 `error` (results.json carries an error, or cannot be read) or `missing` (no results.json:
 the job crashed before writing one). Every combination of the sweep (from the sweep dir's
@@ -499,7 +499,7 @@ class SweepSummary(Callback):
     """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)
     and keeps the worst job's exit code for the command (jobs may have run in other
     processes or on other hosts, through a launcher). Before a Slurm launcher submits, its
-    request is checked against sinfo (orchestrator.slurm)."""
+    request is checked against sinfo (orchestrator.sweep.slurm)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from orchestrator.sweep import slurm

@@ -13,14 +13,14 @@ A decode instance of several TP ranks (endpoints.decode_tp) runs one of these pe
 every rank receives every request's aux and status into its own buffers; the leader (rank
 0) also runs the control channel and tells the others about new grants; each step the ranks
 all-reduce (MIN) their poll status per request and act only on what they agree on
-(orchestrator.endpoints.tp). One step, on one rank or many: poll -> agree on the polls ->
+(orchestrator.handoff.endpoints.tp). One step, on one rank or many: poll -> agree on the polls ->
 judge -> agree on the verdicts -> finish; a single rank's agreement is its own input.
 
 Requests are identified by (prefill rank, request id), never by room alone.
 
 Control identity is a session, not a message: the first authentic hello for a prefill rank
 binds that rank to its connection (the ROUTER identity) and opens a Session keyed with both
-processes' per-run nonces (orchestrator.transport.auth). Another hello for a bound rank, from any
+processes' per-run nonces (orchestrator.handoff.transport.auth). Another hello for a bound rank, from any
 connection, is refused and counted (`hijack_refused`); every later message of that rank,
 control or data, must open under its session's keys. Replays inside the session (a control
 message seen before, a status for a request already judged or with a status) are counted
@@ -321,7 +321,7 @@ def _join(c: DecodeConfig, plan: Plan, chan: protocol.Channel, run_path: Path, n
 def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn: Connection,
                 instance: int = 0, tp_rank: int = 0, bulk_bytes: int = 0) -> None:
     """Process entry (multiprocessing spawn) of one decode process; `conn` is its end of the
-    runner's pipe (orchestrator.protocol). `bulk_bytes` > 0 also registers a bulk target
+    runner's pipe (orchestrator.handoff.protocol). `bulk_bytes` > 0 also registers a bulk target
     region of that size on the buffers' device (the benchmark's bandwidth point)."""
     run_path = Path(run_dir)
     e = cfg.endpoints

@@ -114,7 +114,7 @@ class Rows:
 
 class Judge:
     """The judging rules, on one rank's row of a request; a TP group's ranks each judge their
-    own and agree (orchestrator.endpoints.tp)."""
+    own and agree (orchestrator.handoff.endpoints.tp)."""
 
     def __init__(self, gate: GateConfig, timeout_s: float, buffers: MetadataBuffers, digest: RowDigest,
                  res: DecodeResult):

@@ -7,11 +7,11 @@ at a time by a forward step, which
 
   1. fills each request's row (inline: SGLang's set_buf, timed per request as set_buf_us;
      ahead: every slot was filled before the timed phase, a request writes its room only),
-  2. takes one digest pass over the whole step on the buffers' device (orchestrator.digest)
+  2. takes one digest pass over the whole step on the buffers' device (orchestrator.handoff.digest)
      and writes each tag into the row's kv_checksum field where the layout has one,
   3. hands the step to the transfer thread and goes on with the next step.
 
-The transfer thread runs the sends (orchestrator.transport.router: one batch write per request, or per
+The transfer thread runs the sends (orchestrator.handoff.transport.router: one batch write per request, or per
 run of consecutive slots) and the status messages, overlapping with the next step's fill as
 SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
 instance silent for `transport.timeout_s` while it owes us something is declared lost; its

@@ -3,7 +3,7 @@
 SGLang's decode ranks of one TP group each receive a request's aux into their own
 MetadataBuffers, poll their own transfer status, all-reduce (MIN) the statuses of the
 requests in flight, and act on the agreed value (PR 26394 and follow-ups). The decode's step
-(orchestrator.endpoints.decode) does that every step, in lockstep; this module runs its
+(orchestrator.handoff.endpoints.decode) does that every step, in lockstep; this module runs its
 collectives, over torch.distributed (gloo on CPU, NCCL on CUDA):
 
   1. the leader (rank 0, which runs the control channel) broadcasts the grants made and the

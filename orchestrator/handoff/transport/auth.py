@@ -5,7 +5,7 @@ sides must share it), or else a fresh one the runner generates and hands to its 
 processes in memory (never on a command line, in the environment or in the run dir). With
 it, every control message, status message and AUX_DATA frame carries a keyed blake2b MAC as
 one extra, last frame; a message without a valid one is rejected and counted, never acted on.
-The same secret keys the row digests (orchestrator.digest), so a row written into registered
+The same secret keys the row digests (orchestrator.handoff.digest), so a row written into registered
 memory by anyone else (Mooncake authenticates nobody) cannot pass verification either.
 
 An extra last frame keeps SGLang's formats readable by SGLang: its AUX_DATA handler reads
@@ -21,7 +21,7 @@ out of order is a replay (`Replayed`), counted and never acted on. Data-plane MA
 cover associated data the receiver knows (the request ids of the slots an AUX_DATA frame
 lands in), so a frame replayed into another tenant's slot does not open. Only hello and its
 bootstrap answer travel under the secret alone, and hello binds nothing but a connection
-(orchestrator.endpoints.decode).
+(orchestrator.handoff.endpoints.decode).
 """
 
 from __future__ import annotations

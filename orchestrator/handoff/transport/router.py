@@ -1,6 +1,6 @@
 """send_aux: move a step's rows to one decode process by the planned route, then say so.
 
-The route and its reason come from orchestrator.plan (computed once, applied per step); this
+The route and its reason come from orchestrator.profile.plan (computed once, applied per step); this
 module only carries them out. A step's requests for one decode process are grouped into
 sends: one per request (SGLang's send_aux: one batch write of one block per field), or, with
 `coalesce` (a phase's transport.coalesce, passed to sends()), one per run of consecutive
@@ -14,7 +14,7 @@ on the data socket behind it: SGLang's per-request status message, or, with the 
 `status=per_step` (passed to sends(), carried by each Send), one message for the step once
 all its sends are done.
 
-Faults wrap this class (orchestrator.faults); nothing here knows about them or about the
+Faults wrap this class (orchestrator.handoff.faults); nothing here knows about them or about the
 benchmark.
 """
 
@@ -53,7 +53,7 @@ class Peer:
     tp_rank: int = 0
     boot_id: str = ""
     scratch_ptr: int = 0  # the decode's warm-up target (0: none advertised)
-    auth: Optional[Authenticator] = None  # the session's keys (orchestrator.transport.auth.Session)
+    auth: Optional[Authenticator] = None  # the session's keys (orchestrator.handoff.transport.auth.Session)
 
 
 @dataclass(slots=True)

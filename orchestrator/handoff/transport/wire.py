@@ -26,7 +26,7 @@ Data plane (ZMQ PUSH -> PULL), SGLang's formats first:
               identity and, when the layout has no kv_checksum field, the row's digest tag
     step      [b"ORCH_STEP", prefill rank, entries]: one status for a whole step (our own
               framing), entries packed as STEP_DTYPE
-With a secret every message carries one more frame, its MAC (orchestrator.transport.auth); after
+With a secret every message carries one more frame, its MAC (orchestrator.handoff.transport.auth); after
 hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the session's.
 Receipt is strict: anything malformed raises WireError and writes nothing. Every socket is
 opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a connection that announces a
