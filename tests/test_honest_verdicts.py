@@ -202,10 +202,11 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=100000",
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not list(run_dir.glob("requests*.jsonl")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    # handoffs under way: finished requests reached the records file (opened at the loop's
+    # start, written in 64 KiB blocks), not only the file's creation
+    while not any(p.stat().st_size for p in run_dir.glob("requests*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)  # handoffs under way
     (os.killpg if group else os.kill)(proc.pid, sig)
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=60)

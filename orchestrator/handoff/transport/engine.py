@@ -223,6 +223,7 @@ class MooncakeEngine:
             # registering the same name collide: give each a port number of its own.
             local = host if metadata_server == "P2PHANDSHAKE" else f"{host}:{_unique_port(host)}"
             self._engine = TransferEngine()
+            quiet_info_logs(0)  # an earlier engine of this process raised it: its lines name the transport
             with captured_stderr(log_path) as logged:
                 rc = self._engine.initialize(local, metadata_server, protocol, device_name)
         self.init_log = logged[0] if logged else ""
@@ -297,11 +298,12 @@ class MooncakeEngine:
 _GLOG_MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's FLAGS_minloglevel (C++ mangled)
 
 
-def quiet_info_logs() -> bool:
-    """Raise the engine's glog threshold to WARNING in this process: Mooncake logs one INFO
-    line per batch write ("Batch Transfer completed!", ~82 bytes a request) into the
-    process's stderr log. Warnings and errors still go there; the start-up lines the effective
-    transport is read from were captured before this. False where glog is not found."""
+def quiet_info_logs(level: int = 1) -> bool:
+    """Set the engine's glog threshold in this process: 1 (WARNING, the default) once an
+    engine's start-up lines were read (Mooncake logs one INFO line per batch write, "Batch
+    Transfer completed!", ~82 bytes a request, into the process's stderr log; warnings and
+    errors still go there); 0 (INFO) before the next engine starts in the same process, whose
+    start-up lines name its effective transport. False where glog is not found."""
     import ctypes
 
     try:
@@ -311,7 +313,7 @@ def quiet_info_logs() -> bool:
         return False
     for path in paths:
         try:
-            ctypes.c_int.in_dll(ctypes.CDLL(path), _GLOG_MINLOGLEVEL).value = 1
+            ctypes.c_int.in_dll(ctypes.CDLL(path), _GLOG_MINLOGLEVEL).value = level
             return True
         except (OSError, ValueError):
             continue
