@@ -322,3 +322,24 @@ def test_results_are_written_atomically(tmp_path, monkeypatch):
         write_atomic(path, '{"new": true}' + " " * 100000)
     monkeypatch.undo()
     assert json.loads(path.read_text()) == {"old": True}
+
+
+def test_a_job_drops_a_console_handler_whose_stream_was_closed_under_it(tmp_path):
+    """A root console handler left by an earlier caller over a stream that is closed now (a
+    captured stdout, a closed pipe) is removed, not re-formatted: the job runs and ends OK."""
+    import io
+    import logging
+
+    from orchestrator.handoff.app import run_job as cli_job
+
+    stream = io.StringIO()
+    stale = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(stale)
+    stream.close()
+    try:
+        res = cli_job(compose_cfg("workload.requests=20"), tmp_path / "run")
+        assert res.exit_code == 0
+        assert stale not in root.handlers
+    finally:
+        root.removeHandler(stale)

@@ -72,6 +72,15 @@ def _console_formatter(stream: TextIO) -> logging.Formatter:
     )
 
 
+def _drop_closed_streams(root: logging.Logger) -> None:
+    """A console handler whose stream was closed under it (an earlier caller's captured stdout,
+    a closed pipe) can neither be re-formatted nor written to: it is removed, not kept."""
+    for handler in list(root.handlers):
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+            root.removeHandler(handler)
+
+
 def configure(run_dir: Optional[Path], role: str, console_level: int = logging.WARNING,
               keep_root_handlers: bool = False) -> structlog.stdlib.BoundLogger:
     """Route structlog through stdlib logging. `keep_root_handlers` keeps (and re-formats)
@@ -84,6 +93,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
         cache_logger_on_first_use=False,
     )
     root = logging.getLogger()
+    _drop_closed_streams(root)
     if keep_root_handlers and root.handlers:
         for handler in root.handlers:
             if isinstance(handler, logging.FileHandler):
