@@ -23,6 +23,7 @@ from orchestrator.results.schema import Results
 from .conftest import ROOT, typed_cfg
 from .helpers.bounds import bound
 from .helpers.peers import PrefillPeer
+from .helpers.procs import process_tree, reap
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ENV = {**os.environ, "PD_SPLIT_TEST_SECRET": "split-test-secret-7c1e", "PYTHONUNBUFFERED": "1"}
@@ -41,15 +42,7 @@ STARTED: list[subprocess.Popen] = []
 def _reap():
     """Whatever a test started and left running (a bound that failed) is killed, tree and all."""
     yield
-    for proc in STARTED:
-        if proc.poll() is None:
-            for pid in _tree(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.communicate()
-    STARTED.clear()
+    reap(STARTED)
 
 
 def _popen(argv: list[str], env=ENV) -> subprocess.Popen:
@@ -119,7 +112,7 @@ def test_decode_side_ends_when_its_prefill_dies(tmp_path, load):
     while not (log.exists() and "prefill_loop" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)
-    for pid in _tree(prefill.pid):  # the whole prefill side at once: no bye can reach the decode
+    for pid in process_tree(prefill.pid):  # the whole prefill side at once: no bye can reach the decode
         os.kill(pid, signal.SIGKILL)
     prefill.communicate(timeout=30)
     t0 = time.monotonic()
@@ -130,10 +123,6 @@ def test_decode_side_ends_when_its_prefill_dies(tmp_path, load):
     assert "prefill" in res.ending.lost and res.corrupted == 0 and res.verified > 0, res
 
 
-def _tree(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    kids = [int(x) for x in out.split()]
-    return [p for k in kids for p in _tree(k)] + [pid]
 
 
 def test_each_side_sends_its_pid_namespace_at_bootstrap(tmp_path):

@@ -20,6 +20,7 @@ from orchestrator.results.rundir import NotARegularFile, read_shared, write_atom
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT
+from .helpers.procs import reap
 
 pytestmark = pytest.mark.integration
 SECRET_VAR = "TRUST3_TEST_SECRET"
@@ -27,24 +28,13 @@ ENV = {**os.environ, SECRET_VAR: "trust-three-secret-5d2a", "PYTHONUNBUFFERED": 
 STARTED: list[subprocess.Popen] = []
 
 
-def _tree(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [p for k in (int(x) for x in out.split()) for p in _tree(k)] + [pid]
 
 
 @pytest.fixture(autouse=True)
 def _reap():
     """What a test started and left running (a bound that failed) is killed with its tree."""
     yield
-    for proc in STARTED:
-        if proc.poll() is None:
-            for pid in _tree(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.communicate()
-    STARTED.clear()
+    reap(STARTED)
 
 
 def _popen(*args: str, env=None) -> subprocess.Popen:

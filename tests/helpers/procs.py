@@ -113,3 +113,28 @@ def kill_namespace(ip: str, ns: str, wait_s: float = 10.0) -> list[int]:
                 except ProcessLookupError:
                     pass
         time.sleep(0.1)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, children first."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [p for k in (int(x) for x in out.split()) for p in process_tree(k)] + [pid]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants (gone ones skipped)."""
+    for p in process_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def reap(started: list[subprocess.Popen]) -> None:
+    """Kill, tree and all, what a test started and left running (a bound that failed); empties
+    `started`."""
+    for proc in started:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.communicate()
+    started.clear()
