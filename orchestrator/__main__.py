@@ -35,6 +35,7 @@ try:
     from omegaconf import DictConfig
 
     from orchestrator.handoff.app import failed_job, no_space, refused, run_job
+    from orchestrator.preflight.compose import job_refusal
     from orchestrator.profile.config import CONF_DIR, ConfigError, register_configs
     from orchestrator.results.rundir import NoSpace, RunDirBusy
     from orchestrator.results.schema import EXIT_REFUSED, NotRun
@@ -56,7 +57,7 @@ def main(cfg: DictConfig) -> float:
     try:
         results = run_job(cfg, run_dir)
     except ConfigError as exc:
-        results = refused(run_dir, exc)
+        results = refused(run_dir, exc, line=job_refusal(exc, hc.runtime, hc.overrides.task))
     except NoSpace as exc:
         results = no_space(run_dir, exc)
     except RunDirBusy as exc:  # refused before start; the other run's files stay untouched
@@ -119,8 +120,11 @@ def entry() -> None:
 
 def _entry() -> None:
     from orchestrator.preflight.compose import hydra_command
+    from orchestrator.sweep import bad_files
 
-    argv = sys.argv[1:]
+    # a sweep's config-dir files that cannot be composed fail only the jobs that pick them
+    argv, bad_files.REFUSED[:] = bad_files.split_sweep(sys.argv[1:])
+    sys.argv[1:] = argv
     if not any(a.startswith(("hydra.output_subdir=", "++hydra.output_subdir=")) for a in argv):
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there

@@ -313,6 +313,54 @@ def test_a_bad_file_fails_only_the_runs_that_use_it(tmp_path):
     assert Results.read(tmp_path / "run").verified == 50
 
 
+def test_a_sweep_over_bad_files_runs_the_good_jobs_and_refuses_the_others_as_rows(tmp_path):
+    """A sweep over the dir's experiments: the good one runs; each job that picks a bad file is
+    a refused row naming the file (not YAML, unknown key, out of range), exit 2, no traceback."""
+    from orchestrator.sweep.sweep import collect
+
+    conf, sweep = _config_dir(tmp_path), tmp_path / "sweep"
+    proc = _cli("-m", f"--config-dir={conf}", "experiment=broken,good,badkey,range",
+                f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    rows = {r["experiment"]: r for r in collect(sweep)[1]}
+    assert sorted(rows) == ["badkey", "broken", "good", "range"]
+    assert rows["good"]["status"].value == "ok" and rows["good"]["verified"] == 50
+    for name, says in (("broken", ":5: not valid YAML"), ("badkey", "Key 'requestz' not in 'WorkloadConfig'"),
+                       ("range", "buffers.size=100000000 is not allowed")):
+        row = rows[name]
+        assert row["status"].value == "error" and row["exit_code"] == 2, row
+        assert row["error"].startswith(str(conf / "experiment" / f"{name}.yaml")) and says in row["error"], row
+    assert "sweep: 4 combinations: 1 ok, 3 error" in proc.stdout
+
+
+def test_a_sweep_whose_every_value_is_a_bad_file_is_refused_whole(tmp_path):
+    """Nothing would run: one error line before start, as for a single run, and no sweep dir."""
+    from orchestrator.sweep.bad_files import split_sweep
+
+    conf, sweep = _config_dir(tmp_path), tmp_path / "sweep"
+    argv = ["-m", f"--config-dir={conf}", "experiment=broken,badkey", f"hydra.sweep.dir={sweep}"]
+    assert split_sweep(argv) == (argv, [])
+    proc = _cli(*argv, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _one_error(proc.stderr).startswith(f"error: {conf / 'experiment' / 'broken.yaml'}:5")
+    assert not sweep.exists()
+
+
+def test_split_sweep_takes_the_bad_values_out_and_numbers_their_jobs_after_the_rest(tmp_path):
+    from orchestrator.sweep.bad_files import split_sweep
+
+    conf = _config_dir(tmp_path)
+    argv = ["-m", "--config-dir", str(conf), "experiment=badkey,good", "workload.seed=1,2", "workload.rate=50"]
+    kept, jobs = split_sweep(argv)
+    assert kept == ["-m", "--config-dir", str(conf), "experiment=good", "workload.seed=1,2", "workload.rate=50"]
+    assert [(j.num, j.overrides) for j in jobs] == [
+        (2, ("experiment=badkey", "workload.seed=1", "workload.rate=50")),
+        (3, ("experiment=badkey", "workload.seed=2", "workload.rate=50"))]
+    assert all(j.error.startswith(str(conf / "experiment" / "badkey.yaml")) for j in jobs)
+    assert split_sweep(argv[1:]) == (argv[1:], [])  # not a sweep: precheck's business
+
+
 # ---- 7. one truth per run ------------------------------------------------------------------
 def test_a_verdict_after_the_prefill_gave_up_is_named(tmp_path):
     """The files of issue 31's trial, in their real format: the decode's verdicts file says

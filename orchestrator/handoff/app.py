@@ -191,13 +191,14 @@ def _latency_png(obj: PlotSections, run_dir: Path, results: JobResults) -> None:
         raise
 
 
-def refused(run_dir: Path, exc: ConfigError, announce: bool = True) -> NotRun:
-    """A profile refused before start: the run dir keeps the one line in results.json, and
-    the line goes to stderr."""
-    results = NotRun(reporting.EXIT_REFUSED, str(exc), refused=str(exc), key=exc.key)
+def refused(run_dir: Path, exc: ConfigError, announce: bool = True, line: Optional[str] = None) -> NotRun:
+    """A profile refused before start: the run dir keeps the one line in results.json (`line`,
+    else the error's own), and the line goes to stderr."""
+    line = line or str(exc)
+    results = NotRun(reporting.EXIT_REFUSED, line, refused=line, key=exc.key)
     reporting.write(run_dir, results)
     if announce:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {line}", file=sys.stderr, flush=True)
     return results
 
 

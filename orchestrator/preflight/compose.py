@@ -175,6 +175,14 @@ def in_file(exc: ConfigError, used: Sequence[Path], overrides: Sequence[str] = (
     return str(exc)
 
 
+def job_refusal(exc: ConfigError, runtime: Any, overrides: Sequence[str]) -> str:
+    """A running job's refusal (a sweep's row), prefixed with the --config-dir file that set
+    its key, as precheck names it: `runtime` is the job's hydra.runtime."""
+    dirs = [Path(str(s.path)) for s in runtime.config_sources
+            if s.schema == "file" and s.provider != "main"]
+    return in_file(exc, _used_files(dirs, runtime.choices), overrides)
+
+
 def _composed_in(exc: BaseException, dirs: Sequence[Path]) -> Optional[str]:
     """Hydra's "In 'GROUP/NAME': ... full_key: KEY" about a file of a config dir, as one
     line naming the file and the key, else None."""

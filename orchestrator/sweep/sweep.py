@@ -502,19 +502,23 @@ class SweepSummary(Callback):
     request is checked against sinfo (orchestrator.sweep.slurm)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from orchestrator.sweep import slurm
+        from orchestrator.sweep import bad_files, slurm
 
         launcher = config.hydra.get("launcher")
-        if not slurm.is_slurm_launcher(launcher):
-            return
-        slurm.quiet_submitit(Path(config.hydra.sweep.dir) / ".submitit" / slurm.LOG_NAME)
-        try:
-            warning = slurm.precheck(launcher)
-        except slurm.LauncherRequestError as exc:  # nothing submitted: one line, exit 2
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if slurm.is_slurm_launcher(launcher):
+            slurm.quiet_submitit(Path(config.hydra.sweep.dir) / ".submitit" / slurm.LOG_NAME)
+            try:
+                warning = slurm.precheck(launcher)
+            except slurm.LauncherRequestError as exc:  # nothing submitted: one line, exit 2
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if bad_files.REFUSED:  # rows for the jobs that picked a config-dir file that cannot compose
+            bad_files.write_refused(Path(config.hydra.sweep.dir), bad_files.REFUSED)
+            for why in dict.fromkeys(job.error for job in bad_files.REFUSED):
+                print(f"warning: {why} (the jobs that pick it are refused rows; the others run)",
+                      file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
