@@ -439,6 +439,58 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     assert "did not answer hello" not in out.error  # named before the prefill's hello timed out
 
 
+def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile():
+    """The decode side judges the first lookup (its address probe takes seconds) while the
+    prefill side asks again every second; it then answers the asks queued meanwhile in order and
+    ends after two refusals (bootstrap._refused). Those answers reach the prefill side: it ends
+    on the refusal, not on endpoints.startup_timeout_s (a socket per ask lost them, seen under
+    load in test_address_netns). The peer here answers only once 4 asks arrived: no timing."""
+    import threading
+
+    import zmq
+
+    from orchestrator.handoff.bootstrap import lookup
+    from orchestrator.handoff.lifecycle import RunFailed, Signals
+    from orchestrator.handoff.transport import wire
+    from orchestrator.handoff.transport.auth import Authenticator
+
+    from .conftest import typed_cfg
+
+    secret = b"refusal-after-probe-secret-1f3a"
+    auth = Authenticator(secret)
+    zctx = zmq.Context()
+    router = zctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 1000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    asks: list[list[bytes]] = []
+
+    def decode_side() -> None:
+        while len(asks) < 4:  # the first is being judged; three more asked meanwhile
+            if router.poll(60_000):
+                asks.append(router.recv_multipart())
+            else:
+                return
+        refusal = auth.seal(wire.encode(wire.ErrorMsg(detail="the prefill side would advertise X")))
+        for frames in asks[:2]:  # answered in order; two refusals end the decode side
+            router.send_multipart([frames[0], refusal])
+        router.close()
+
+    peer = threading.Thread(target=decode_side, daemon=True)
+    peer.start()
+    cfg = typed_cfg("endpoints.startup_timeout_s=60", "transport.address_check=off")
+    t0 = time.monotonic()
+    try:
+        with Signals() as signals, pytest.raises(RunFailed) as failed:
+            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", secret, signals)
+    finally:
+        peer.join(70)
+        zctx.term()
+    assert len(asks) == 4
+    assert str(failed.value) == (f"the decode side at 127.0.0.1:{port} refused: "
+                                 "the prefill side would advertise X"), failed.value
+    assert time.monotonic() - t0 < 60  # on the refusal, not at endpoints.startup_timeout_s
+
+
 # ---- 1. an unauthenticated frame never changes a run's fate ----------------------------------
 def test_forged_frames_at_the_bootstrap_port_never_end_the_decode_side(tmp_path):
     """issue 31's attack: before the real prefill's first lookup, a lookup-shaped frame with

@@ -280,6 +280,12 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
     host, port = _await_address(t, e, peer, deadline, signals)
     bad = 0  # answers in a row from the named peer that failed the MAC
     zctx = zmq.Context()
+    # One socket per decode address, asked again every second: an answer to any ask reaches
+    # it. (A socket per ask lost the answers to the asks before: a decode side that refused
+    # after a probe of seconds answered the closed ones and ended.) IMMEDIATE: asks wait for
+    # no connection, so a decode side that comes up late is not flooded with them.
+    sock: Any = None
+    at: Optional[tuple[str, int]] = None
     try:
         while _clock() < deadline and not signals.caught:
             if peer is None:  # a decode side restarted meanwhile writes a new address
@@ -287,15 +293,20 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
                     host, port = peer_address(peer, t.bootstrap_file)
                 except (ConfigError, ValueError):
                     pass
-            sock = zctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
-            sock.connect(f"tcp://{host}:{port}")
-            sock.send(auth.seal(wire.encode(wire.LookupMsg(rank=0, prefill_ranks=e.prefill_ranks,
-                                                           **check.fields()))))
-            got = sock.poll(1000)
-            frame = sock.recv() if got else None
-            sock.close(0)
+            if at != (host, port):
+                if sock is not None:
+                    sock.close(0)
+                sock, at = zctx.socket(zmq.DEALER), (host, port)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+                sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
+                sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.send(auth.seal(wire.encode(wire.LookupMsg(rank=0, prefill_ranks=e.prefill_ranks,
+                                                               **check.fields()))), zmq.NOBLOCK)
+            except zmq.Again:  # not connected yet
+                pass
+            frame = sock.recv() if sock.poll(1000) else None
             if frame is None:
                 continue
             body = auth.unseal(frame)
@@ -324,6 +335,8 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
         raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
                         f"{e.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
     finally:
+        if sock is not None:
+            sock.close(0)
         zctx.term()
 
 
