@@ -439,17 +439,20 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     assert "did not answer hello" not in out.error  # named before the prefill's hello timed out
 
 
-def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile():
+def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(monkeypatch):
     """The decode side judges the first lookup (its address probe takes seconds) while the
-    prefill side asks again every second; it then answers the asks queued meanwhile in order and
-    ends after two refusals (bootstrap._refused). Those answers reach the prefill side: it ends
-    on the refusal, not on endpoints.startup_timeout_s (a socket per ask lost them, seen under
-    load in test_address_netns). The peer here answers only once 4 asks arrived: no timing."""
+    prefill side asks again every second; it then answers the asks queued meanwhile in order,
+    ends after two refusals (bootstrap._refused) and closes. Those answers reach the prefill
+    side, even when they land while it is not reading and the connection is gone before it
+    reads: it ends on the refusal, not at endpoints.startup_timeout_s (seen under load in
+    test_address_netns). Hooks order it: the peer answers once 4 asks arrived and the prefill
+    side is held before its 5th ask; it reads only after the peer closed."""
     import threading
 
     import zmq
 
-    from orchestrator.handoff.bootstrap import lookup
+    from orchestrator.handoff import peercheck
+    from orchestrator.handoff.bootstrap import REFUSAL_LINGER_MS, lookup
     from orchestrator.handoff.lifecycle import RunFailed, Signals
     from orchestrator.handoff.transport import wire
     from orchestrator.handoff.transport.auth import Authenticator
@@ -458,23 +461,36 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile()
 
     secret = b"refusal-after-probe-secret-1f3a"
     auth = Authenticator(secret)
-    zctx = zmq.Context()
-    router = zctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 1000)
+    fctx = zmq.Context()  # the peer's own: its term() returns once its socket is closed
+    router = fctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, REFUSAL_LINGER_MS)  # as the decode side closes after refusing
     port = router.bind_to_random_port("tcp://127.0.0.1")
     asks: list[list[bytes]] = []
+    held, closed = threading.Event(), threading.Event()
+    fields, calls = peercheck.PeerCheck.fields, [0]
+
+    def fields_hook(self):  # before each ask: the 5th waits until the peer answered and closed
+        calls[0] += 1
+        if calls[0] == 5:
+            held.set()
+            closed.wait(60)
+        return fields(self)
 
     def decode_side() -> None:
-        while len(asks) < 4:  # the first is being judged; three more asked meanwhile
-            if router.poll(60_000):
+        try:
+            while len(asks) < 4 and router.poll(60_000):  # the first judged, three asked meanwhile
                 asks.append(router.recv_multipart())
-            else:
+            if not held.wait(60):
                 return
-        refusal = auth.seal(wire.encode(wire.ErrorMsg(detail="the prefill side would advertise X")))
-        for frames in asks[:2]:  # answered in order; two refusals end the decode side
-            router.send_multipart([frames[0], refusal])
-        router.close()
+            refusal = auth.seal(wire.encode(wire.ErrorMsg(detail="the prefill side would advertise X")))
+            for frames in asks[:2]:  # answered in order; two refusals end the decode side
+                router.send_multipart([frames[0], refusal])
+        finally:
+            router.close()
+            fctx.term()
+            closed.set()
 
+    monkeypatch.setattr(peercheck.PeerCheck, "fields", fields_hook)
     peer = threading.Thread(target=decode_side, daemon=True)
     peer.start()
     cfg = typed_cfg("endpoints.startup_timeout_s=60", "transport.address_check=off")
@@ -483,9 +499,9 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile()
         with Signals() as signals, pytest.raises(RunFailed) as failed:
             lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", secret, signals)
     finally:
+        closed.set()
         peer.join(70)
-        zctx.term()
-    assert len(asks) == 4
+    assert len(asks) == 4 and calls[0] >= 5
     assert str(failed.value) == (f"the decode side at 127.0.0.1:{port} refused: "
                                  "the prefill side would advertise X"), failed.value
     assert time.monotonic() - t0 < 60  # on the refusal, not at endpoints.startup_timeout_s

@@ -31,6 +31,7 @@ from orchestrator.results.rundir import proc_name
 
 _clock = time.monotonic
 MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
+REFUSAL_LINGER_MS = 500  # how long a decode side that refused lets its refusals leave
 
 
 class DecodeProc(Protocol):
@@ -124,7 +125,8 @@ class _Bootstrap:
                     self.out.prefills_seen = sorted(set().union(*self.byes.values()))
                     return
         finally:
-            self.sock.close(0)
+            # a refusal just sent gets half a second to leave (LINGER 0 would drop it)
+            self.sock.close(REFUSAL_LINGER_MS if self.refusals else 0)
             zctx.term()
             self._forget()
             self.check.close()
@@ -282,8 +284,9 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
     zctx = zmq.Context()
     # One socket per decode address, asked again every second: an answer to any ask reaches
     # it. (A socket per ask lost the answers to the asks before: a decode side that refused
-    # after a probe of seconds answered the closed ones and ended.) IMMEDIATE: asks wait for
-    # no connection, so a decode side that comes up late is not flooded with them.
+    # after a probe of seconds answered the closed ones and ended.) SNDHWM 1: while the decode
+    # side is not up, one ask waits, not one per second. Not IMMEDIATE: with it, an answer that
+    # arrived just before the decode side closed is dropped with the connection, unread.
     sock: Any = None
     at: Optional[tuple[str, int]] = None
     try:
@@ -298,13 +301,13 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
                     sock.close(0)
                 sock, at = zctx.socket(zmq.DEALER), (host, port)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.IMMEDIATE, 1)
+                sock.setsockopt(zmq.SNDHWM, 1)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
                 sock.connect(f"tcp://{host}:{port}")
             try:
                 sock.send(auth.seal(wire.encode(wire.LookupMsg(rank=0, prefill_ranks=e.prefill_ranks,
                                                                **check.fields()))), zmq.NOBLOCK)
-            except zmq.Again:  # not connected yet
+            except zmq.Again:  # not connected yet, and an ask already waits
                 pass
             frame = sock.recv() if sock.poll(1000) else None
             if frame is None:
