@@ -281,7 +281,8 @@ def yaml_problem(directory: Path, overrides: Optional[Sequence[str]] = None) -> 
     import yaml
 
     if not directory.is_dir():
-        return f"{directory} is not a directory of configs"
+        what = "is not a directory" if directory.exists() else "does not exist"
+        return f"--config-dir {directory}: {what} (a directory of YAML configs)"
     paths = (_named_files(directory, overrides) if overrides is not None else
              sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")))
     for path in paths:
@@ -336,11 +337,71 @@ def hydra_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _files_problem(overrides: Optional[list[str]], dirs: list[Path]) -> Optional[str]:
-    """A --config-dir YAML file that does not parse (only those the run reads), or a run dir
+def flags_first(argv: Sequence[str]) -> list[str]:
+    """The command line with Hydra's flags (and their values) before every override, as
+    Hydra's parser needs them: `KEY=V --cfg job` and `--cfg job KEY=V` (and an override the
+    entry adds after a trailing flag) mean the same; the order within each kind is kept."""
+    from hydra._internal.utils import get_args_parser
+
+    actions = {s: a for a in get_args_parser()._actions for s in a.option_strings}
+    flags: list[str] = []
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        action = actions.get(arg)
+        if action is None or not arg.startswith("-"):
+            (flags if arg.startswith("-") else rest).append(arg)
+        else:
+            flags.append(arg)
+            takes = action.nargs is None or (action.nargs == "?" and i + 1 < len(args)
+                                              and args[i + 1] in (action.choices or ()))
+            if takes and i + 1 < len(args):
+                flags.append(args[i + 1])
+                i += 1
+        i += 1
+    return flags + rest
+
+
+_OUTPUT_DIRS = {"hydra.run.dir": "outputs", "hydra.sweep.dir": "outputs"}
+
+
+def output_dir_problem(key: str, value: str) -> Optional[str]:
+    """Why Hydra could not create the output dir `value` of `key` (hydra.run.dir,
+    hydra.sweep.dir): a part of it that is not a directory, or a directory that cannot be
+    written (/proc, a read-only mount, no permission), as one line; else None. Only the part
+    before its first ${...} is probed, by creating and removing a scratch dir: nothing is left."""
+    import os
+    import tempfile
+
+    static = value.split("${", 1)[0]
+    path = Path(static.rsplit("/", 1)[0] if "${" in value else static or ".")
+    path = Path(os.path.abspath(path if str(path) else "."))
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = f"{probe} is not a directory" if probe == path else f"{probe} is not a directory, so {path} cannot be made"
+        return f"{key}={value}: {what}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=probe))
+    except OSError as exc:
+        return f"{key}={value}: cannot create a directory in {probe} ({exc.strerror or exc})"
+    return None
+
+
+def _files_problem(overrides: Optional[list[str]], dirs: list[Path], sweep: bool = False) -> Optional[str]:
+    """A --config-dir YAML file that does not parse (only those the run reads), an output dir
+    Hydra could not create (run dir or sweep dir: not a directory, not writable), or a run dir
     another live run holds (before Hydra writes into it)."""
     for directory in dirs:
         problem = yaml_problem(directory, overrides)
+        if problem is not None:
+            return problem
+    given = {o.lstrip("+").partition("=")[0]: o.partition("=")[2] for o in overrides or ()}
+    for key in ("hydra.sweep.dir",) if sweep else ("hydra.run.dir",):
+        problem = output_dir_problem(key, given.get(key, _OUTPUT_DIRS[key] + "/${now:}"))
         if problem is not None:
             return problem
     for o in overrides or ():
@@ -369,7 +430,7 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
         return None
     overrides = cli_overrides(argv)
     dirs = config_dirs(argv)
-    problem = _files_problem(overrides, dirs)
+    problem = None if args.cfg or args.info else _files_problem(overrides, dirs, sweep=args.multirun)
     if problem is not None:
         return problem
     if overrides is None or any("${hydra:" in o for o in overrides):
@@ -432,6 +493,8 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
     Hydra or the rule book would refuse is one `error:` line and exit 2 before Hydra writes
     a run dir; --help adds every key with its default and meaning (profile.keys); Hydra's
     own exit 1 before `started()` (a refusal precheck did not foresee) becomes 2."""
+    sys.argv[1:] = flags_first(sys.argv[1:])  # --cfg/--help in any position, as Hydra's own
+    argv = flags_first(argv)
     problem = precheck(argv)
     if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
         error_exit(problem)
