@@ -176,6 +176,7 @@ class PathReport:
     raw_rows_per_s: Optional[float] = None
     raw_run_rows_per_s: Optional[float] = None
     bulk: Optional[Bulk] = None
+    retried: Optional[str] = None  # the first try's error: this row ran twice (run_bench retries a failed row once)
 
     @classmethod
     def of(cls, res: PathResult, plan: Plan, gpu_sharing: dict) -> "PathReport":
@@ -197,7 +198,7 @@ class PathReport:
 
     def to_json(self) -> dict[str, Any]:
         if self.row_bytes is None:
-            return {"path": self.path, "error": self.error}
+            return {"path": self.path, "error": self.error, **({"retried": self.retried} if self.retried else {})}
         d: dict[str, Any] = {"path": self.path, "transport": self.transport, "row_bytes": self.row_bytes,
                              "blocks": self.blocks, "buffer_device": self.buffer_device,
                              "completion": self.completion, "gpu_sharing": self.gpu_sharing,
@@ -211,6 +212,8 @@ class PathReport:
             d["bulk"] = asdict(self.bulk)
         if self.error:
             d["error"] = self.error
+        if self.retried:
+            d["retried"] = self.retried
         return d
 
     @classmethod
@@ -396,29 +399,17 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
     results = BenchResults(check_profile(cfg, platform).as_dict(), b.batch_size)
     todo = paths(cfg, platform)
     for k, ph in enumerate(todo, 1):
-        phase_dir = run_dir / re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_")
-        engine = ph.plan.route is Route.engine and ph.only is None
-        bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
-        driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk, ph.only)
         progress = _BenchProgress(f"[{k}/{len(todo)}] {ph.name}")
-        progress.say("starting its processes")
-        out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
-        sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
-        progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
-                     f"ended: {out.error or out.lost or 'no result'}")
-        if out.interrupted:  # Ctrl-C / SIGTERM ends the bench, not only this path
-            progress.say(f"interrupted ({out.interrupted}): the paths not yet run are left out")
-            results.interrupted = out.interrupted
+        report = _run_path(b, ph, run_dir, progress, results)
+        if report is not None and not report.ok and results.interrupted is None:
+            # one retry: a row that fails twice is a failure, a row that passes its retry says so
+            progress.say(f"failed ({report.error}): retrying it once")
+            again = _run_path(b, ph, run_dir, progress, results, suffix="_retry")
+            if again is not None:
+                again.retried, report = report.error, again
+        if report is None:  # Ctrl-C / SIGTERM ends the bench, not only this path
             break
-        res = next(iter(out.paths.values()), None)
-        if res is None:
-            err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
-            results.paths.append(PathReport(ph.name, err))
-            continue
-        results.paths.append(PathReport.of(res, ph.plan, out.gpu_sharing))
-        warn = sharing_warning(out.gpu_sharing) if ph.only is None else None
-        if warn:
-            progress.say(f"warning: {warn}")
+        results.paths.append(report)
     results.ratios = ratios(results.paths)
     (run_dir / "bench.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
     table = markdown(results)
@@ -428,7 +419,42 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
           flush=True)
     if results.interrupted:
         raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
+    failed = [p.path for p in results.paths if not p.ok]
+    if failed:  # an aggregate with a failed row does not exit 0
+        print(f"bench: {len(failed)} of {len(results.paths)} rows FAILED (each after one retry): "
+              f"{'; '.join(failed)}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_FAILED_ROW)
     return results
+
+
+EXIT_FAILED_ROW = 1  # a bench (or any aggregate) with a row that failed
+
+
+def _run_path(b: BenchConfig, ph: Path_, run_dir: Path, progress: "_BenchProgress", results: BenchResults,
+              suffix: str = "") -> Optional[PathReport]:
+    """One route of the bench (its own run dir under the bench's; `suffix`: a retry's), or
+    None when a signal ended it (results.interrupted set)."""
+    phase_dir = run_dir / (re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_") + suffix)
+    engine = ph.plan.route is Route.engine and ph.only is None
+    bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
+    driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk, ph.only)
+    progress.say("starting its processes")
+    out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
+    sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
+    progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
+                 f"ended: {out.error or out.lost or 'no result'}")
+    if out.interrupted:
+        progress.say(f"interrupted ({out.interrupted}): the paths not yet run are left out")
+        results.interrupted = out.interrupted
+        return None
+    res = next(iter(out.paths.values()), None)
+    if res is None:
+        err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
+        return PathReport(ph.name, err)
+    warn = sharing_warning(out.gpu_sharing) if ph.only is None else None
+    if warn:
+        progress.say(f"warning: {warn}")
+    return PathReport.of(res, ph.plan, out.gpu_sharing)
 
 
 class _BenchProgress:
@@ -530,10 +556,12 @@ def _phase_rows(paths: list[PathReport]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         if not p.ok:
-            rows.append(f"| {p.path} | FAILED: {p.error} | | | | | | | | | |")
+            rows.append(f"| {p.path} | FAILED: {p.error}" + (f" (its retry; first try: {p.retried})" if p.retried
+                                                            else "") + " | | | | | | | | | |")
             continue
+        label = f"{p.path} (passed its retry; first try FAILED: {p.retried})" if p.retried else p.path
         for name, ph in p.phases.items():
-            rows.append(f"| {p.path} | {name} | {ph.batch_size} | {ph.concurrency} | "
+            rows.append(f"| {label} | {name} | {ph.batch_size} | {ph.concurrency} | "
                         f"{ph.verified}/{ph.requests} | {_cell(ph.handoffs_per_s)} | "
                         f"{_cell(ph.taken_us.p50)} | {_cell(ph.handoff_us.p50)} | {_cell(ph.handoff_us.p99)} | "
                         f"{_cell(ph.set_buf_us.p50)} | {ph.requests_per_send} |")

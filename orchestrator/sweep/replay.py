@@ -10,7 +10,8 @@ The saved composed config (.hydra/config.yaml) is run again through the same ent
   slot's, so the fingerprint is left out too.
 - latencies are compared as ratios (replay / original) of p50, p99, p999;
 - the fingerprints (packages, git commit, GPUs, MC_* env) are diffed to explain changes.
-Exit 0 when the deterministic outputs are identical, 1 when they differ, 2 on bad input.
+Exit 0 when the deterministic outputs and the two exit codes are identical, 1 when they differ,
+2 on bad input.
 """
 
 from __future__ import annotations
@@ -176,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = compare(run_dir, out)
     (out / "replay.json").write_text(json.dumps(rep, indent=2) + "\n")
     print(render(rep))
-    return 0 if rep["requests_identical"] and rep["decisions_identical"] else 1
+    codes = rep.get("exit_codes") or {}
+    same_ending = codes.get("original") == codes.get("replay")  # a run that now ends otherwise differs
+    return 0 if rep["requests_identical"] and rep["decisions_identical"] and same_ending else 1
 
 
 if __name__ == "__main__":

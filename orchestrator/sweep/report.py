@@ -1,4 +1,5 @@
-"""`python -m orchestrator.report SWEEP_DIR`: rebuild a sweep's summary.csv, .md and .png.
+"""`python -m orchestrator.report SWEEP_DIR`: rebuild a sweep's summary.csv, .md and .png; exit
+as the sweep did (the worst job's code: a failed row is not a 0).
 `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run split
 across hosts (each side's results.json, merged)."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
-from orchestrator.sweep.sweep import SweepError, summarize, sweep_status
+from orchestrator.sweep.sweep import SweepError, summarize, sweep_status, worst_exit
 
 
 def build_parser() -> OneLineParser:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         print(rel(path), flush=True)
     print(sweep_status(args.dirs[0]), file=sys.stderr, flush=True)  # (stdout: the files)
-    return 0
+    return worst_exit(args.dirs[0]) or 0  # as the sweep exited: a failed row is not a 0
 
 
 
