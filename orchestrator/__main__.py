@@ -17,8 +17,14 @@ def _early(signum: int, _frame: object) -> None:
     raise _EarlyStop(signum)
 
 
+_PHASE = ["importing"]  # what the command is doing when no job's own handlers are in place
+
+
 def _interrupted(signum: int) -> None:
-    print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+    app = sys.modules.get("orchestrator.handoff.app")
+    phase = getattr(app, "PHASE", [None])[0] or _PHASE[0]
+    print(f"interrupted ({signal.Signals(signum).name}) while {phase}: no job was running",
+          file=sys.stderr, flush=True)
     sys.exit(128 + signum)
 
 
@@ -54,6 +60,7 @@ def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     single = hc.mode is RunMode.RUN
+    _PHASE[0] = "starting the job"
     try:
         results = run_job(cfg, run_dir)
     except ConfigError as exc:
@@ -68,6 +75,7 @@ def main(cfg: DictConfig) -> float:
             raise
         results = failed_job(run_dir, f"{type(exc).__name__}: {exc}")
     _EXIT.append(results.exit_code)
+    _PHASE[0] = "ending" if single else "between the sweep's jobs"
     if results.ending.signal and not single and _in_process(hc):
         # an interrupted job ends the sweep, not only itself (where the sweep runs here: a
         # launcher's worker, e.g. a Slurm job, returns its results to its launcher instead)
@@ -125,6 +133,7 @@ def _entry() -> None:
     # a sweep's config-dir files that cannot be composed fail only the jobs that pick them
     argv, bad_files.REFUSED[:] = bad_files.split_sweep(sys.argv[1:])
     sys.argv[1:] = argv
+    _PHASE[0] = "composing the config"
     if not any(a.startswith(("hydra.output_subdir=", "++hydra.output_subdir=")) for a in argv):
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there

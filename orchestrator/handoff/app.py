@@ -35,14 +35,19 @@ from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, unlock_
 from orchestrator.results.schema import DecodeSideResults, JobResults, NotRun, Results
 
 R = TypeVar("R", bound=Results)
+# What a job is doing before its own signal handlers are in place (python -m orchestrator's
+# interrupt line names it; None: the job's handlers say it themselves, or no job runs)
+PHASE: list[Optional[str]] = [None]
 
 
 def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
     """Raises ConfigError for user mistakes (before anything starts). SIGINT and SIGTERM
     end the job with what it measured (results.json says interrupted)."""
+    PHASE[0] = "preparing the run dir"
     lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
     try:
         save_hydra(cfg, run_dir)  # .hydra/ only under the lock: a loser writes nothing
+        PHASE[0] = "starting the children"
         with Signals() as signals:
             logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
             given = typed(cfg)
@@ -65,6 +70,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             return _finish(obj, run_dir, results, out.no_space, log)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
+        PHASE[0] = None
 
 
 HYDRA_SUBDIR = ".hydra"
@@ -145,12 +151,25 @@ def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideRe
     log.info("results", **results.headline())
     late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
-    print(reporting.summary(results, run_dir, plot=late), flush=True)
+    text = reporting.summary(results, run_dir, plot=late)
+    print(text, flush=True)
+    _save_summary(run_dir, text)
     if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
         assert isinstance(results, JobResults)
         plots.draw_later(run_dir, _latency_title(obj, run_dir, results), obj.workload.rate is not None,
                          obj.report.percentiles)
     return results
+
+
+def _save_summary(run_dir: Path, text: str) -> None:
+    """summary.txt: the console's summary, as printed (a full disk loses only this copy)."""
+    try:
+        write_atomic(run_dir / SUMMARY_TXT, text + "\n")
+    except (OSError, NoSpace):
+        pass
+
+
+SUMMARY_TXT = "summary.txt"
 
 
 def _plotted(obj: PlotSections, results: Results) -> bool:

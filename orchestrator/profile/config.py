@@ -747,7 +747,10 @@ class LoggingConfig:
     """logging: where the structured log lines go (always to the run dir)."""
 
     console: bool = False
-    """also print the structured log lines on the console"""
+    """Also print the structured log lines (JSON in the run dir's *.log files) on the console,
+    rendered by structlog. False (default): the console holds the summary and one `warning:`
+    line per warning (repeated ones counted on one line after the run: `19 handoffs rejected
+    (room_never_landed): see decode.log`); the run dir keeps every line either way."""
     progress: Optional[bool] = None
     """The live progress line on stderr (phase, verified/failed so far, rate): null, true, false.
     Null draws it in place when stderr is a terminal; where it is not (CI, a pipe, a file) it

@@ -4,8 +4,10 @@ Called inside the task function and at the start of each endpoint process (spawn
 and joblib/loky workers do not run module-level code of __main__). Hydra has already
 configured the stdlib root logger in the task process (console + <job>.log); we keep its
 handlers and give them structlog's ProcessorFormatter, so Hydra's file and ours are one. The
-console shows warnings and the summary unless `logging.console=true` (or Hydra's
-`hydra.verbose`) asks for every structured line there too.
+console shows the summary and `warning:` lines (one plain line per warning; the events that
+repeat per request, COUNTED, are left out and counted on one line after the run by
+`repeated_warnings`) unless `logging.console=true` (or Hydra's `hydra.verbose`) asks for every
+structured line there too.
 
 Routing decisions go to decisions.jsonl, one JSON line per decision, written a step at a
 time (DecisionLog: one write per step, not a logger call per request); structlog stays the
@@ -39,6 +41,11 @@ _FIRST = ("event", "timestamp", "level", "logger", "role")
 SUMMARIZED = frozenset({"run_failed", "interrupted", "process_lost", "peer_lost", "slow_to_stop"})
 # Events the console never shows: the progress line (orchestrator.results.progress) says them
 FILE_ONLY = frozenset({"progress"})
+# Warnings that repeat (one per request or message): never one line each on the quiet console;
+# the summary counts them from the run dir's logs (repeated_warnings). Value: what N of them are.
+COUNTED = {"handoff_rejected": "handoffs rejected", "verdict_out_of_state": "verdicts out of state",
+           "control_rejected": "control messages rejected", "control_dropped": "control messages dropped",
+           "control_replayed": "control messages replayed", "bootstrap_rejected": "bootstrap lookups rejected"}
 
 
 class _NotSummarized(logging.Filter):
@@ -64,7 +71,26 @@ def _json_formatter() -> logging.Formatter:
     )
 
 
-def _console_formatter(stream: TextIO) -> logging.Formatter:
+class _WarningLine(logging.Formatter):
+    """The quiet console's form of a structured line: `warning: EVENT: DETAIL (REASON)`, one
+    plain line (no timestamp, no key=value dump); `error:` for an error."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "warning" if record.levelno < logging.ERROR else "error"
+        msg = record.msg
+        if not isinstance(msg, dict):
+            return f"{level}: {' '.join(record.getMessage().split())}"
+        detail = msg.get("detail") or msg.get("error")
+        reason = msg.get("reason")
+        text = f"{level}: {msg.get('event')}" + (f": {detail}" if detail else "")
+        if reason and reason != detail:
+            text += f" ({reason})" if detail else f": {reason}"
+        return " ".join(text.split())
+
+
+def _console_formatter(stream: TextIO, quiet: bool = False) -> logging.Formatter:
+    if quiet:
+        return _WarningLine()
     return structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.dev.ConsoleRenderer(colors=stream.isatty())],
@@ -99,7 +125,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
             if isinstance(handler, logging.FileHandler):
                 handler.setFormatter(_json_formatter())
             elif isinstance(handler, logging.StreamHandler):
-                handler.setFormatter(_console_formatter(handler.stream))
+                handler.setFormatter(_console_formatter(handler.stream, quiet=console_level > logging.INFO))
                 handler.setLevel(console_level)
                 _quiet(handler, console_level)
     else:
@@ -108,7 +134,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
             handler.close()
         console = logging.StreamHandler(sys.stdout)
         console.setLevel(console_level)
-        console.setFormatter(_console_formatter(sys.stdout))
+        console.setFormatter(_console_formatter(sys.stdout, quiet=console_level > logging.INFO))
         _quiet(console, console_level)
         root.addHandler(console)
         if run_dir is not None:
@@ -161,4 +187,33 @@ class DecisionLog:
 def _quiet(handler: logging.Handler, console_level: int) -> None:
     for f in [f for f in handler.filters if isinstance(f, _NotSummarized)]:
         handler.removeFilter(f)
-    handler.addFilter(_NotSummarized(FILE_ONLY | SUMMARIZED if console_level > logging.INFO else FILE_ONLY))
+    handler.addFilter(_NotSummarized(FILE_ONLY | SUMMARIZED | frozenset(COUNTED) if console_level > logging.INFO
+                                     else FILE_ONLY))
+
+
+def repeated_warnings(run_dir: Path) -> list[str]:
+    """The COUNTED warnings of a run, read back from its processes' JSON logs: one line per
+    event and detail, `19 handoffs rejected (room_never_landed): see decode.log`."""
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for path in sorted(Path(run_dir).glob("*.log")):
+        if path.name.endswith((".stderr.log", ".mooncake.log")):
+            continue
+        try:
+            with open(path, errors="replace") as fh:
+                for line in fh:
+                    if '"warning"' not in line or not any(f'"{e}"' in line for e in COUNTED):
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    event = rec.get("event")
+                    if event in COUNTED and rec.get("level") == "warning":
+                        detail = str(rec.get("detail") or rec.get("reason") or "")
+                        files = counts.setdefault((event, detail), {})
+                        seen = files.get(path.name, 0)  # `count`: a running count (rate-limited lines)
+                        files[path.name] = max(seen, int(rec["count"])) if "count" in rec else seen + 1
+        except OSError:
+            continue
+    return [f"{sum(files.values())} {COUNTED[event]}" + (f" ({detail})" if detail else "")
+            + f": see {', '.join(files)}" for (event, detail), files in counts.items()]

@@ -505,7 +505,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
                      f"their prefill had failed them; decode_verified {results.decode_verified})")
     lines = _problems(results) + lines
     lines += [x for x in (sharing_line(results.transports.gpu_sharing),) if x]
-    lines += [f"warning: {c}" for c in results.ending.warnings]
+    lines += [f"warning: {c}" for c in results.ending.warnings + _repeated(run_dir)]
     rows, in_flight = w.decode_rows, w.in_flight_max  # (both set by _workload)
     if w.rate is None and in_flight is not None and rows is not None and in_flight > rows:
         lines.append(f"{in_flight} requests in flight (workload.concurrency x prefill ranks) "
@@ -525,6 +525,13 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
     return "\n".join(lines)
 
 
+def _repeated(run_dir: Path) -> list[str]:
+    """The run's repeated warnings, one counted line each (the console showed none of them)."""
+    from orchestrator.results.logs import repeated_warnings
+
+    return repeated_warnings(run_dir)
+
+
 def decode_summary(results: DecodeSideResults, run_dir: Path) -> str:
     t = results.transports
     lines = [f"decode side at {results.bootstrap or '(no bootstrap address yet)'}: buffers on "
@@ -535,7 +542,7 @@ def decode_summary(results: DecodeSideResults, run_dir: Path) -> str:
         lines.insert(0, f"ERROR: {results.error}")
     if results.ending.interrupted:
         lines.insert(0, f"interrupted ({results.ending.signal}): counts so far")
-    lines += [f"warning: {w}" for w in results.ending.warnings]
+    lines += [f"warning: {w}" for w in results.ending.warnings + _repeated(run_dir)]
     lines.append(f"run dir: {rel(run_dir)}")
     return "\n".join(lines)
 
