@@ -429,10 +429,18 @@ def _latency_line(results: JobResults) -> str:
         return ("latency: not recorded (the prefill's own records ended with it; verdicts "
                 "from the decode's file)")
     set_buf = lat.set_buf.p50  # None when rows were filled ahead (workload.fill)
-    return (f"latency us p50/p99/p999: send_aux {_fmt(lat.send_aux)}   "
-            + (f"taken {_fmt(lat.taken)}   " if lat.taken.p50 is not None else "")
-            + f"handoff {_fmt(lat.handoff)}"
-            + (f"   from arrival {_fmt(lat.e2e)}" if results.workload.rate is not None else "")
+    keys = list(lat.handoff.percentiles or lat.send_aux.percentiles or {})  # report.percentiles
+
+    def fmt(p: Percentiles) -> str:
+        if not keys:
+            return _fmt(p)
+        chosen = p.percentiles or {}
+        return " / ".join("-" if chosen.get(k) is None else _num(chosen[k]) for k in keys)
+
+    return (f"latency us {'/'.join(keys) if keys else 'p50/p99/p999'}: send_aux {fmt(lat.send_aux)}   "
+            + (f"taken {fmt(lat.taken)}   " if lat.taken.p50 is not None else "")
+            + f"handoff {fmt(lat.handoff)}"
+            + (f"   from arrival {fmt(lat.e2e)}" if results.workload.rate is not None else "")
             + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
 
 

@@ -1,5 +1,6 @@
 """`python -m orchestrator.report SWEEP_DIR`: rebuild a sweep's summary.csv, .md and .png; exit
-as the sweep did (the worst job's code: a failed row is not a 0).
+1 when a row is not ok (failed, interrupted, refused or lost, or a combination not run), 0 when every
+row is ok, 2 on bad input.
 `python -m orchestrator.report PREFILL_RUN_DIR DECODE_RUN_DIR`: one summary of a run split
 across hosts (each side's results.json, merged)."""
 
@@ -11,7 +12,10 @@ from pathlib import Path
 from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
-from orchestrator.sweep.sweep import SweepError, summarize, sweep_status, worst_exit
+from orchestrator.sweep.sweep import SweepError, not_ok, summarize, sweep_status
+
+
+EXIT_ROW_NOT_OK = 1
 
 
 def build_parser() -> OneLineParser:
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         print(rel(path), flush=True)
     print(sweep_status(args.dirs[0]), file=sys.stderr, flush=True)  # (stdout: the files)
-    return worst_exit(args.dirs[0]) or 0  # as the sweep exited: a failed row is not a 0
+    return EXIT_ROW_NOT_OK if not_ok(args.dirs[0]) else 0  # a failed, lost or unrun row is not a 0
 
 
 

@@ -492,6 +492,12 @@ def worst_exit(sweep_dir: Path) -> Optional[int]:
     return max(codes) if codes else None
 
 
+def not_ok(sweep_dir: Path) -> list[int]:
+    """The jobs (numbers) of a sweep's rows that are not ok: failed, interrupted, an error,
+    missing, or a combination not started."""
+    return [int(row["job"]) for row in collect(sweep_dir)[1] if row["status"] is not RunStatus.ok]
+
+
 SWEEP_EXIT: list[int] = []  # set when a multirun ends: the worst job's exit code
 
 
