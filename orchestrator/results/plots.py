@@ -128,11 +128,11 @@ def _marks_of(values: Iterable[float], qs: Sequence[float]) -> SimpleNamespace:
 
 def _shown(pcts: Any, n: int) -> list[tuple[str, float, float]]:
     """(name, value, q) of the percentiles to mark: the chosen ones where the marks have them
-    (else p50/p99/p999), each only where n requests can tell it apart from the max."""
+    (else p50/p99/p999): every one report.percentiles asks for (`n` kept for callers)."""
     chosen = getattr(pcts, "percentiles", None)
     named = ([(name, v, float(name[1:]) / 100) for name, v in chosen.items()] if chosen else
              [(name, getattr(pcts, name), q) for q, name in QUANTILES])
-    return [(name, v, q) for name, v, q in named if v is not None and n * (1 - q) >= 1]
+    return [(name, v, q) for name, v, q in named if v is not None]
 
 
 def _cdf_axes(ax: Any, metric: str, drawn: list[tuple[str, list[float]]]) -> None:
@@ -159,6 +159,20 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     under the panel. `marks` ({metric: LatencyMarks}, the job's latency_us) are the summary's
     own numbers: a panel of one route marks those; several routes get theirs from the same
     computation. Returns the path, or None when nothing was measured."""
+    fig = latency_figure(data, title, marks, qs)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=DPI)
+    pyplot().close(fig)
+    return path
+
+
+DPI = 110
+
+
+def latency_figure(data: dict[str, dict[str, list[float]]], title: str,
+                   marks: Optional[dict[str, LatencyMarks]] = None, qs: Sequence[float] = DEFAULT_QS) -> Any:
+    """latency_cdf's figure (None when nothing was measured), its mark labels placed."""
     panels = [(metric, routes) for metric, routes in data.items() if any(routes.values())]
     if not panels:
         return None
@@ -167,7 +181,8 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     cols = 2 if len(panels) == 4 else len(panels)
     rows = math.ceil(len(panels) / cols)
     width = 5.0 if cols > 1 else 6.0
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, 5.4 * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, 5.4 * rows + 0.4), squeeze=False, dpi=DPI)
+    labels: list[tuple[Any, float, float, str, str]] = []  # (axes, x, preferred y, text, color)
     for ax, (metric, routes) in zip(axes.flat, panels):
         drawn = [(r, v) for r, v in sorted(routes.items()) if v]
         for k, (route, values) in enumerate(drawn):
@@ -189,10 +204,9 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
                 ax.axvline(x, color=color, linestyle=":", linewidth=0.9)
                 ax.plot([x], [q], marker="o", markersize=4, color=color)
                 # right of its line, each mark at its own height: right of the q-th
-                # percentile the CDF is above q, so a label below q meets no curve, and two
-                # close marks never share a height
-                ax.text(x, 0.03 + 0.2 * (j % 4) + 0.05 * k, f" {name} {x:,.0f}", rotation=90,
-                        va="bottom", ha="left", fontsize="x-small", color=color)
+                # percentile the CDF is above q, so a label below q meets no curve; placed
+                # after the layout where no other label is (_place_labels)
+                labels.append((ax, x, 0.03 + 0.2 * (j % 4) + 0.05 * k, f" {name} {x:,.0f}", color))
             if mean is not None:
                 ax.axvline(mean, color=color, linestyle="-.", linewidth=0.8, alpha=0.7)
             if top is not None:
@@ -202,9 +216,39 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
         ax.set_visible(False)
     fig.suptitle(title + "\nmarks: percentiles dotted, mean dash-dotted, max a triangle", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _place_labels(fig, labels)
+    return fig
+
+
+def _place_labels(fig: Any, labels: list[tuple[Any, float, float, str, str]]) -> None:
+    """Each mark's label (vertical, beside its line) where it overlaps no label placed before
+    it and stays inside its panel: the preferred height first, then the nearest free height,
+    then a few points right or left of the line (close percentiles: p99 and p99.9 of a
+    saturated open loop share an x)."""
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    heights = [i / 40 for i in range(1, 40)]
+    for ax, x, y0, text, color in labels:
+        box = ax.get_window_extent(renderer)
+        t = ax.annotate(text, xy=(x, y0), xytext=(0, 0), textcoords="offset points", rotation=90,
+                        va="bottom", ha="left", fontsize="x-small", color=color,
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.75, "pad": 0.3})
+        fits = None
+        for dx in (0, 9, -9, 18, -18, 27, -27, 36, -36, 45, -45):
+            for y in sorted(heights, key=lambda v: abs(v - y0)):
+                t.xy = (x, y)
+                t.set_position((dx, 0))
+                bb = t.get_window_extent(renderer)
+                if (bb.x0 >= box.x0 and bb.x1 <= box.x1 and bb.y0 >= box.y0 and bb.y1 <= box.y1
+                        and not any(bb.overlaps(p) for p in placed)):
+                    fits = bb
+                    break
+            if fits is not None:
+                break
+        if fits is None:  # no free place: left out rather than drawn over another
+            t.remove()
+            continue
+        placed.append(fits.expanded(1.02, 1.02))
 
 
 def run_latency_png(run_dir: Path, title: str, marks: Optional[dict[str, LatencyMarks]] = None,
