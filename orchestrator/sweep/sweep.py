@@ -262,13 +262,40 @@ def status_line(rows: list[dict[str, Any]]) -> str:
     return f"{len(rows)} combinations: " + ", ".join(f"{n} {st.value}" for st, n in counts if n)
 
 
+def short_columns(columns: list[str], rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """summary.md's table: (heading, row key) of what a reader compares across jobs: the job,
+    the swept keys, status, verified and failed, handoffs/s, the handoff's p50/p99 (an open
+    loop's latency from arrival too), the error where a job has one. Every column: summary.csv."""
+    swept = columns[1:columns.index(RESULT_COLUMNS[0])]
+    out = [("job", "job"), *((k, k) for k in swept), ("status", "status"), ("verified", "verified"),
+           ("failed", "failed")]
+    if any(_number(r.get("corrupted")) for r in rows):
+        out.append(("corrupted", "corrupted"))
+    out += [("handoffs/s", "handoffs_per_s"), ("handoff p50 us", "handoff_p50_us"),
+            ("handoff p99 us", "handoff_p99_us")]
+    if any(r.get("e2e_p50_us") not in (None, "") for r in rows):
+        out += [("from arrival p50 us", "e2e_p50_us"), ("from arrival p99 us", "e2e_p99_us")]
+    if any(r.get("error") for r in rows):
+        out.append(("error", "error"))
+    return out
+
+
 def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    short = short_columns(columns, rows)
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        if key == "verified" and row.get("requests") not in (None, ""):
+            return f"{_md_cell(row.get('verified'))}/{_md_cell(row.get('requests'))}"
+        return _md_cell(row.get(key))
+
     lines = [f"# Sweep summary: {sweep_dir}", "",
              f"{status_line(rows)}.", "",
-             "| " + " | ".join(columns) + " |",
-             "|" + "|".join("---" for _ in columns) + "|"]
+             "| " + " | ".join(h for h, _ in short) + " |",
+             "|" + "|".join("---" for _ in short) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(_md_cell(row.get(c)) for c in columns) + " |")
+        lines.append("| " + " | ".join(cell(row, k) for _, k in short) + " |")
+    lines += ["", f"Every column ({len(columns)}: each latency's percentiles, mean and max, MB/s, the "
+                  f"transport, start-up, the decode gate, ...): {CSV_NAME}; what each holds: docs/sweeps.md."]
     path.write_text("\n".join(lines) + "\n")
 
 
