@@ -46,7 +46,9 @@ _MASKS = [
     (re.compile(r"\b\d{4}-\d\d-\d\d[T ]?[\d:.-]*Z?"), "<time>"),
     (re.compile(r"pid:\[\d+\]"), "pid:[#]"),
     (re.compile(r"\b[0-9a-f]{7,40}\b"), "<hex>"),
-    (re.compile(r"[-+]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?"), "#"),
+    # a number: digits, thousands grouped by commas (1,234), a fraction, an exponent; the comma
+    # after a whole number is text (`prefill 8, decode 9`), not part of it
+    (re.compile(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?"), "#"),
 ]
 
 
@@ -68,7 +70,23 @@ class Sample:
 
     @property
     def excerpt(self) -> bool:
-        return any(x.strip() == "..." for x in self.output)
+        return any(hidden(x) is not None for x in self.output)
+
+
+_HIDDEN = re.compile(r"\.\.\.(?: (\d+) lines? \.\.\.)?")
+
+
+def hidden(line: str) -> Optional[int]:
+    """A sample's line that stands for lines left out: `... 19 lines ...` (how many), or a
+    bare `...` (-1: not said; regenerating says it); None for any other line."""
+    m = _HIDDEN.fullmatch(line.strip())
+    if m is None:
+        return None
+    return int(m.group(1)) if m.group(1) else -1
+
+
+def hidden_line(n: int) -> str:
+    return f"... {n} line{'' if n == 1 else 's'} ..."
 
 
 def samples(path: Path, text: Optional[str] = None) -> list[Sample]:
@@ -120,10 +138,11 @@ def regenerate(sample: Sample, fresh: list[str], code: int) -> list[str]:
 
 def _regenerate(sample: Sample, shown: list[str], fresh: list[str], code: int) -> list[str]:
     if sample.excerpt:
-        out, at = [], 0
+        out, at, gap = [], 0, None  # gap: the index in `out` of a hidden-lines line after the last hit
         for line in shown:
-            if line.strip() == "...":
+            if hidden(line) is not None:
                 out.append(line)
+                gap = (len(out) - 1, at)
                 continue
             hit = next((j for j in range(at, len(fresh)) if _indent(fresh[j]) == _indent(line)
                         and shape(fresh[j]) == shape(line)), None)
@@ -133,8 +152,13 @@ def _regenerate(sample: Sample, shown: list[str], fresh: list[str], code: int) -
             if hit is None:
                 out.append(line)
                 continue
+            if gap is not None:  # the lines it hides: from the last hit to this one
+                out[gap[0]] = hidden_line(hit - gap[1])
+                gap = None
             out.append(fresh[hit])
             at = hit + 1
+        if gap is not None:
+            out[gap[0]] = hidden_line(len(fresh) - gap[1])
         return out
     exit_line = [f"(exit {code})"] if any(x.startswith("(exit ") for x in shown) else []
     return fresh + exit_line
