@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import ROOT
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _blocks(text: str) -> tuple[list[tuple[str, list[str]]], str]:

@@ -547,7 +547,7 @@ def test_cli_run_runs_the_implied_profile_here(tmp_path):
 
 
 @pytest.mark.parametrize("doc,command", [
-    ("README.md", "$ python -m orchestrator.doctor --env-file docs/examples/prefill.env "
+    ("docs/preflight.md", "$ python -m orchestrator.doctor --env-file docs/examples/prefill.env "
                   "--env-file docs/examples/decode.env"),
     ("docs/preflight.md", "$ python -m orchestrator.doctor --manifest docs/examples/pd-one-pod.yaml"),
 ])

@@ -8,12 +8,12 @@
   machine's output, a file that is not in the repo);
 - every generated table: the text between `<!-- generated: NAME -->` and
   `<!-- end generated -->` (NAME: summary columns, docs/sweeps.md, from
-  orchestrator/sweep/columns.py).
+  orchestrator/sweep/columns.py; layout, CONTRIBUTING.md, from the tree: tools/layout_table.py).
 
 `--check` writes nothing and exits 1 where a sample's shape (its lines, their words and
 keys; numbers, paths and times aside) or a table differs from what the tools give now.
 
-    python tools/doc_samples.py [--check] [FILE.md ...]   (default: README.md docs/*.md)
+    python tools/doc_samples.py [--check] [FILE.md ...]   (default: README.md CONTRIBUTING.md docs/*.md)
 """
 
 from __future__ import annotations
@@ -31,13 +31,18 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = "<!-- sample: not regenerated"
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 GENERATED = re.compile(r"<!-- generated: (.+?) -->\n(.*?)\n<!-- end generated -->", re.S)
 
 
 def tables() -> dict[str, Callable[[], str]]:
     from orchestrator.sweep.columns import column_table
 
-    return {"summary columns": column_table}
+    if str(ROOT) not in sys.path:  # run as a script: tools/ is on the path, the checkout is not
+        sys.path.insert(0, str(ROOT))
+    from tools.layout_table import table as layout_table
+
+    return {"summary columns": column_table, "layout": layout_table}
 
 
 _MASKS = [
@@ -83,6 +88,10 @@ def hidden(line: str) -> Optional[int]:
     if m is None:
         return None
     return int(m.group(1)) if m.group(1) else -1
+
+
+def _indented(old: str, new: str) -> str:
+    return old[:_indent(old)] + new
 
 
 def hidden_line(n: int) -> str:
@@ -153,12 +162,12 @@ def _regenerate(sample: Sample, shown: list[str], fresh: list[str], code: int) -
                 out.append(line)
                 continue
             if gap is not None:  # the lines it hides: from the last hit to this one
-                out[gap[0]] = hidden_line(hit - gap[1])
+                out[gap[0]] = _indented(out[gap[0]], hidden_line(hit - gap[1]))
                 gap = None
             out.append(fresh[hit])
             at = hit + 1
         if gap is not None:
-            out[gap[0]] = hidden_line(len(fresh) - gap[1])
+            out[gap[0]] = _indented(out[gap[0]], hidden_line(len(fresh) - gap[1]))
         return out
     exit_line = [f"(exit {code})"] if any(x.startswith("(exit ") for x in shown) else []
     return fresh + exit_line
@@ -196,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 on a difference")
     ap.add_argument("files", nargs="*", type=Path)
     args = ap.parse_args(argv)
-    files = [f.resolve() for f in args.files] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files = [f.resolve() for f in args.files] or DOCS
     problems: list[str] = []
     gen = tables()
     for path in files:
