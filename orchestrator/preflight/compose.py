@@ -382,7 +382,8 @@ def output_dir_problem(key: str, value: str) -> Optional[str]:
     while not os.path.lexists(probe) and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
-        what = f"{probe} is not a directory" if probe == path else f"{probe} is not a directory, so {path} cannot be made"
+        what = (f"{probe} is not a directory" if probe == path else
+                f"{probe} is not a directory, so {path} cannot be made")
         return f"{key}={value}: {what}"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=probe))

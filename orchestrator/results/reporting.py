@@ -435,7 +435,7 @@ def _latency_line(results: JobResults) -> str:
         if not keys:
             return _fmt(p)
         chosen = p.percentiles or {}
-        return " / ".join("-" if chosen.get(k) is None else _num(chosen[k]) for k in keys)
+        return " / ".join("-" if (v := chosen.get(k)) is None else _num(v) for k in keys)
 
     return (f"latency us {'/'.join(keys) if keys else 'p50/p99/p999'}: send_aux {fmt(lat.send_aux)}   "
             + (f"taken {fmt(lat.taken)}   " if lat.taken.p50 is not None else "")

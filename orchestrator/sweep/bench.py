@@ -45,6 +45,7 @@ from orchestrator.handoff.runner import run_handoffs
 from orchestrator.handoff.transport.router import Send, Transfer
 from orchestrator.profile.config import (
     CONF_DIR,
+    BenchConfig,
     ConfigError,
     EngineTransportSetting,
     FillMode,

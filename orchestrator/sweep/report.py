@@ -14,7 +14,6 @@ from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
 from orchestrator.sweep.sweep import SweepError, not_ok, summarize, sweep_status
 
-
 EXIT_ROW_NOT_OK = 1
 
 
