@@ -321,3 +321,16 @@ def test_the_readme_is_a_guide():
         assert task in index.lower(), task
     for link in re.findall(r"\]\(([^)#]+)\)", index):
         assert (ROOT / "docs" / link).resolve().exists(), link
+
+
+def test_an_unwritable_working_dir_names_the_default_run_dir(tmp_path, monkeypatch):
+    from orchestrator.preflight import compose
+
+    def refuse(**_kw):  # as root every dir is writable: the refusal forced
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tempfile.mkdtemp", refuse)
+    assert compose.precheck([]) == (
+        f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S-%f}}: cannot create a directory in {tmp_path} "
+        "(Permission denied) (the default; set hydra.run.dir=DIR to write elsewhere)")

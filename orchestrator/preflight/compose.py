@@ -364,7 +364,9 @@ def flags_first(argv: Sequence[str]) -> list[str]:
     return flags + rest
 
 
-_OUTPUT_DIRS = {"hydra.run.dir": "outputs", "hydra.sweep.dir": "outputs"}
+# conf/config.yaml's hydra.run.dir and hydra.sweep.dir (a run without the override writes there)
+_OUTPUT_DIRS = {"hydra.run.dir": "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S-%f}",
+                "hydra.sweep.dir": "outputs/multirun/${now:%Y-%m-%d}/${now:%H-%M-%S-%f}"}
 
 
 def output_dir_problem(key: str, value: str) -> Optional[str]:
@@ -402,9 +404,9 @@ def _files_problem(overrides: Optional[list[str]], dirs: list[Path], sweep: bool
             return problem
     given = {o.lstrip("+").partition("=")[0]: o.partition("=")[2] for o in overrides or ()}
     for key in ("hydra.sweep.dir",) if sweep else ("hydra.run.dir",):
-        problem = output_dir_problem(key, given.get(key, _OUTPUT_DIRS[key] + "/${now:}"))
+        problem = output_dir_problem(key, given.get(key, _OUTPUT_DIRS[key]))
         if problem is not None:
-            return problem
+            return problem if key in given else f"{problem} (the default; set {key}=DIR to write elsewhere)"
     for o in overrides or ():
         if o.startswith("hydra.run.dir=") and "${" not in o:
             from orchestrator.results.rundir import run_dir_busy
