@@ -334,3 +334,28 @@ def test_an_unwritable_working_dir_names_the_default_run_dir(tmp_path, monkeypat
     assert compose.precheck([]) == (
         f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S-%f}}: cannot create a directory in {tmp_path} "
         "(Permission denied) (the default; set hydra.run.dir=DIR to write elsewhere)")
+
+
+@pytest.mark.parametrize("codes,exit_code", [((3, 3), 0), ((3, 0), 1), ((0, 0), 0)])
+def test_replay_exits_1_when_the_run_now_ends_otherwise(codes, exit_code, tmp_path, monkeypatch):
+    """Identical outputs, but the replay ended with another exit code: not a 0 (the process
+    that re-runs and the comparison are replaced; the exit rule is what is checked)."""
+    from orchestrator.sweep import replay
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    for name in (".hydra/config.yaml", "results.json", "fingerprint.json", "requests.jsonl", "decisions.jsonl"):
+        (run / name).write_text("{}\n")
+    out = tmp_path / "replay"
+
+    def rerun(cmd, **_kw):
+        out.mkdir()
+        (out / "results.json").write_text("{}\n")
+        return SimpleNamespace(returncode=codes[1], stderr="")
+
+    monkeypatch.setattr(replay.subprocess, "run", rerun)
+    monkeypatch.setattr(replay, "compare", lambda a, b: {
+        "requests_identical": True, "decisions_identical": True,
+        "exit_codes": {"original": codes[0], "replay": codes[1]}})
+    monkeypatch.setattr(replay, "render", lambda rep: "")
+    assert replay.main([str(run), "--out", str(out)]) == exit_code
