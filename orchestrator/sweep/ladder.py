@@ -61,6 +61,7 @@ from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results.logs import configure
+from orchestrator.results.schema import EXIT_SIGNAL
 from orchestrator.results.stats import percentile
 
 RUNGS: list[tuple[str, str]] = [
@@ -132,10 +133,12 @@ class LadderResults:
     rounds: int
     rows: list[RungRow]
     load_avg: list[float] = field(default_factory=list)
+    interrupted: Optional[str] = None  # "SIGINT": the rounds not run are left out
 
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile, "handoffs": self.handoffs, "rounds": self.rounds,
-                "load_avg_1_5_15": self.load_avg, "rows": [r.to_json() for r in self.rows]}
+                "load_avg_1_5_15": self.load_avg, "rows": [r.to_json() for r in self.rows],
+                **({"interrupted": self.interrupted} if self.interrupted else {})}
 
 
 def ladder_config(cfg: OrchestratorConfig) -> OrchestratorConfig:
@@ -221,6 +224,8 @@ def _bench_rung(cfg: OrchestratorConfig, plan: Plan, rdir: Path) -> RungRun:
     t0 = time.monotonic()
     driver = BenchDriver("R6", n, 1, 1, 1, False, 0, (phase,))
     out = run_handoffs(cfg, plan, rdir, driver=driver)
+    if out.interrupted:  # Ctrl-C reached the runner first: end the ladder as the bench does
+        raise KeyboardInterrupt
     res = next(iter(out.paths.values()), None)
     if res is None or phase not in res.phases:
         err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
@@ -310,28 +315,32 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
         rows.append(yrow)
     results = LadderResults(plan.as_dict(), n, b.ladder_rounds, rows)
     mode = "gpu" if plan.buffer_device is Device.cuda else "cpu"
-    for rnd in range(b.ladder_rounds):
-        for k, row in enumerate(rows):
-            if row.skipped:
-                continue
-            rdir = run_dir / f"round{rnd}" / row.rung
-            rdir.mkdir(parents=True, exist_ok=True)
-            _say(f"round {rnd + 1}/{b.ladder_rounds} {row.rung}: {row.label}")
-            if k <= 5:
-                with mps_for(plan.sharing, rdir, log):
-                    run = _pair(k, lcfg, plan, rdir, timeout_s)
-            elif row.rung == "R6":
-                run = _bench_rung(lcfg, plan, rdir)
-            elif row.rung == "R7":
-                run = _full_run(overrides, n, rdir, timeout_s)
-            else:
-                assert ypath is not None
-                with mps_for(plan.sharing, rdir, log):
-                    run = _yardstick(ypath, mode, n, rdir, timeout_s)
-            run.round = rnd
-            row.runs.append(run)
-            _say(f"round {rnd + 1} {row.rung}: " + (f"p50 {run.p50_us} us, {run.verified}/{run.n} verified"
-                                                     if run.ok else f"FAILED: {run.error or 'not all verified'}"))
+    try:
+        for rnd in range(b.ladder_rounds):
+            for k, row in enumerate(rows):
+                if row.skipped:
+                    continue
+                rdir = run_dir / f"round{rnd}" / row.rung
+                rdir.mkdir(parents=True, exist_ok=True)
+                _say(f"round {rnd + 1}/{b.ladder_rounds} {row.rung}: {row.label}")
+                if k <= 5:
+                    with mps_for(plan.sharing, rdir, log):
+                        run = _pair(k, lcfg, plan, rdir, timeout_s)
+                elif row.rung == "R6":
+                    run = _bench_rung(lcfg, plan, rdir)
+                elif row.rung == "R7":
+                    run = _full_run(overrides, n, rdir, timeout_s)
+                else:
+                    assert ypath is not None
+                    with mps_for(plan.sharing, rdir, log):
+                        run = _yardstick(ypath, mode, n, rdir, timeout_s)
+                run.round = rnd
+                row.runs.append(run)
+                _say(f"round {rnd + 1} {row.rung}: " + (f"p50 {run.p50_us} us, {run.verified}/{run.n} verified"
+                                                         if run.ok else f"FAILED: {run.error or 'not all verified'}"))
+    except KeyboardInterrupt:  # Ctrl-C: the rounds so far are written, exit 130
+        results.interrupted = "SIGINT"
+        _say("interrupted (SIGINT): the rounds so far are in the table")
     try:
         results.load_avg = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -342,6 +351,8 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
     print(table, flush=True)
     print(f"wrote {os.path.relpath(run_dir / 'ladder.json')} and {os.path.relpath(run_dir / 'ladder.md')}",
           flush=True)
+    if results.interrupted:
+        raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
     failed = [r.rung for r in rows if not r.ok]
     if failed:
         print(f"ladder: rungs FAILED (not every handoff verified, or no result): {', '.join(failed)}",
@@ -368,6 +379,9 @@ def markdown(results: LadderResults) -> str:
         verified = f"{sum(r.verified for r in row.runs)}/{sum(r.n for r in row.runs)}"
         if row.skipped:
             lines.append(f"| {row.rung} | {row.label} | - | {row.skipped} | | | | | 0 |")
+            continue
+        if not row.runs:
+            lines.append(f"| {row.rung} | {row.label} | - | not run (interrupted) | | | | | 0 |")
             continue
         if not row.ok:
             errs = "; ".join(sorted({r.error or "not all verified" for r in row.runs if not r.ok}))

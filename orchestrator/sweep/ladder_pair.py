@@ -12,8 +12,10 @@ this project's own pieces, each rung adding one component to the one below:
       with the pair's session keys (wire.encode_status, Session.sign) on a PUSH -> PULL data
       socket, parsed strictly (wire.parse); the verdict a sealed UpdateMsg (Session.seal)
   R2  + our seal: per request the room written and the keyed digest taken and its tag written
-      (RowDigest.seal, fill as workload.fill says: ahead = rooms only, inline = SGLang's set_buf
-      first), the decode checking room and tag of what landed and zeroing the last slot's room
+      (RowDigest.seal of rows filled ahead, as the run's loop does with workload.fill=ahead:
+      SGLang's bootstrap_room[slot, 0] = room and kv_checksum, one indexed write; the keyed tag
+      from the frozen sums), the decode checking room and tag of what landed and zeroing the
+      previous slot's room in the same read
   R3  + the readiness gate as configured: the decode reads through endpoints.judge.Rows
       (gate.read, zero_room_on_free) and judges with endpoints.judge.Judge (gate.readiness,
       gate.settle_ms), a held row read again until the gate lets it through
@@ -270,9 +272,8 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
     for slot in range(b.size):  # fill=ahead as the run's SourceRows.fill_ahead
         b.set_buf(pool.get(slot, slot))
     b.sync()
-    ahead = w.fill is FillMode.ahead
-    if ahead:
-        digest.freeze()
+    assert w.fill is FillMode.ahead, "the ladder fills ahead (ladder.ladder_config)"
+    digest.freeze()
     engine_orders_writes = bool(device_rows and side.transport == "mooncake-nvlink_intra"
                                 and torch.cuda.current_stream(b.device).cuda_stream == 0)
     conn.send(("info", {"nonce": nonce}))
@@ -344,9 +345,7 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             good = _verdict_ok(session, _recv(pair, spin), rid)
         elif rung <= 3:
             pad = keys.pad(0, rid)
-            if not ahead:
-                b.set_buf(pool.get(rid, k))
-            sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=ahead)
+            sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
             if not engine_orders_writes:
                 b.sync()
             tag = sealed.result()[0][0]
@@ -356,9 +355,7 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
         else:  # R4+: the step handed to the transfer thread, as the run's loop does
             assert router is not None and sender is not None and link is not None
             pad = keys.pad(0, rid)
-            if not ahead:
-                b.set_buf(pool.get(rid, k))
-            sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=ahead)
+            sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
             if not engine_orders_writes:
                 b.sync()
             transfers = [Transfer(rid, room, k, dst)]
