@@ -113,3 +113,23 @@ def test_full_run_rung_keeps_the_profile_overrides_only():
     assert got[:2] == ["experiment=deepseek_v3_mtp", "gate.settle_ms=0"]
     assert "workload.concurrency=1" in got and "workload.requests=300" in got
     assert not any(o.startswith(("bench.", "hydra.")) for o in got)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("rung", [0, 3, 5])
+def test_a_changed_byte_is_not_verified_and_fails_the_rung(tmp_path, rung):
+    """The ladder checks bytes, not only that a verdict came: one handoff's source row has a
+    byte changed after its seal (a hook of the ladder's own pair, not of the run), and the
+    rung counts it not verified and fails. R0: the raw loop; R3: through the readiness gate
+    (gate.settle_ms holds the torn-looking row, then it is judged); R5: with grants."""
+    from orchestrator.preflight.compose import load_profile
+    from orchestrator.profile.platform import detect
+    from orchestrator.profile.rules import check_profile
+    from orchestrator.sweep.ladder import _pair, ladder_config
+
+    cfg = ladder_config(load_profile(["bench.ladder_handoffs=6"]))
+    plan = check_profile(cfg, detect())
+    run = _pair(rung, cfg, plan, tmp_path, 300, corrupt=2)
+    assert run.error is not None and "not verified 1 " in run.error, run.error
+    assert run.n == 6 and run.verified == 5 and not run.ok, run

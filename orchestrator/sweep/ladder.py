@@ -157,7 +157,9 @@ def _stats(samples: list[float]) -> tuple[Optional[float], Optional[float], Opti
 
 
 # ---- R0-R5: the ladder's own pair ------------------------------------------------------------
-def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s: float) -> RungRun:
+def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s: float,
+          corrupt: Optional[int] = None) -> RungRun:
+    """Rung `rung` (0-5) on a fresh pair; `corrupt` (tests): ladder_pair.prefill_main's."""
     from orchestrator.sweep import ladder_pair
 
     ctx = mp.get_context("spawn")
@@ -167,7 +169,7 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
     dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, cfg, plan, str(rdir), secret, d_child),
                       name="ladder-decode", daemon=True)
     pre = ctx.Process(target=ladder_pair.prefill_main,
-                      args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child),
+                      args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child, corrupt),
                       name="ladder-prefill", daemon=True)
     deadline = time.monotonic() + timeout_s
 
@@ -210,8 +212,8 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
     n = res["n"]
     verified = min(res["verified"], n)
     err = None
-    if dres["bad"] or dres["verified"] < n:
-        err = f"decode verified {dres['verified']}, not verified {dres['bad']}"
+    if dres["bad"] or dres["verified"] != n + ladder_pair.WARM:  # the decode judged the untimed ones too
+        err = f"decode verified {dres['verified']}, not verified {dres['bad']} (with {ladder_pair.WARM} untimed)"
     return RungRun(0, n, verified, p50, lo, hi, round(time.monotonic() - t0, 1), err)
 
 

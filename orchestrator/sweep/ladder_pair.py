@@ -96,6 +96,13 @@ def _recv(sock: zmq.Socket, spin: bool, multipart: bool = False) -> Any:
             continue
 
 
+def _flip(b: MetadataBuffers, slot: int) -> None:
+    """One byte of a digested field's row changed (again: restored), landed before the write."""
+    field = next(f for f in range(len(b.item_lens)) if f not in (b.room_field, b.checksum_field))
+    b.flip_byte(slot, field)
+    b.sync()
+
+
 # ---- decode --------------------------------------------------------------------------------
 def decode_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes,
                 conn: Connection) -> None:
@@ -239,9 +246,12 @@ def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret
 
 # ---- prefill -------------------------------------------------------------------------------
 def prefill_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, n: int,
-                 conn: Connection) -> None:
+                 conn: Connection, corrupt: Optional[int] = None) -> None:
+    """`corrupt` (tests): the timed handoff of this index has one byte of its source row changed
+    after its seal and before its write (restored after its verdict): the decode must not
+    verify it."""
     try:
-        conn.send(("result", _prefill(rung, cfg, plan, run_dir, secret, n, conn)))
+        conn.send(("result", _prefill(rung, cfg, plan, run_dir, secret, n, conn, corrupt)))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(("error", f"prefill: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -256,7 +266,7 @@ def _verdict_ok(session: Session, raw: bytes, rid: int) -> bool:
 
 
 def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, n: int,
-             conn: Connection) -> dict[str, Any]:
+             conn: Connection, corrupt: Optional[int]) -> dict[str, Any]:
     side, b = _setup("prefill", cfg, plan, run_dir)
     engine = side.engine
     assert engine is not None, "the ladder runs on the engine route"
@@ -332,7 +342,10 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             got = src.alloc()
             assert got is not None, "one in flight: a source slot is always free"
             k = got
+        flip = corrupt is not None and i == WARM + corrupt
         t0 = pc()
+        if flip and rung <= 1:
+            _flip(b, k)
         if rung == 0:
             engine.batch_write(dst_session, *blocks[k])
             pair.send(RAW_STATUS.pack(k, frozen_rooms[k], tags[k]))
@@ -349,6 +362,8 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             if not engine_orders_writes:
                 b.sync()
             tag = sealed.result()[0][0]
+            if flip:
+                _flip(b, k)
             engine.batch_write(dst_session, *blocks[k])
             push.send_multipart(session.sign(wire.encode_status(room, KVPoll.Success, 0, rid, k, tag)), copy=False)
             good = _verdict_ok(session, _recv(pair, spin), rid)
@@ -358,6 +373,8 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
             if not engine_orders_writes:
                 b.sync()
+            if flip:
+                _flip(b, k)
             transfers = [Transfer(rid, room, k, dst)]
             step = ForwardStep([Req(rid, room, 0, 0.0, pad, dst, k)],
                                [(link, transfers, router.sends(transfers))], sealed=sealed)
@@ -377,6 +394,8 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             if rung >= 5:
                 src.free(k)
         t1 = pc()
+        if flip:
+            _flip(b, k)  # restored: the slot's later handoffs carry its sealed bytes again
         if i >= WARM:
             hand.append((t1 - t0) * 1e6)
             verified += good
