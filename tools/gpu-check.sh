@@ -2,8 +2,13 @@
 # The GPU results in BENCHMARKS.md, reproduced on an H200 machine, one GPU or two (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,yardstick,bench,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
+# STEPS: any of tests,yardstick,bench,ladder,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
+# (ladder: the cost ladder, `python -m orchestrator.bench phases=ladder` on experiment=deepseek_v3_mtp
+# (NVLink rows, endpoints.mps=auto: MPS where the pair shares a GPU), R0..R7 and the yardstick
+# (YARDSTICK_ROOM=1) interleaved over 5 rounds of bench.ladder_handoffs each; LADDER_HANDOFFS and
+# LADDER_ROUNDS override; ladder.md / ladder.json in OUTDIR's tarball; the CPU twin is the same
+# command without the experiment)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
 # with, run in the same call just before and just after the bench, plain and with
 # YARDSTICK_ROOM=1 (SGLang's room write and check), each without CUDA MPS and under a daemon of
@@ -114,6 +119,15 @@ if want bench; then
   cp "$out/bench/bench.md" "$out/bench.md" 2>/dev/null; cp "$out/bench/bench.json" "$out/bench.json" 2>/dev/null
   cat "$out/bench.md" 2>/dev/null || tail -30 "$out/bench.log"
   want yardstick && run_yardstick "after" && ours_over_yardstick
+fi
+if want ladder; then
+  echo "== the cost ladder: R0..R7 and the yardstick (YARDSTICK_ROOM=1), interleaved rounds, experiment=deepseek_v3_mtp"
+  YARDSTICK_ROOM=1 timeout "${LADDER_TIMEOUT:-540}" python3 -m orchestrator.bench phases=ladder experiment=deepseek_v3_mtp \
+    bench.ladder_rounds="${LADDER_ROUNDS:-5}" bench.ladder_handoffs="${LADDER_HANDOFFS:-2000}" bench.yardstick="$yardstick" \
+    hydra.run.dir="$out/ladder" > "$out/ladder.log" 2>&1
+  echo "(exit $?)"
+  cp "$out/ladder/ladder.md" "$out/ladder.md" 2>/dev/null; cp "$out/ladder/ladder.json" "$out/ladder.json" 2>/dev/null
+  cat "$out/ladder.md" 2>/dev/null || tail -30 "$out/ladder.log"
 fi
 if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"

@@ -187,6 +187,16 @@ class PollMode(Enum):
         return cores >= SPIN_MIN_CORES
 
 
+class BenchPhases(Enum):
+    """bench.phases: what `python -m orchestrator.bench` measures. routes = every aux route
+    side by side (bench.md); ladder = the cost ladder on the profile's engine route: the
+    careful loop climbing to the full run, one component per rung (orchestrator.sweep.ladder,
+    ladder.md). `phases=ladder` on the bench's command line is short for bench.phases=ladder."""
+
+    routes = "routes"
+    ladder = "ladder"
+
+
 class MpsMode(Enum):
     """endpoints.mps: CUDA MPS for the run's processes that share a GPU (auto | on | off)."""
 
@@ -716,9 +726,20 @@ class BenchConfig:
     """one-block bandwidth point per engine path (0 = skip)"""
     bulk_reps: int = 20
     """repetitions of each bulk_mib point"""
+    phases: BenchPhases = BenchPhases.routes
+    """routes | ladder (see BenchPhases)"""
+    ladder_handoffs: int = 2000
+    """phases=ladder: timed handoffs per rung and round (one in flight; 50 untimed first)"""
+    ladder_rounds: int = 5
+    """phases=ladder: rounds, each running every rung once (R0..R7, the yardstick), interleaved"""
+    yardstick: Optional[str] = None
+    """phases=ladder: the reference loop handoff_yardstick.py, run in every round as the row
+    `yardstick`. null: ../shared/tools/handoff_yardstick.py, else .whl/handoff_yardstick.py
+    (from the working directory); none found: the row says so. "off": no yardstick row."""
 
     def check(self) -> None:
-        for key in ("iters", "handoffs", "requests", "batch_size", "bulk_reps"):
+        for key in ("iters", "handoffs", "requests", "batch_size", "bulk_reps", "ladder_handoffs",
+                    "ladder_rounds"):
             _positive(f"bench.{key}", getattr(self, key))
         _require(self.bulk_mib >= 0, "bench.bulk_mib", self.bulk_mib, "0 (skip) or MiB > 0")
 

@@ -46,6 +46,7 @@ from orchestrator.handoff.transport.router import Send, Transfer
 from orchestrator.profile.config import (
     CONF_DIR,
     BenchConfig,
+    BenchPhases,
     ConfigError,
     EngineTransportSetting,
     FillMode,
@@ -632,7 +633,17 @@ def _bench(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    run_bench(obj, Path(HydraConfig.get().runtime.output_dir))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if obj.bench.phases is BenchPhases.ladder:  # the cost ladder (orchestrator.sweep.ladder)
+        from orchestrator.sweep.ladder import run_ladder
+
+        try:
+            run_ladder(obj, run_dir, list(HydraConfig.get().overrides.task))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        return
+    run_bench(obj, run_dir)
 
 
 def main() -> None:
@@ -640,6 +651,8 @@ def main() -> None:
     `error:` line, exit 2, no run dir), then Hydra runs the bench."""
     from orchestrator.preflight.compose import hydra_command
 
+    # `phases=X` is short for bench.phases=X (phases=ladder: the cost ladder)
+    sys.argv[1:] = [f"bench.{a}" if a.startswith("phases=") else a for a in sys.argv[1:]]
     hydra_command(_bench, sys.argv[1:], started=lambda: bool(_STARTED))
 
 

@@ -1,0 +1,411 @@
+"""`python -m orchestrator.bench phases=ladder`: the cost ladder, from the careful loop to the
+full run, one component per rung, on one prefill/decode pair, one handoff in flight.
+
+Every rung is a fresh pair of processes on the profile's engine route (real Mooncake engine,
+real ZMQ sockets), moving bench.ladder_handoffs rows filled ahead (after 50 untimed), each
+handoff verified (a rung with any handoff not verified is FAILED). Rungs:
+
+  R0..R5  the ladder's own pair (orchestrator.sweep.ladder_pair, whose docstring says what
+          each rung holds): the yardstick's loop from our pieces, + authenticated frames,
+          + our seal, + the readiness gate, + the transfer thread, + slot grants
+  R6      the bench's own harness: its `handoff 1-in-flight` phase (orchestrator.sweep.bench,
+          BenchDriver) between the real endpoints: everything of R5 inside the run's
+          PrefillLoop and decode loop (Links, heartbeats, the decode's step), plus records
+          (requests.jsonl), decisions (structlog) and progress. The run's loop writes its
+          records and decisions unconditionally: they cannot be taken out of it without a
+          benchmark branch on the hot path, so R5 -> R6 holds both the loop's own machinery
+          and the records
+  R7      the full `python -m orchestrator` run of the same profile and overrides (one in
+          flight, fill=ahead, ladder_handoffs requests), its results.json handoff p50
+  yardstick  ../shared/tools/handoff_yardstick.py (bench.yardstick) in the same call
+
+Rounds (bench.ladder_rounds) run every rung once each, interleaved (R0..R7, yardstick, then
+again). Per rung: the median over rounds of each round's p50, its increment over the rung
+below, and the min and max of the p50s across rounds. Latency: R0-R5 and the yardstick, row
+ready -> verdict received on the prefill; R6 and R7, forward step done -> verdict on the
+decode (the run's `handoff`, one way on the shared monotonic clock): R6/R7 lack the
+verdict's trip back, so their increment is if anything understated.
+
+Device rows share a GPU: R0-R5 and the yardstick run under CUDA MPS where the profile's
+endpoints.mps decides so (one daemon of the ladder's own per rung, orchestrator.handoff.mps);
+R6 and R7 start theirs as every run does.
+Output: the table on the console, ladder.md and ladder.json in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from orchestrator.handoff.lifecycle import spawn
+from orchestrator.handoff.mps import mps_for
+from orchestrator.handoff.runner import run_handoffs
+from orchestrator.profile.config import (
+    BenchPhases,
+    ConfigError,
+    FillMode,
+    OrchestratorConfig,
+    validate,
+)
+from orchestrator.profile.plan import Device, Plan, Route
+from orchestrator.profile.platform import detect
+from orchestrator.profile.rules import check_profile
+from orchestrator.results.logs import configure
+from orchestrator.results.schema import EXIT_SIGNAL
+from orchestrator.results.stats import percentile
+
+RUNGS: list[tuple[str, str]] = [
+    ("R0", "yardstick loop, our pieces: engine batch write, 24 B status on PAIR, device digest, verdict"),
+    ("R1", "+ authenticated frames: MAC'd status (PUSH->PULL, wire.parse), sealed UpdateMsg verdict"),
+    ("R2", "+ our seal per request: room written, keyed digest and tag (RowDigest.seal), room zeroed"),
+    ("R3", "+ readiness gate as configured (judge.Rows/Judge: gate.read, settle_ms, zero on free)"),
+    ("R4", "+ transfer thread: Sender and AuxRouter start/finish/after_send"),
+    ("R5", "+ slot grants: sealed arrive -> grant on DEALER/ROUTER, SlotAllocators, Grant table"),
+    ("R6", "bench harness 'handoff 1-in-flight': real endpoints (loop, Links) + records, decisions, progress"),
+    ("R7", "full `python -m orchestrator` run, same profile (results.json handoff p50)"),
+]
+YARDSTICK = "yardstick"
+DEFAULT_YARDSTICKS = ("../shared/tools/handoff_yardstick.py", ".whl/handoff_yardstick.py")
+_RESULT = re.compile(r"RESULT .*?, (\d+) verified: p50 ([\d.]+) us p99 ([\d.]+) us")
+
+
+@dataclass
+class RungRun:
+    """One rung in one round."""
+
+    round: int
+    n: int = 0
+    verified: int = 0
+    p50_us: Optional[float] = None
+    min_us: Optional[float] = None
+    max_us: Optional[float] = None
+    wall_s: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.n > 0 and self.verified == self.n
+
+
+@dataclass
+class RungRow:
+    rung: str
+    label: str
+    runs: list[RungRun] = field(default_factory=list)
+    skipped: Optional[str] = None  # the yardstick not found: why there is no number
+
+    @property
+    def p50s(self) -> list[float]:
+        return [r.p50_us for r in self.runs if r.ok and r.p50_us is not None]
+
+    @property
+    def ok(self) -> bool:
+        return self.skipped is not None or (bool(self.runs) and all(r.ok for r in self.runs))
+
+    @property
+    def median_us(self) -> Optional[float]:
+        p = self.p50s
+        return round(statistics.median(p), 1) if p else None
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.p50s
+        return {"rung": self.rung, "label": self.label, "ok": self.ok, "skipped": self.skipped,
+                "median_p50_us": self.median_us, "min_p50_us": min(p) if p else None,
+                "max_p50_us": max(p) if p else None,
+                "verified": sum(r.verified for r in self.runs), "handoffs": sum(r.n for r in self.runs),
+                "runs": [asdict(r) for r in self.runs]}
+
+
+@dataclass
+class LadderResults:
+    profile: dict
+    handoffs: int
+    rounds: int
+    rows: list[RungRow]
+    load_avg: list[float] = field(default_factory=list)
+    interrupted: Optional[str] = None  # "SIGINT": the rounds not run are left out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"profile": self.profile, "handoffs": self.handoffs, "rounds": self.rounds,
+                "load_avg_1_5_15": self.load_avg, "rows": [r.to_json() for r in self.rows],
+                **({"interrupted": self.interrupted} if self.interrupted else {})}
+
+
+def ladder_config(cfg: OrchestratorConfig) -> OrchestratorConfig:
+    """The profile as every rung runs it: one in flight, rows filled ahead, ladder_handoffs
+    requests."""
+    b = cfg.bench
+    w = replace(cfg.workload, concurrency=1, batch_size=1, fill=FillMode.ahead, rate=None,
+                requests=b.ladder_handoffs, duration_s=None)
+    return validate(replace(cfg, workload=w))
+
+
+def _stats(samples: list[float]) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    if not samples:
+        return None, None, None
+    return percentile(samples, 50), round(min(samples), 2), round(max(samples), 2)
+
+
+# ---- R0-R5: the ladder's own pair ------------------------------------------------------------
+def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s: float,
+          corrupt: Optional[int] = None) -> RungRun:
+    """Rung `rung` (0-5) on a fresh pair; `corrupt` (tests): ladder_pair.prefill_main's."""
+    from orchestrator.sweep import ladder_pair
+
+    ctx = mp.get_context("spawn")
+    secret = secrets.token_bytes(32)
+    d_conn, d_child = ctx.Pipe()
+    p_conn, p_child = ctx.Pipe()
+    dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, cfg, plan, str(rdir), secret, d_child),
+                      name="ladder-decode", daemon=True)
+    pre = ctx.Process(target=ladder_pair.prefill_main,
+                      args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child, corrupt),
+                      name="ladder-prefill", daemon=True)
+    deadline = time.monotonic() + timeout_s
+
+    def get(conn: Any, want: str) -> Any:
+        while not conn.poll(0.1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {want} within {timeout_s:.0f} s")
+            if not (dec.is_alive() and pre.is_alive()) and not conn.poll(0):
+                raise RuntimeError(f"a process ended before its {want} (exit codes "
+                                   f"decode {dec.exitcode}, prefill {pre.exitcode}; logs in {rdir})")
+        kind, value = conn.recv()
+        if kind == "error":
+            raise RuntimeError(value.splitlines()[0] + f" (traceback: see {rdir})")
+        if kind != want:
+            raise RuntimeError(f"expected {want}, got {kind}")
+        return value
+
+    t0 = time.monotonic()
+    try:
+        spawn(dec)
+        spawn(pre)
+        d_info = get(d_conn, "info")
+        p_info = get(p_conn, "info")
+        p_conn.send(d_info)
+        d_conn.send(p_info)
+        get(d_conn, "ready")
+        p_conn.send("go")
+        res = get(p_conn, "result")
+        dres = get(d_conn, "result")
+    except (RuntimeError, TimeoutError, EOFError, OSError) as exc:
+        (rdir / "error.txt").write_text(str(exc) + "\n")
+        return RungRun(0, error=str(exc).splitlines()[0])
+    finally:
+        for p in (pre, dec):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    p50, lo, hi = _stats(res["handoff_us"])
+    n = res["n"]
+    verified = min(res["verified"], n)
+    err = None
+    if dres["bad"] or dres["verified"] != n + ladder_pair.WARM:  # the decode judged the untimed ones too
+        err = f"decode verified {dres['verified']}, not verified {dres['bad']} (with {ladder_pair.WARM} untimed)"
+    return RungRun(0, n, verified, p50, lo, hi, round(time.monotonic() - t0, 1), err)
+
+
+# ---- R6: the bench's harness -----------------------------------------------------------------
+def _bench_rung(cfg: OrchestratorConfig, plan: Plan, rdir: Path) -> RungRun:
+    from orchestrator.sweep.bench import BenchDriver
+
+    phase = "handoff 1-in-flight"
+    n = cfg.bench.ladder_handoffs
+    t0 = time.monotonic()
+    driver = BenchDriver("R6", n, 1, 1, 1, False, 0, (phase,))
+    out = run_handoffs(cfg, plan, rdir, driver=driver)
+    if out.interrupted:  # Ctrl-C reached the runner first: end the ladder as the bench does
+        raise KeyboardInterrupt
+    res = next(iter(out.paths.values()), None)
+    if res is None or phase not in res.phases:
+        err = out.error or "; ".join(f"{k}: {v}" for k, v in out.lost.items()) or "no result"
+        return RungRun(0, error=str(err).splitlines()[0] if err else "no result")
+    ph = res.phases[phase]
+    return RungRun(0, ph.requests, ph.verified, ph.handoff_us.p50, None, ph.handoff_us.max,
+                   round(time.monotonic() - t0, 1), None if ph.verified == ph.requests else
+                   f"{ph.requests - ph.verified} not verified")
+
+
+# ---- R7: the full run ------------------------------------------------------------------------
+def run_overrides(overrides: list[str], n: int) -> list[str]:
+    """The user's overrides minus the bench's own and Hydra's, plus one in flight."""
+    keep = [o for o in overrides if not re.match(r"^[+~]*(bench\.|phases=|hydra\.)", o)]
+    return keep + ["workload.concurrency=1", "workload.batch_size=1", "workload.fill=ahead",
+                   "workload.rate=null", "workload.duration_s=null", f"workload.requests={n}"]
+
+
+def _full_run(overrides: list[str], n: int, rdir: Path, timeout_s: float) -> RungRun:
+    cmd = [sys.executable, "-m", "orchestrator", *run_overrides(overrides, n), f"hydra.run.dir={rdir}"]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return RungRun(0, error=f"did not end within {timeout_s:.0f} s")
+    (rdir / "console.txt").write_text(p.stdout + p.stderr)
+    try:
+        r = json.loads((rdir / "results.json").read_text())
+    except (OSError, ValueError):
+        tail = (p.stderr or p.stdout).strip().splitlines()
+        return RungRun(0, error=f"exit {p.returncode}: {tail[-1] if tail else 'no results.json'}")
+    h = (r.get("latency_us") or {}).get("handoff") or {}
+    err = None if p.returncode == 0 else f"exit {p.returncode}"
+    return RungRun(0, int(r.get("requests") or 0), int(r.get("verified") or 0), h.get("p50"), None, h.get("max"),
+                   round(time.monotonic() - t0, 1), err)
+
+
+# ---- the yardstick ---------------------------------------------------------------------------
+def find_yardstick(setting: Optional[str]) -> Optional[Path]:
+    for cand in ([setting] if setting else DEFAULT_YARDSTICKS):
+        if cand and Path(cand).is_file():
+            return Path(cand).resolve()
+    return None
+
+
+def _yardstick(path: Path, mode: str, n: int, rdir: Path, timeout_s: float) -> RungRun:
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, path.name, mode, str(n)], cwd=path.parent, capture_output=True,
+                           text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return RungRun(0, error=f"did not end within {timeout_s:.0f} s")
+    text = p.stdout + p.stderr
+    (rdir / "yardstick.txt").write_text(text)
+    m = _RESULT.search(text)
+    if m is None:
+        tail = text.strip().splitlines()
+        return RungRun(0, error=f"exit {p.returncode}: {tail[-1] if tail else 'no RESULT line'}")
+    mismatches = re.search(r"decode: (\d+) digest mismatches", text)
+    bad = int(mismatches.group(1)) if mismatches else 0
+    n_done = int(m.group(1))
+    return RungRun(0, n_done, n_done - bad, float(m.group(2)), None, None, round(time.monotonic() - t0, 1),
+                   None if bad == 0 else f"{bad} digest mismatches")
+
+
+# ---- the ladder ------------------------------------------------------------------------------
+def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> LadderResults:
+    log = configure(run_dir, "ladder", keep_root_handlers=True)
+    platform = detect()
+    lcfg = ladder_config(cfg)
+    plan = check_profile(lcfg, platform)
+    if plan.route is not Route.engine:
+        raise ConfigError("transport.route", lcfg.transport.route.value,
+                          "the engine route for bench.phases=ladder (its rungs are Mooncake writes)")
+    b = cfg.bench
+    n = b.ladder_handoffs
+    timeout_s = 120.0 + n * 0.05  # a loaded box's start-up plus a slow handoff each
+    ypath = None if b.yardstick == "off" else find_yardstick(b.yardstick)
+    rows = [RungRow(r, label) for r, label in RUNGS]
+    yrow = None
+    if b.yardstick != "off":
+        yrow = RungRow(YARDSTICK, f"{b.yardstick or DEFAULT_YARDSTICKS[0]} "
+                       f"{'gpu' if plan.buffer_device is Device.cuda else 'cpu'} {n}"
+                       + (" YARDSTICK_ROOM=1" if os.environ.get("YARDSTICK_ROOM") else ""))
+        if ypath is None:
+            yrow.skipped = f"not found: {b.yardstick or ' nor '.join(DEFAULT_YARDSTICKS)}"
+        rows.append(yrow)
+    results = LadderResults(plan.as_dict(), n, b.ladder_rounds, rows)
+    mode = "gpu" if plan.buffer_device is Device.cuda else "cpu"
+    try:
+        for rnd in range(b.ladder_rounds):
+            for k, row in enumerate(rows):
+                if row.skipped:
+                    continue
+                rdir = run_dir / f"round{rnd}" / row.rung
+                rdir.mkdir(parents=True, exist_ok=True)
+                _say(f"round {rnd + 1}/{b.ladder_rounds} {row.rung}: {row.label}")
+                if k <= 5:
+                    with mps_for(plan.sharing, rdir, log):
+                        run = _pair(k, lcfg, plan, rdir, timeout_s)
+                elif row.rung == "R6":
+                    run = _bench_rung(lcfg, plan, rdir)
+                elif row.rung == "R7":
+                    run = _full_run(overrides, n, rdir, timeout_s)
+                else:
+                    assert ypath is not None
+                    with mps_for(plan.sharing, rdir, log):
+                        run = _yardstick(ypath, mode, n, rdir, timeout_s)
+                run.round = rnd
+                row.runs.append(run)
+                _say(f"round {rnd + 1} {row.rung}: " + (f"p50 {run.p50_us} us, {run.verified}/{run.n} verified"
+                                                         if run.ok else f"FAILED: {run.error or 'not all verified'}"))
+    except KeyboardInterrupt:  # Ctrl-C: the rounds so far are written, exit 130
+        results.interrupted = "SIGINT"
+        _say("interrupted (SIGINT): the rounds so far are in the table")
+    try:
+        results.load_avg = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    (run_dir / "ladder.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
+    table = markdown(results)
+    (run_dir / "ladder.md").write_text(table + "\n")
+    print(table, flush=True)
+    print(f"wrote {os.path.relpath(run_dir / 'ladder.json')} and {os.path.relpath(run_dir / 'ladder.md')}",
+          flush=True)
+    if results.interrupted:
+        raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
+    failed = [r.rung for r in rows if not r.ok]
+    if failed:
+        print(f"ladder: rungs FAILED (not every handoff verified, or no result): {', '.join(failed)}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    return results
+
+
+def _say(what: str) -> None:
+    print(f"ladder: {what}", file=sys.stderr, flush=True)
+
+
+HEADER = ("| rung | contains | verified | p50 us (median of rounds) | + over rung below | % of R0 "
+          "| min p50 | max p50 | rounds |")
+
+
+def markdown(results: LadderResults) -> str:
+    rows = results.rows
+    r0 = rows[0].median_us if rows else None
+    lines = [HEADER, "|---|---|---|---|---|---|---|---|---|"]
+    below: Optional[float] = None
+    for row in rows:
+        p, med = row.p50s, row.median_us
+        verified = f"{sum(r.verified for r in row.runs)}/{sum(r.n for r in row.runs)}"
+        if row.skipped:
+            lines.append(f"| {row.rung} | {row.label} | - | {row.skipped} | | | | | 0 |")
+            continue
+        if not row.runs:
+            lines.append(f"| {row.rung} | {row.label} | - | not run (interrupted) | | | | | 0 |")
+            continue
+        if not row.ok:
+            errs = "; ".join(sorted({r.error or "not all verified" for r in row.runs if not r.ok}))
+            lines.append(f"| {row.rung} | {row.label} | {verified} | FAILED: {errs} | | | | | {len(row.runs)} |")
+            if row.rung != YARDSTICK:
+                below = None
+            continue
+        inc = "-" if row.rung == YARDSTICK or below is None or med is None else f"{med - below:+.1f}"
+        pct = f"{100 * med / r0:.0f}%" if med is not None and r0 else "-"
+        lines.append(f"| {row.rung} | {row.label} | {verified} | {med} | {inc} | {pct} | {min(p)} | {max(p)} "
+                     f"| {len(row.runs)} |")
+        if row.rung != YARDSTICK:
+            below = med
+    prof = results.profile
+    lines += ["", f"{results.handoffs} handoffs per rung and round, one in flight, rows filled ahead; "
+              f"{results.rounds} rounds, interleaved; rows on {prof.get('buffer_device')}, "
+              f"{prof.get('declared_transport') or prof.get('engine_transport')}; load average "
+              f"{results.load_avg}.",
+              "R0-R5 and the yardstick: row ready -> verdict received on the prefill; R6 and R7: the run's "
+              "handoff (row ready -> verdict on the decode)."]
+    return "\n".join(lines)
+
+
+def wants_ladder(cfg: OrchestratorConfig) -> bool:
+    return cfg.bench.phases is BenchPhases.ladder
