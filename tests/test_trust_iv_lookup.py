@@ -299,6 +299,22 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
 
 
 # ---- an over-long field is named as that, by both sides ---------------------------------------
+def test_an_over_long_string_is_told_apart_from_a_malformed_message():
+    """wire.decode names a string over its field's limit (TooLong: the field's path, its
+    length, the limit); any other fault stays a plain WireError."""
+    versions = {"orchestrator": "7" * 300}
+    with pytest.raises(wire.WireError) as long:
+        wire.decode(wire.encode("lookup", rank=0, prefill_ranks=1, versions=versions))
+    assert type(long.value).__name__ == "TooLong"
+    assert str(long.value) == "lookup field 'versions.orchestrator' is 300 chars, over 256"
+    with pytest.raises(wire.WireError) as long:
+        wire.decode(wire.encode("error", detail="x" * 5000))
+    assert str(long.value) == "error field 'detail' is 5000 chars, over 4096"
+    with pytest.raises(wire.WireError) as bad:
+        wire.decode(wire.encode("lookup", rank=-1, prefill_ranks=1, versions={"orchestrator": "1"}))
+    assert type(bad.value) is wire.WireError
+
+
 def test_an_over_long_version_is_named_as_over_long_on_both_sides_not_the_secret(tmp_path):
     """A prefill side whose version string is 300 chars (the wire's limit is 256). At 3a078eb
     its lookup was counted as "not an authentic lookup" and never answered: the prefill side
@@ -326,6 +342,15 @@ def test_an_over_long_version_is_named_as_over_long_on_both_sides_not_the_secret
 
 
 # ---- peer strings on the console ---------------------------------------------------------------
+def test_the_console_helper_escapes_what_a_terminal_acts_on():
+    from orchestrator.results import escape
+
+    assert escape.printable("a\x1b[2Jb\r\nfake: verified 200\x07\u2028\u202e é") == \
+        "a\\x1b[2Jb\\r\\nfake: verified 200\\x07\\u2028\\u202e é"
+    line = "requests 20: verified 20, corrupted 0, failed 0   routes: engine=20"
+    assert escape.printable(line) is line  # this tool's own lines stay as they are
+
+
 def test_peer_strings_reach_the_console_escaped(tmp_path):
     """The prefill side's SGLANG_HOST_IP carries CR/LF and ESC (a forged summary line and a
     terminal sequence), both sides' version strings ESC sequences. At 3a078eb the peer's
@@ -337,9 +362,9 @@ def test_peer_strings_reach_the_console_escaped(tmp_path):
     decode = _popen("role=decode", f"transport.bootstrap_port={port}", "endpoints.startup_timeout_s=300",
                     f"hydra.run.dir={tmp_path / 'd'}",
                     env={**ENV, "ORCHESTRATOR_TEST_VERSIONS": "orchestrator=7.7\x1b[31mred"})
+    hostile = {**ENV, "SGLANG_HOST_IP": forged, "ORCHESTRATOR_TEST_VERSIONS": "orchestrator=6.6\x1b]0;t\x07"}
     prefill = _popen("role=prefill", f"peer=127.0.0.1:{port}", f"workload.requests={REQUESTS}",
-                     f"hydra.run.dir={tmp_path / 'p'}",
-                     env={**ENV, "SGLANG_HOST_IP": forged, "ORCHESTRATOR_TEST_VERSIONS": "orchestrator=6.6\x1b]0;t\x07"})
+                     f"hydra.run.dir={tmp_path / 'p'}", env=hostile)
     p_out, p_err = prefill.communicate(timeout=300)
     d_out, d_err = decode.communicate(timeout=120)
     assert prefill.returncode == 0 and decode.returncode == 0, (p_out, p_err, d_out, d_err)
