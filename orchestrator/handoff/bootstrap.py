@@ -45,7 +45,7 @@ from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import proc_name
 
 _clock = time.monotonic
-_wall_ms = time.time_ns  # (ns) the lookup's sent_ms: the two hosts' wall clocks, not monotonic
+_wall_ns = time.time_ns  # the lookup's sent_ms: the two hosts' wall clocks, not monotonic
 MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
 REFUSAL_LINGER_MS = 500  # how long a decode side that refused lets its refusals leave
 LOOKUP_WINDOW_S = 120  # a lookup sent further than this from the decode side's clock: refused
@@ -238,10 +238,10 @@ class _Bootstrap:
                 self.stale += 1
                 self._reject(STALE)
             return None
-        if msg.sent_ms is None or abs(_wall_ms() // 1_000_000 - msg.sent_ms) > LOOKUP_WINDOW_S * 1000:
+        apart_ms = None if msg.sent_ms is None else abs(_wall_ns() // 1_000_000 - msg.sent_ms)
+        if apart_ms is None or apart_ms > LOOKUP_WINDOW_S * 1000:
             self.stale += 1
-            apart = ("no time" if msg.sent_ms is None else
-                     f"{abs(_wall_ms() // 1_000_000 - msg.sent_ms) / 1000:.0f} s from this side's clock")
+            apart = "no time" if apart_ms is None else f"{apart_ms / 1000:.0f} s from this side's clock"
             late = (f"the lookup was sent {apart}, outside the {LOOKUP_WINDOW_S} s lookup window "
                     "(a replay, or the two hosts' clocks apart: sync them)")
             self._send(frames[0], wire.ErrorMsg(detail=late, answer_to=msg.nonce))
@@ -379,7 +379,7 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             try:
                 sock.send(auth.seal(wire.encode(wire.LookupMsg(
                     rank=0, prefill_ranks=e.prefill_ranks, **check.fields(), nonce=nonce,
-                    challenge=challenge, sent_ms=_wall_ms() // 1_000_000))), zmq.NOBLOCK)
+                    challenge=challenge, sent_ms=_wall_ns() // 1_000_000))), zmq.NOBLOCK)
             except zmq.Again:  # not connected yet, and an ask already waits
                 pass
             frame = sock.recv() if sock.poll(1000) else None
