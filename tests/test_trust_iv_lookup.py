@@ -298,6 +298,56 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
     assert not failed, failed
 
 
+def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
+    """The other direction: whoever the prefill side was pointed at answers each of its
+    lookups with a sealed endpoints answer recorded from another run (without a nonce, as at
+    3a078eb, or echoing that run's), advertising 192.0.2.2:39679. At 3a078eb the prefill side
+    took the first (and probed 192.0.2.2). Now it takes none of them, judges none (the address
+    in them is never probed), and ends at its window saying how many answers were another
+    run's. The peer is a ROUTER in a thread here, over real sockets."""
+    from orchestrator.handoff.bootstrap import lookup
+    from orchestrator.handoff.lifecycle import RunFailed, Signals
+
+    secret = SECRET.encode()
+    auth = Authenticator(secret)
+    dead = {"address": "192.0.2.2", "step": "SGLANG_HOST_IP", "interface": "", "port": 39679,
+            "fix": "SGLANG_HOST_IP=127.0.0.1", "error": ""}
+    infos = [[{"control_endpoint": "tcp://127.0.0.1:1", "data_endpoint": "tcp://127.0.0.1:2",
+               "transport": "tcp", "session_id": None}]]
+    recorded = [auth.seal(wire.encode("decodes", infos=infos, prefill_ranks=1, advertised=dead, **to))
+                for to in ({}, {"answer_to": new_nonce()})]  # as 3a078eb answered, and as now
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    asks: list[bytes] = []
+    stop = threading.Event()
+
+    def peer() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                ident, frame = router.recv_multipart()
+                asks.append(frame)
+                router.send_multipart([ident, recorded[len(asks) % 2 - 1]])
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    cfg = typed_cfg("endpoints.startup_timeout_s=4", "transport.address_check=warn")
+    try:
+        with Signals() as signals, pytest.raises(RunFailed) as failed:
+            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", secret, signals)
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(0)
+        ctx.term()
+    assert len(asks) >= 2 and str(failed.value).startswith(f"no decode side answered at 127.0.0.1:{port} within "
+                                                 "endpoints.startup_timeout_s=4"), failed.value
+    assert "authentic answers were to another run's lookup" in str(failed.value)
+    assert "192.0.2.2" not in str(failed.value)
+
+
 # ---- an over-long field is named as that, by both sides ---------------------------------------
 def test_an_over_long_string_is_told_apart_from_a_malformed_message():
     """wire.decode names a string over its field's limit (TooLong: the field's path, its
