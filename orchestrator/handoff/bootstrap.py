@@ -7,6 +7,21 @@ never changes a run's fate: the decode side counts it, answers a lookup-shaped o
 sealed refusal, and serves on; the prefill side concludes "different secrets"
 (`secret_mismatch`) only after MAC_FAILURES answers in a row that fail the MAC from the peer
 it named (peer= or transport.bootstrap_file), not at endpoints.startup_timeout_s.
+
+Fresh lookups (issue 36). A MAC proves the secret, not the moment: a lookup recorded in one
+run (by whoever can write a shared bootstrap dir and point a prefill at itself) opened in
+every later run with the same secret, and its peer fields (the prefill's advertised address)
+were judged as the real prefill's. Now the prefill side draws a nonce per run and the decode
+side a challenge per run; a lookup without the current challenge is answered with it
+(`challenge`), and only a lookup that carries it, sent within LOOKUP_WINDOW_S of this side's
+clock, is judged and answered. The MAC covers the nonce, the challenge and the time. A
+lookup for another challenge (a replay), an old-format one (no nonce) and one outside the
+window are refused, counted and logged, never fatal, and never judged: the address verdict
+belongs to the prefill side that answered this run's challenge, per nonce. Every answer
+echoes the lookup's nonce (answer_to): the prefill side takes a challenge or endpoints only
+when they answer its own nonce (a recorded answer is ignored and counted as stale). An
+authentic message with a string over its limit is refused as that (wire.TooLong: the field,
+its length and the limit), to the sender too; it never counts as a MAC failure.
 """
 
 from __future__ import annotations
@@ -30,8 +45,14 @@ from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import proc_name
 
 _clock = time.monotonic
+_wall_ns = time.time_ns  # the lookup's sent_ms: the two hosts' wall clocks, not monotonic
 MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
 REFUSAL_LINGER_MS = 500  # how long a decode side that refused lets its refusals leave
+LOOKUP_WINDOW_S = 120  # a lookup sent further than this from the decode side's clock: refused
+MAX_JUDGED = 16  # prefill sides (nonces that answered the challenge) judged per decode run
+STALE = "a lookup for another run's challenge (recorded earlier: a replay)"
+OLD_FORMAT = ("a lookup without a nonce (a prefill side before fresh lookups, or a replay of "
+              "one): run the same orchestrator version on both sides")
 
 
 class DecodeProc(Protocol):
@@ -82,21 +103,25 @@ class _Bootstrap:
 
     def __init__(self, t: TransportConfig, e: EndpointsConfig, layout: str, secret: bytes, infos: Infos,
                  decodes: Sequence[DecodeProc], out: RunResult, log: structlog.stdlib.BoundLogger):
-        from orchestrator.handoff.transport.auth import Authenticator
+        from orchestrator.handoff.transport.auth import Authenticator, new_nonce
 
         self.transport, self.endpoints, self.out, self.log, self.decodes = t, e, out, log, decodes
         self.auth = Authenticator(secret)
         self.want = e.prefill_ranks
         self.check = PeerCheck(t, layout, "decode", secret, log)
-        self.judged: Optional[tuple[Optional[str], float]] = None  # the peer checks' verdict, and when
+        self.challenge = new_nonce()  # this run's: a lookup must carry it to be judged
+        # the peer checks' verdict per prefill side (its lookup nonce), and when
+        self.judged: dict[str, tuple[Optional[str], float]] = {}
         self.refusals = 0
-        self.reply = wire.encode(wire.DecodesMsg(infos=[[_public(i) for i in inst] for inst in infos],
-                                                 prefill_ranks=self.want, **self.check.fields()))
+        self.infos = [[_public(i) for i in inst] for inst in infos]
         self.leaders = [d for d in decodes if d.tp_rank == 0]
         self.byes: dict[int, set[int]] = {}
         self.answered = False
         self.rejected, self.quiet_until = 0, 0.0
         self.mac_failed = 0  # lookup-shaped frames whose MAC did not match (counted, refused)
+        self.stale = 0  # authentic lookups refused as not fresh (replays, old format, clock)
+        self.too_long: Optional[str] = None  # an authentic lookup's over-long field, as said
+        self.quiet: dict[str, float] = {}  # rate limit of bootstrap_rejected, per reason
         self.record: Optional[str] = None
 
     def serve(self, signals: Signals) -> None:
@@ -112,10 +137,12 @@ class _Bootstrap:
             deadline = _clock() + wait_s
             while not signals.caught:
                 if not self.answered and _clock() > deadline:
+                    hint = (f": refused its lookups: {self.too_long}" if self.too_long else
+                            f" (started with role=prefill peer={self.out.bootstrap} and the same "
+                            "transport.secret_env?)")
                     raise RunFailed(f"no prefill side looked up {self.out.bootstrap} within "
-                                    f"endpoints.startup_timeout_s={wait_s:g} (started with role=prefill "
-                                    f"peer={self.out.bootstrap} and the same transport.secret_env?)"
-                                    + self._mac_note())
+                                    f"endpoints.startup_timeout_s={wait_s:g}{hint}"
+                                    + self._mac_note() + self._stale_note())
                 if self.sock.poll(20):
                     self._answer(self.sock.recv_multipart())
                 self._refused()
@@ -179,56 +206,98 @@ class _Bootstrap:
                 pass
 
     def _answer(self, frames: list[bytes]) -> None:
-        """One request on the bootstrap socket: an authentic lookup gets the endpoints."""
+        """One request on the bootstrap socket: an authentic, fresh lookup gets the endpoints."""
         auth, sock = self.auth, self.sock
         body = auth.unseal(frames[1]) if len(frames) == 2 else None
+        if body is None:
+            if len(frames) == 2 and _unauthentic_lookup(frames[1]):
+                # a lookup in our format whose MAC does not match: a prefill side with another
+                # secret, or anyone who can reach this port. Counted and refused, never fatal:
+                # the refusal is sealed, so a prefill side with another secret cannot open it and
+                # concludes "different secrets" itself (MAC_FAILURES in a row from its peer).
+                self.mac_failed += 1
+                sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(detail="bad MAC")))])
+            return self._reject("not an authentic lookup")
         try:
-            msg = wire.decode(body) if body is not None else None
-        except wire.WireError:
-            msg = None
-        if msg is None and len(frames) == 2 and _unauthentic_lookup(frames[1]):
-            # a lookup in our format whose MAC does not match: a prefill side with another
-            # secret, or anyone who can reach this port. Counted and refused, never fatal:
-            # the refusal is sealed, so a prefill side with another secret cannot open it and
-            # concludes "different secrets" itself (MAC_FAILURES in a row from its peer).
-            self.mac_failed += 1
-            sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(detail="bad MAC")))])
-        match msg:
-            case wire.LookupMsg(prefill_ranks=ranks) if ranks != self.want:
-                sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(
-                    detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
-                           f"the prefill side has {ranks}")))])
-            case wire.LookupMsg() if (why := self._judge(msg)) is not None:  # before any handoff
-                sock.send_multipart([frames[0], auth.seal(wire.encode(wire.ErrorMsg(detail=why)))])
-                self.refusals += 1
-            case wire.LookupMsg():
-                sock.send_multipart([frames[0], auth.seal(self.reply)])
-                self.answered = True
-            case _:
-                self.rejected += 1
-                if _clock() >= self.quiet_until:  # rate-limited: one line per 5 s, with the count
-                    self.log.warning("bootstrap_rejected", reason="not an authentic lookup", count=self.rejected)
-                    self.quiet_until = _clock() + 5.0
+            msg = wire.decode(body)
+        except wire.TooLong as exc:  # authentic: its sender is told what is wrong, not "secret"
+            self.too_long = str(exc)
+            self._send(frames[0], wire.ErrorMsg(detail=str(exc), answer_to=wire.nonce_in(body, "nonce")))
+            return self._reject(str(exc))
+        except wire.WireError as exc:
+            return self._reject(f"a malformed message: {exc}")
+        if not isinstance(msg, wire.LookupMsg):
+            return self._reject(f"not a lookup: {msg.TYPE}")
+        if msg.nonce is None:  # an older prefill side, or a replay of its lookup: never judged
+            self.stale += 1
+            self._send(frames[0], wire.ErrorMsg(detail=OLD_FORMAT))
+            return self._reject(OLD_FORMAT)
+        if msg.challenge != self.challenge:  # its first ask, a decode side before us, or a replay
+            self._send(frames[0], wire.ChallengeMsg(challenge=self.challenge, answer_to=msg.nonce))
+            if msg.challenge is not None:
+                self.stale += 1
+                self._reject(STALE)
+            return None
+        apart_ms = None if msg.sent_ms is None else abs(_wall_ns() // 1_000_000 - msg.sent_ms)
+        if apart_ms is None or apart_ms > LOOKUP_WINDOW_S * 1000:
+            self.stale += 1
+            apart = "no time" if apart_ms is None else f"{apart_ms / 1000:.0f} s from this side's clock"
+            late = (f"the lookup was sent {apart}, outside the {LOOKUP_WINDOW_S} s lookup window "
+                    "(a replay, or the two hosts' clocks apart: sync them)")
+            self._send(frames[0], wire.ErrorMsg(detail=late, answer_to=msg.nonce))
+            return self._reject("a lookup outside the time window")
+        if msg.prefill_ranks != self.want:
+            self._send(frames[0], wire.ErrorMsg(
+                detail=f"this decode side expects endpoints.prefill_ranks={self.want}, "
+                       f"the prefill side has {msg.prefill_ranks}", answer_to=msg.nonce))
+        elif (why := self._judge(msg)) is not None:  # before any handoff
+            self._send(frames[0], wire.ErrorMsg(detail=why, answer_to=msg.nonce))
+            self.refusals += 1
+        else:
+            self._send(frames[0], wire.DecodesMsg(infos=self.infos, prefill_ranks=self.want,
+                                                  answer_to=msg.nonce, **self.check.fields()))
+            self.answered = True
+        return None
+
+    def _send(self, identity: bytes, msg: wire.Message) -> None:
+        self.sock.send_multipart([identity, self.auth.seal(wire.encode(msg))])
+
+    def _reject(self, reason: str) -> None:
+        """Counted; logged at most once per 5 s per reason, with the count."""
+        self.rejected += 1
+        if _clock() >= self.quiet.get(reason, 0.0):
+            self.log.warning("bootstrap_rejected", reason=reason, count=self.rejected)
+            self.quiet[reason] = _clock() + 5.0
 
     def _judge(self, msg: wire.LookupMsg) -> Optional[str]:
-        """The peer checks, once: the probe may take seconds, and the prefill side asks again
-        meanwhile (each ask gets the same answer)."""
-        if self.judged is None:
-            self.judged = (self.check.judge(msg, self.out), _clock())
-        return self.judged[0]
+        """The peer checks of the prefill side that answered this run's challenge (its
+        nonce), once: the probe may take seconds, and it asks again meanwhile (each ask gets
+        the same answer). A replayed lookup never gets here."""
+        assert msg.nonce is not None  # (_answer)
+        if msg.nonce not in self.judged:
+            if len(self.judged) >= MAX_JUDGED:
+                return f"more than {MAX_JUDGED} prefill sides looked up this decode side"
+            self.judged[msg.nonce] = (self.check.judge(msg, self.out), _clock())
+        return self.judged[msg.nonce][0]
 
     def _refused(self) -> None:
         """A refusal ends this side once the prefill side got it (it asks again while the
         probe runs, so the first answer may have gone to a socket it closed), or 3 s after."""
-        if self.judged is not None and self.judged[0] is not None and (
-                self.refusals >= 2 or _clock() > self.judged[1] + 3.0):
-            raise RunFailed(f"refused before any handoff: {self.judged[0]}")
+        for why, when in self.judged.values():
+            if why is not None and (self.refusals >= 2 or _clock() > when + 3.0):
+                raise RunFailed(f"refused before any handoff: {why}")
 
     def _mac_note(self) -> str:
         if not self.mac_failed:
             return ""
         return (f"; {self.mac_failed} lookups carried a MAC that did not match (a prefill side with "
                 f"another secret? {secret_mismatch(self.transport).split(': ', 1)[1]})")
+
+    def _stale_note(self) -> str:
+        if not self.stale:
+            return ""
+        return (f"; {self.stale} authentic lookups were refused as not fresh (recorded in another "
+                "run, or from a prefill side before fresh lookups: bootstrap_rejected in the log)")
 
     def _read(self, d: DecodeProc) -> None:
         """What decode process `d` told the runner: a prefill rank done with it, or a failure."""
@@ -274,13 +343,16 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             check: PeerCheck, out: RunResult) -> Infos:
     import zmq
 
-    from orchestrator.handoff.transport.auth import Authenticator
+    from orchestrator.handoff.transport.auth import Authenticator, new_nonce
     from orchestrator.profile.config import peer_address
 
     auth = Authenticator(secret)
     deadline = _clock() + e.startup_timeout_s
     host, port = _await_address(t, e, peer, deadline, signals)
     bad = 0  # answers in a row from the named peer that failed the MAC
+    stale = 0  # authentic answers to another lookup than this run's (recorded: replays)
+    nonce = new_nonce()  # this run's: every answer it takes echoes it
+    challenge: Optional[str] = None  # the decode side's, once it said it
     zctx = zmq.Context()
     # One socket per decode address, asked again every second: an answer to any ask reaches
     # it. (A socket per ask lost the answers to the asks before: a decode side that refused
@@ -299,14 +371,15 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             if at != (host, port):
                 if sock is not None:
                     sock.close(0)
-                sock, at = zctx.socket(zmq.DEALER), (host, port)
+                sock, at, challenge = zctx.socket(zmq.DEALER), (host, port), None
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 1)
                 sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
                 sock.connect(f"tcp://{host}:{port}")
             try:
-                sock.send(auth.seal(wire.encode(wire.LookupMsg(rank=0, prefill_ranks=e.prefill_ranks,
-                                                               **check.fields()))), zmq.NOBLOCK)
+                sock.send(auth.seal(wire.encode(wire.LookupMsg(
+                    rank=0, prefill_ranks=e.prefill_ranks, **check.fields(), nonce=nonce,
+                    challenge=challenge, sent_ms=_wall_ns() // 1_000_000))), zmq.NOBLOCK)
             except zmq.Again:  # not connected yet, and an ask already waits
                 pass
             frame = sock.recv() if sock.poll(1000) else None
@@ -320,13 +393,27 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
                                     f"{bad} answers in a row failed the MAC)")
                 continue
             bad = 0
-            match wire.decode(body):
-                case wire.ErrorMsg(detail=detail):
+            try:
+                msg = wire.decode(body)
+            except wire.WireError as exc:  # authentic, malformed: said if it answers this run
+                if wire.nonce_in(body, "answer_to") == nonce:
+                    raise RunFailed(f"the decode side at {host}:{port} answered with a message "
+                                    f"refused: {exc}") from None
+                stale += 1
+                continue
+            match msg:
+                case wire.ChallengeMsg(answer_to=to) if to == nonce:
+                    challenge = msg.challenge  # asked again at once, answering it
+                    continue
+                # a refusal without answer_to: to a lookup whose nonce the decode side could
+                # not read (an over-long field), or from a decode side before answer_to
+                case wire.ErrorMsg(detail=detail, answer_to=to) if to in (nonce, None):
                     raise RunFailed(f"the decode side at {host}:{port} refused: {detail}")
-                case wire.DecodesMsg() as msg:
+                case wire.DecodesMsg(answer_to=to) if to == nonce:
                     pass
-                case other:
-                    raise RunFailed(f"the decode side at {host}:{port} answered a lookup with {other.TYPE}")
+                case _:  # an answer to another run's lookup (recorded), or not an answer
+                    stale += 1
+                    continue
             why = check.judge(msg, out)
             if why is not None:
                 raise RunFailed(f"refused before any handoff: {why}")
@@ -335,8 +422,11 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             return msg.infos
         if signals.caught:
             raise Interrupted
+        note = (f"; {stale} authentic answers were to another run's lookup (recorded: replays?)"
+                if stale else "")
         raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
-                        f"{e.startup_timeout_s:g} (is it up, with the same transport.secret_env?)")
+                        f"{e.startup_timeout_s:g} (is it up, with the same transport.secret_env and "
+                        f"an orchestrator with fresh lookups?){note}")
     finally:
         if sock is not None:
             sock.close(0)

@@ -72,7 +72,8 @@ class PeerCheck:
             return None
         why = reach.probe(adv, self.auth, min(PROBE_S, self.timeout_s))
         if why is None:
-            self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), step=adv.get("step"))
+            self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), port=adv.get("port"),
+                          step=adv.get("step"))
             self.reached = dict(adv)
             return None
         line = reach.unreachable(peer, adv, why)

@@ -26,6 +26,7 @@ from typing import Any, Mapping, MutableMapping, Optional, TextIO
 
 import structlog
 
+from orchestrator.results.escape import escape_event
 from orchestrator.results.rundir import RunFile, RunFiles
 
 _SHARED: list[Any] = [  # structlog processors
@@ -92,7 +93,7 @@ def _console_formatter(stream: TextIO, quiet: bool = False) -> logging.Formatter
     if quiet:
         return _WarningLine()
     return structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, escape_event,
                     structlog.dev.ConsoleRenderer(colors=stream.isatty())],
         foreign_pre_chain=_SHARED,
     )

@@ -31,6 +31,7 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.sharing import sharing_line, sharing_warning
+from orchestrator.results.escape import printable
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import (
     LATENCIES,
@@ -530,7 +531,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         ", latency.png in a few seconds" if plot else ""
     files = "results.json, requests.jsonl" + png
     lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # peer strings escaped (orchestrator.results.escape)
 
 
 def _repeated(run_dir: Path) -> list[str]:
@@ -552,7 +553,7 @@ def decode_summary(results: DecodeSideResults, run_dir: Path) -> str:
         lines.insert(0, f"interrupted ({results.ending.signal}): counts so far")
     lines += [f"warning: {w}" for w in results.ending.warnings + _repeated(run_dir)]
     lines.append(f"run dir: {rel(run_dir)}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def merge(a: Results, b: Results) -> tuple[str, bool]:
@@ -565,8 +566,8 @@ def merge(a: Results, b: Results) -> tuple[str, bool]:
     assert isinstance(p, JobResults) and isinstance(d, DecodeSideResults)  # what from_json reads for each role
     agree = p.verified == d.verified
     lines = [summary(p, Path(p.run_dir or "prefill")).rsplit("\n", 1)[0],
-             f"decode side at {d.bootstrap} judged {d.requests}: verified {d.verified}, "
-             f"corrupted {d.corrupted}, failed {d.failed}",
+             printable(f"decode side at {d.bootstrap} judged {d.requests}: verified {d.verified}, "
+                       f"corrupted {d.corrupted}, failed {d.failed}"),
              "both sides agree" if agree else
              f"THE SIDES DISAGREE: prefill verified {p.verified}, decode verified {d.verified}"]
     return "\n".join(lines), agree and p.exit_code == 0 and d.exit_code == 0

@@ -5,10 +5,17 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
     prefill -> decode: hello {rank, layout, fingerprint, nonce, pid_ns, boot_id}, arrive {reqs: [[rid, room], ...],
                        contiguous} (an empty one is the prefill's keepalive), bye {}
     across hosts, a prefill side asks a decode side's bootstrap address (role=decode):
-    lookup {rank, prefill_ranks, versions, advertised} -> decodes {infos: [[{control_endpoint,
-    data_endpoint, transport, session_id}, ...], ...], prefill_ranks, versions, advertised}
+    lookup {rank, prefill_ranks, versions, advertised, nonce, challenge, sent_ms} -> decodes
+    {infos: [[{control_endpoint, data_endpoint, transport, session_id}, ...], ...],
+    prefill_ranks, versions, advertised, answer_to}
     (versions: what each side runs; advertised: the address SGLang would advertise on its host
-    and a port it answers probes on there: orchestrator.handoff.peercheck)
+    and a port it answers probes on there: orchestrator.handoff.peercheck). Fresh lookups
+    (issue 36): the prefill side's nonce is drawn per run; a lookup without the decode side's
+    current challenge gets challenge {challenge, answer_to} back, and only a lookup that carries
+    it, sent within the decode side's time window, is judged and answered; every answer echoes
+    the lookup's nonce (answer_to), so a recorded lookup or answer opens nowhere else
+    (orchestrator.handoff.bootstrap). A lookup from a sender that predates them lacks nonce,
+    challenge and sent_ms: it still decodes, and is refused with a line saying why.
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update {grants: [[rid, slot], ...],
                        v: [[rid, outcome, detail, t_verified_ns, t_status_ns, t_taken_ns], ...]} (new
@@ -65,6 +72,15 @@ class WireError(ValueError):
     """A malformed message; the receiver drops and counts it."""
 
 
+class TooLong(WireError):
+    """A message whose only fault may be a string over its field's limit: named as that (a
+    field `path` of `chars` characters, over `limit`), never as an unauthentic message."""
+
+    def __init__(self, kind: str, path: str, chars: int, limit: int):
+        super().__init__(f"{kind} field {path!r} is {chars} chars, over {limit}")
+        self.kind, self.path, self.chars, self.limit = kind, path, chars, limit
+
+
 # ---- control ---------------------------------------------------------------------------------
 def _u64(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_U64
@@ -87,8 +103,12 @@ def _layout(v: Any) -> bool:
         and _u64(f[2]) for f in v)
 
 
+MAX_STR = 4096  # a control message's strings
+MAX_VERSION = 256  # a version string (versions: what a side runs)
+
+
 def _str(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 4096
+    return isinstance(v, str) and len(v) <= MAX_STR
 
 
 def _nonce(v: Any) -> bool:
@@ -122,7 +142,23 @@ def _advertised(v: Any) -> bool:
 
 def _versions(v: Any) -> bool:
     return isinstance(v, dict) and set(v) <= _VERSION_KEYS and all(
-        isinstance(x, str) and len(x) <= 256 for x in v.values())
+        isinstance(x, str) and len(x) <= MAX_VERSION for x in v.values())
+
+
+def _over_long(key: str, v: Any) -> Optional[tuple[str, int, int]]:
+    """The first string in field `key`'s value over its limit: (its path, its length, the
+    limit); None when there is none (the field failed for another reason)."""
+    limit = MAX_VERSION if key == "versions" else MAX_STR
+    todo: list[tuple[str, Any]] = [(key, v)]
+    while todo:
+        path, x = todo.pop(0)
+        if isinstance(x, str) and len(x) > limit:
+            return path, len(x), limit
+        if isinstance(x, dict):
+            todo += [(f"{path}.{k}", y) for k, y in x.items() if isinstance(k, str)]
+        elif isinstance(x, list):
+            todo += [(f"{path}[{i}]", y) for i, y in enumerate(x[:MAX_LIST])]
+    return None
 
 
 # Each control message is a frozen dataclass (its fields in wire order, each with its check);
@@ -228,10 +264,12 @@ class UpdateMsg(Message):
 
 @dataclass(frozen=True)
 class ErrorMsg(Message):
-    """A refusal, with the reason."""
+    """A refusal, with the reason; at the bootstrap address, the nonce of the lookup it
+    answers (absent: a lookup whose nonce could not be read, or a decode side before it)."""
 
     TYPE: ClassVar[str] = "error"
     detail: str = _check(_str)
+    answer_to: Optional[str] = _check(_nonce, optional=True)
 
 
 @dataclass(frozen=True)
@@ -245,6 +283,22 @@ class LookupMsg(Message):
     # (orchestrator.handoff.peercheck; a peer that predates them leaves them out)
     versions: Optional[dict[str, str]] = _check(_versions, optional=True)
     advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+    # freshness (issue 36): the prefill side's nonce for this run, the decode side's current
+    # challenge (None until it said it), and the prefill's wall clock in ms at sending. Read
+    # even from a peer that predates them (which the decode side then refuses, saying why)
+    nonce: Optional[str] = _check(_nonce, optional=True)
+    challenge: Optional[str] = _check(_nonce, optional=True)
+    sent_ms: Optional[int] = _check(_u64, optional=True)
+
+
+@dataclass(frozen=True)
+class ChallengeMsg(Message):
+    """role=decode's answer to a lookup without its current challenge: the challenge to
+    answer, and the nonce of the lookup it answers."""
+
+    TYPE: ClassVar[str] = "challenge"
+    challenge: str = _check(_nonce)
+    answer_to: str = _check(_nonce)
 
 
 @dataclass(frozen=True)
@@ -256,10 +310,11 @@ class DecodesMsg(Message):
     prefill_ranks: int = _check(_u64)
     versions: Optional[dict[str, str]] = _check(_versions, optional=True)  # as in LookupMsg
     advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+    answer_to: Optional[str] = _check(_nonce, optional=True)  # the lookup's nonce
 
 
 MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
-    HelloMsg, ArriveMsg, ByeMsg, BootstrapMsg, UpdateMsg, ErrorMsg, LookupMsg, DecodesMsg)}
+    HelloMsg, ArriveMsg, ByeMsg, BootstrapMsg, UpdateMsg, ErrorMsg, LookupMsg, ChallengeMsg, DecodesMsg)}
 # every type's keys and their checks, and the keys a sender may leave out (a peer that predates
 # them: the PID namespace and boot id a side sends at bootstrap, plan.same_process_space_rule)
 SCHEMA: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -307,8 +362,24 @@ def decode(raw: bytes) -> Message:
         if key not in msg and key in optional:
             continue
         if key not in msg or not fits(msg[key]):
+            if key in msg and (long := _over_long(key, msg[key])) is not None:
+                raise TooLong(kind, *long)
             raise WireError(f"{kind}: bad or missing {key!r}")
     return MESSAGES[kind](**msg)
+
+
+def nonce_in(raw: bytes, key: str) -> Optional[str]:
+    """The nonce under `key` of a control message (a lookup's "nonce", an answer's
+    "answer_to"), read from its JSON alone: for a message that is authentic but failed
+    decode() (TooLong), whose sender is still to be told, or told apart. None when absent."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    nonce = msg.get(key) if isinstance(msg, dict) else None
+    return nonce if _nonce(nonce) else None
 
 
 # ---- data plane: encoding ------------------------------------------------------------------
