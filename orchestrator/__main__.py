@@ -4,6 +4,7 @@ results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -13,7 +14,17 @@ class _EarlyStop(BaseException):
     """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
 
 
+_NO_JOB = [True]  # no job is running: a signal ends the command at once (main() clears it)
+
+
 def _early(signum: int, _frame: object) -> None:
+    if _NO_JOB[0]:
+        # composing (precheck, a sweep's bad-file scan, Hydra's own compose) or between jobs:
+        # nothing of a job to wind down. A raise would land in OmegaConf, whose clean-up turns
+        # it into a config error that compose reports and goes on from: say it and leave now
+        print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
     raise _EarlyStop(signum)
 
 
@@ -51,6 +62,14 @@ _EXIT: list[int] = []  # every job's exit code, in the order they ran
 def main(cfg: DictConfig) -> float:
     """A job never raises: its results.json says what happened (a refused profile keeps the
     refusal there), so one bad combination is a failed row in a sweep, not a lost sweep."""
+    _NO_JOB[0] = False
+    try:
+        return _job(cfg)
+    finally:
+        _NO_JOB[0] = True
+
+
+def _job(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     single = hc.mode is RunMode.RUN
