@@ -14,14 +14,13 @@ class _EarlyStop(BaseException):
     """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
 
 
-_NO_JOB = [True]  # no job is running: a signal ends the command at once (main() clears it)
+_COMPOSING = [True]  # imports, a sweep's bad-file scan and the pre-check: nothing written yet
 
 
 def _early(signum: int, _frame: object) -> None:
-    if _NO_JOB[0]:
-        # composing (precheck, a sweep's bad-file scan, Hydra's own compose) or between jobs:
-        # nothing of a job to wind down. A raise would land in OmegaConf, whose clean-up turns
-        # it into a config error that compose reports and goes on from: say it and leave now
+    if _COMPOSING[0]:
+        # a raise here can land in OmegaConf, whose clean-up turns it into a config error that
+        # compose reports and goes on from (the command ran on after SIGTERM): say it, leave now
         print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)
@@ -62,14 +61,6 @@ _EXIT: list[int] = []  # every job's exit code, in the order they ran
 def main(cfg: DictConfig) -> float:
     """A job never raises: its results.json says what happened (a refused profile keeps the
     refusal there), so one bad combination is a failed row in a sweep, not a lost sweep."""
-    _NO_JOB[0] = False
-    try:
-        return _job(cfg)
-    finally:
-        _NO_JOB[0] = True
-
-
-def _job(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     single = hc.mode is RunMode.RUN
@@ -148,7 +139,7 @@ def _entry() -> None:
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there
         sys.argv.append("hydra.output_subdir=null")
-    hydra_command(main, argv, started=lambda: bool(_EXIT))
+    hydra_command(main, argv, started=lambda: bool(_EXIT), checked=lambda: _COMPOSING.__setitem__(0, False))
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
