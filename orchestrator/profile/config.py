@@ -574,11 +574,12 @@ class WorkloadConfig:
     differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
     seed repeats its rooms."""
     duration_s: Optional[float] = None
-    """Seconds the handoff phase runs for, instead of a request count (null: workload.requests).
-    Arrivals stop once the phase (start-up excluded) has run this long; what arrived is
-    finished and is the run's count. Workload.requests stays each rank's ceiling (request ids
-    are per rank): a rank that reaches it first stops there and the summary warns; raise it
-    for long runs. An open loop draws its seeded arrival schedule up to duration_s."""
+    """Seconds the handoff phase runs for, instead of a request count (null: workload.requests);
+    at least 0.1 (a run that still hands off nothing exits 1 and says why). Arrivals stop once
+    the phase (start-up excluded) has run this long; what arrived is finished and is the run's
+    count. Workload.requests stays each rank's ceiling (request ids are per rank): a rank that
+    reaches it first stops there and the summary warns; raise it for long runs. An open loop
+    draws its seeded arrival schedule up to duration_s."""
     burstiness: float = 1.0
     """Open loop: the gamma shape of the gaps between arrivals, as vLLM's --burstiness (1 =
     Poisson, below 1 burstier, above 1 more even). The mean rate stays workload.rate; the gaps
