@@ -352,3 +352,27 @@ def test_a_run_that_hands_off_nothing_exits_1_and_says_why(tmp_path):
             "of the seeded schedule fell inside it" in proc.stdout + proc.stderr), proc.stdout + proc.stderr
     res = Results.read(run)
     assert res.requests == 0 and res.exit_code == 1
+
+
+class _WritesVictim:
+    """A pickle whose loading writes a file (as a stranger's config.pickle can)."""
+
+    def __init__(self, victim: Path):
+        self.victim = victim
+
+    def __reduce__(self):
+        return (Path.write_text, (self.victim, "import os\n"))
+
+
+def test_hydra_experimental_rerun_is_refused_not_unpickled(tmp_path):
+    """`--experimental-rerun FILE` makes Hydra pickle.load the file: at 3a078eb the command
+    loaded it (the victim written) before anything else; now one line, exit 2."""
+    import pickle
+
+    victim, rerun = tmp_path / "victim.pth", tmp_path / "config.pickle"
+    rerun.write_bytes(pickle.dumps(_WritesVictim(victim)))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "--experimental-rerun", str(rerun)],
+                          capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=HANG_GUARD_S)
+    assert not victim.exists(), "the command unpickled the file"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _one_error(proc.stderr).startswith(f"error: --experimental-rerun {rerun} is not supported"), proc.stderr

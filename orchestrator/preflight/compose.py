@@ -467,6 +467,10 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
         args = hydra_args(argv)
     except ProfileError as exc:
         return str(exc)
+    if args.experimental_rerun is not None:  # Hydra unpickles it: code, from whoever wrote the file
+        return (f"--experimental-rerun {args.experimental_rerun} is not supported: Hydra would unpickle "
+                "the file (code runs as it loads); python -m orchestrator.replay RUN_DIR re-runs a run "
+                "dir from its task config, read as data")
     if args.help or args.hydra_help or args.shell_completion:
         return None
     overrides = cli_overrides(argv)
