@@ -73,8 +73,18 @@ def _tampered(run_dir: Path, tmp_path: Path, extra: str) -> Path:
 
 
 def _replay(run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.replay", str(run_dir)], capture_output=True,
-                          text=True, cwd=ROOT, env=ENV, timeout=timeout)
+    """`python -m orchestrator.replay RUN_DIR`; past `timeout` its whole session is killed (the
+    job it started too) and the test fails."""
+    args = [sys.executable, "-m", "orchestrator.replay", str(run_dir)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"the replay still ran after {timeout} s") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 @pytest.mark.integration
@@ -153,6 +163,17 @@ def test_replay_validates_the_saved_config_as_data_before_running_it(run_dir, tm
     line = _one_error(proc.stderr)
     assert line.startswith(f"error: {path}: workload.requestz=") and "no such key" in line, line
     assert not (attached / "replays").exists()
+
+
+@pytest.mark.integration
+def test_replay_bounds_the_saved_config_before_parsing_it(run_dir, tmp_path):
+    """A billion-laughs config.yaml in an attached run dir: one line naming it, exit 2, at once
+    (at 3a078eb the replay's job composed it: minutes and gigabytes)."""
+    attached = _tampered(run_dir, tmp_path, LAUGHS.split("\n", 1)[1])
+    proc = _replay(attached, timeout=HANG_GUARD_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _one_error(proc.stderr).startswith(
+        f"error: {attached / '.hydra' / 'config.yaml'}: its 37 YAML aliases expand to more than"), proc.stderr
 
 
 # ---- 4. bounded configs ---------------------------------------------------------------------
