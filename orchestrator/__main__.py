@@ -128,6 +128,11 @@ def entry() -> None:
         _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
 
 
+def _checked(_args: Any) -> None:
+    """The command line passed its checks: composing is over (a signal now raises _EarlyStop)."""
+    _COMPOSING[0] = False
+
+
 def _entry() -> None:
     from orchestrator.preflight.compose import hydra_command
     from orchestrator.sweep import bad_files
@@ -139,7 +144,7 @@ def _entry() -> None:
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there
         sys.argv.append("hydra.output_subdir=null")
-    hydra_command(main, argv, started=lambda: bool(_EXIT), checked=lambda: _COMPOSING.__setitem__(0, False))
+    hydra_command(main, argv, started=lambda: bool(_EXIT), checked=_checked)
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes
