@@ -382,7 +382,8 @@ def yaml_problem(directory: Path, overrides: Optional[Sequence[str]] = None) -> 
 
     if not directory.is_dir():
         return f"{directory} is not a directory of configs"
-    paths = _named_files(directory, overrides) if overrides is not None else _yaml_files(directory)
+    paths = (_named_files(directory, overrides) if overrides is not None else
+             sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")))
     for path in paths:
         bounds = yaml_bounds(path)
         if bounds is not None:
