@@ -4,6 +4,7 @@ results.json when a launcher ran them elsewhere)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -13,7 +14,16 @@ class _EarlyStop(BaseException):
     """SIGINT/SIGTERM before a job's own handlers are in place (imports, Hydra's start)."""
 
 
+_COMPOSING = [True]  # imports, a sweep's bad-file scan and the pre-check: nothing written yet
+
+
 def _early(signum: int, _frame: object) -> None:
+    if _COMPOSING[0]:
+        # a raise here can land in OmegaConf, whose clean-up turns it into a config error that
+        # compose reports and goes on from (the command ran on after SIGTERM): say it, leave now
+        print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
     raise _EarlyStop(signum)
 
 
@@ -126,6 +136,11 @@ def entry() -> None:
         _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
 
 
+def _checked(_args: Any) -> None:
+    """The command line passed its checks: composing is over (a signal now raises _EarlyStop)."""
+    _COMPOSING[0] = False
+
+
 def _entry() -> None:
     from orchestrator.preflight.compose import hydra_command
     from orchestrator.sweep import bad_files
@@ -138,7 +153,7 @@ def _entry() -> None:
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there
         sys.argv.append("hydra.output_subdir=null")
-    hydra_command(main, argv, started=lambda: bool(_EXIT))
+    hydra_command(main, argv, started=lambda: bool(_EXIT), checked=_checked)
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes

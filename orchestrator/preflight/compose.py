@@ -111,6 +111,10 @@ def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = (),
     register_configs()
     GlobalHydra.instance().clear()
     dirs = [Path(d).resolve() for d in config_dirs]
+    for d in dirs:  # before Hydra reads a file of them: size and aliases bounded
+        problem = dir_bounds(d)
+        if problem is not None:
+            raise ProfileError(problem)
     extra = [f"hydra.searchpath=[{','.join(f'file://{d}' for d in dirs)}]"] if dirs else []
     used: list[Path] = []
     try:
@@ -274,6 +278,102 @@ def _named_files(directory: Path, overrides: Sequence[str]) -> list[Path]:
     return [p for p in out if p.is_file()]
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config-dir YAML file over this many bytes is refused before anything parses it."""
+MAX_ALIASES = 100
+"""YAML alias uses (*name, <<: *name) a config-dir file may have."""
+MAX_NODES = 100_000
+"""Nodes a config-dir file may build once its aliases are expanded (what OmegaConf builds: a
+362-byte file of nested aliases would expand to 9^9 nodes)."""
+
+
+def _yaml_walk(path: Path) -> Optional[str]:
+    """The alias budget of a file of at most MAX_CONFIG_BYTES, read as a stream of YAML events
+    (no document is built): stops at the first alias over MAX_ALIASES, or once the expanded
+    node count passes MAX_NODES. A YAML syntax error is yaml_problem's to name: None here."""
+    import yaml
+
+    parser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    sizes: dict[str, int] = {}  # anchor -> its node's expanded size
+    open_nodes: list[list] = []  # per open collection: [anchor, expanded size so far]
+    aliases = nodes = 0
+    with open(path, "rb") as stream:
+        try:
+            for event in yaml.parse(stream, Loader=parser):
+                size = 0
+                if isinstance(event, yaml.AliasEvent):
+                    aliases += 1
+                    if aliases > MAX_ALIASES:
+                        return f"{path}: more than {MAX_ALIASES} YAML aliases (a config file may use {MAX_ALIASES})"
+                    size = sizes.get(str(event.anchor), 1)
+                elif isinstance(event, yaml.ScalarEvent):
+                    size = 1
+                    if event.anchor is not None:
+                        sizes[str(event.anchor)] = 1
+                elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                    open_nodes.append([event.anchor, 1])
+                    nodes += 1
+                elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)) and open_nodes:
+                    anchor, done = open_nodes.pop()
+                    if anchor is not None:
+                        sizes[str(anchor)] = done
+                    if open_nodes:
+                        open_nodes[-1][1] += done
+                    continue
+                nodes += size
+                if open_nodes and size:
+                    open_nodes[-1][1] += size
+                if nodes > MAX_NODES:
+                    what = f"its {aliases} YAML aliases expand to" if aliases else "it holds"
+                    return f"{path}: {what} more than {MAX_NODES:,} nodes (a config file may build {MAX_NODES:,})"
+        except yaml.YAMLError:
+            return None
+    return None
+
+
+_BOUNDS: dict[tuple[str, int, int, int], Optional[str]] = {}  # (path, inode, size, mtime) -> why
+
+
+def yaml_bounds(path: Path) -> Optional[str]:
+    """Why the config file `path` is refused before any parser reads it, else None: not a
+    regular file (a FIFO would hang the read), over MAX_CONFIG_BYTES (by stat: a 50 MB file
+    is never read), or YAML aliases over their budget (an event scan that stops early)."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return f"{path}: cannot be read ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: not a regular file (a config file must be one)"
+    if st.st_size > MAX_CONFIG_BYTES:
+        return (f"{path}: {st.st_size:,} bytes, over the {MAX_CONFIG_BYTES:,} (1 MiB) a config file "
+                "may have")
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _BOUNDS:
+        try:
+            _BOUNDS[key] = _yaml_walk(path)
+        except OSError as exc:
+            return f"{path}: cannot be read ({exc.strerror})"
+    return _BOUNDS[key]
+
+
+def _yaml_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml"))
+
+
+def dir_bounds(directory: Path) -> Optional[str]:
+    """The first YAML file under a config dir over its bounds (yaml_bounds), else None: every
+    file, since a defaults list can pull in one the command line does not name."""
+    if not directory.is_dir():
+        return None
+    for path in _yaml_files(directory):
+        problem = yaml_bounds(path)
+        if problem is not None:
+            return problem
+    return None
+
+
 def yaml_problem(directory: Path, overrides: Optional[Sequence[str]] = None) -> Optional[str]:
     """The first YAML file under `directory` that does not parse, as one line naming the
     file and the line (Hydra would print a traceback for it), else None. With `overrides`,
@@ -286,6 +386,9 @@ def yaml_problem(directory: Path, overrides: Optional[Sequence[str]] = None) -> 
     paths = (_named_files(directory, overrides) if overrides is not None else
              sorted(directory.rglob("*.yaml")) + sorted(directory.rglob("*.yml")))
     for path in paths:
+        bounds = yaml_bounds(path)
+        if bounds is not None:
+            return bounds
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -399,7 +502,7 @@ def _files_problem(overrides: Optional[list[str]], dirs: list[Path], sweep: bool
     Hydra could not create (run dir or sweep dir: not a directory, not writable), or a run dir
     another live run holds (before Hydra writes into it)."""
     for directory in dirs:
-        problem = yaml_problem(directory, overrides)
+        problem = yaml_problem(directory, overrides) or dir_bounds(directory)
         if problem is not None:
             return problem
     given = {o.lstrip("+").partition("=")[0]: o.partition("=")[2] for o in overrides or ()}
@@ -429,6 +532,10 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
         args = hydra_args(argv)
     except ProfileError as exc:
         return str(exc)
+    if args.experimental_rerun is not None:  # Hydra unpickles it: code, from whoever wrote the file
+        return (f"--experimental-rerun {args.experimental_rerun} is not supported: Hydra would unpickle "
+                "the file (code runs as it loads); python -m orchestrator.replay RUN_DIR re-runs a run "
+                "dir from its task config, read as data")
     if args.help or args.hydra_help or args.shell_completion:
         return None
     overrides = cli_overrides(argv)
@@ -491,7 +598,8 @@ def profile_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool]) -> None:
+def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool],
+                  checked: Optional[Callable[[argparse.Namespace], None]] = None) -> None:
     """How a Hydra command (python -m orchestrator, orchestrator.bench) starts: anything
     Hydra or the rule book would refuse is one `error:` line and exit 2 before Hydra writes
     a run dir; --help adds every key with its default and meaning (profile.keys); Hydra's
@@ -501,6 +609,8 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
     problem = precheck(argv)
     if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
         error_exit(problem)
+    if checked is not None:  # the command line passed: what a run needs may start (warmstart)
+        checked(hydra_args(argv))
     asked_help = "--help" in argv or "-h" in argv
     try:
         main()

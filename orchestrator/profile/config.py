@@ -45,7 +45,20 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r} is not allowed: {allowed}.")
+        super().__init__(f"{key}={shown(value)} is not allowed: {allowed}.")
+
+
+SHOWN_ITEMS, SHOWN_CHARS = 8, 200  # what an error line echoes of a long value
+
+
+def shown(value: Any) -> str:
+    """A value as an error line echoes it: a long list as its first few items and its length
+    (a 1,999-value list is not printed back in full), a long text cut with its length."""
+    if isinstance(value, (list, tuple)) and len(value) > SHOWN_ITEMS:
+        head = ", ".join(shown(v) for v in value[:SHOWN_ITEMS])
+        return f"[{head}, ... ({len(value):,} values)]"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -57,6 +70,8 @@ def _positive(key: str, value: Any, what: str = "a whole number > 0") -> None:
     _require(value > 0, key, value, what)
 
 
+MIN_DURATION_S = 0.1  # workload.duration_s: a phase this short may still hand off nothing (a run
+# that hands off nothing exits 1 and says so), a shorter one (1e-9) is surely a typo
 MAX_WAIT_S = 3600.0  # no wait of the tool is longer: a bigger one is a typo, inf a hang
 
 
@@ -569,11 +584,12 @@ class WorkloadConfig:
     differ between runs), records it in fingerprint.json, and replay reuses it; a pinned
     seed repeats its rooms."""
     duration_s: Optional[float] = None
-    """Seconds the handoff phase runs for, instead of a request count (null: workload.requests).
-    Arrivals stop once the phase (start-up excluded) has run this long; what arrived is
-    finished and is the run's count. Workload.requests stays each rank's ceiling (request ids
-    are per rank): a rank that reaches it first stops there and the summary warns; raise it
-    for long runs. An open loop draws its seeded arrival schedule up to duration_s."""
+    """Seconds the handoff phase runs for, instead of a request count (null: workload.requests);
+    at least 0.1 (a run that still hands off nothing exits 1 and says why). Arrivals stop once
+    the phase (start-up excluded) has run this long; what arrived is finished and is the run's
+    count. Workload.requests stays each rank's ceiling (request ids are per rank): a rank that
+    reaches it first stops there and the summary warns; raise it for long runs. An open loop
+    draws its seeded arrival schedule up to duration_s."""
     burstiness: float = 1.0
     """Open loop: the gamma shape of the gaps between arrivals, as vLLM's --burstiness (1 =
     Poisson, below 1 burstier, above 1 more even). The mean rate stays workload.rate; the gaps
@@ -600,6 +616,9 @@ class WorkloadConfig:
         if self.duration_s is not None:
             _seconds("workload.duration_s", self.duration_s, high=7 * 24 * 3600.0,
                      unit="null (run workload.requests) or seconds")
+            _require(self.duration_s >= MIN_DURATION_S, "workload.duration_s", self.duration_s,
+                     f"at least {MIN_DURATION_S:g} s (a shorter phase can end before its first request "
+                     "arrives), or null to run workload.requests")
         _require(isinstance(self.burstiness, (int, float)) and math.isfinite(self.burstiness)
                  and 0 < self.burstiness <= 1000, "workload.burstiness", self.burstiness,
                  "a gamma shape in (0, 1000]: 1 = Poisson, < 1 burstier, > 1 more even")

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from orchestrator.handoff.faults import FAULTS
 from orchestrator.handoff.transport.auth import secret_from_env
 from orchestrator.profile.config import (
+    WIDTH_KEYS,
     BuffersConfig,
     ConfigError,
     DigestKind,
@@ -130,7 +131,7 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
-    _check_memory(cfg.endpoints, cfg.role, cfg.buffers.size, buffer_bytes(cfg), plan, platform)
+    _check_memory(cfg.endpoints, cfg.role, cfg.buffers, buffer_bytes(cfg), plan, platform)
     return plan
 
 
@@ -147,15 +148,35 @@ def buffer_bytes(cfg: BufferSections) -> int:
     return sum(-(-b.size * s.item_len // 256) * 256 for s in field_specs(cfg.layout, sizes)) + 3 * 256
 
 
-def _check_memory(e: EndpointsConfig, role: Role, size: int, each: int, plan: Plan, platform: Platform) -> None:
-    """Every process's buffers (`each` bytes, buffers.size=`size` slots) fit where they live."""
+def _memory_key(b: BuffersConfig) -> tuple[str, int]:
+    """The key buffers that do not fit are blamed on: buffers.size, or the row width furthest
+    above its default (buffers.hidden_size=100000000 is the row's fault, not the 64 slots')."""
+    base = BuffersConfig()
+    key, value, ratio = "buffers.size", b.size, b.size / base.size
+    for name in WIDTH_KEYS:
+        v = getattr(b, name)
+        if v / max(1, getattr(base, name)) > ratio:
+            key, value, ratio = f"buffers.{name}", v, v / max(1, getattr(base, name))
+    return key, value
+
+
+def _check_memory(e: EndpointsConfig, role: Role, b: BuffersConfig, each: int, plan: Plan,
+                  platform: Platform) -> None:
+    """Every process's buffers (`each` bytes, buffers.size slots) fit where they live; what
+    does not is blamed on the key furthest above its default, with the product named."""
+    size = b.size
+    key, value = _memory_key(b)
+    fix = "fewer slots" if key == "buffers.size" else f"a smaller {key}"
+    shape = f"buffers.size={size:,} slots of {-(-each // size):,} bytes"
+    if key != "buffers.size":
+        shape += f" ({key}={value:,})"
     if plan.buffer_device is Device.cpu:
         procs = ((e.prefill_ranks if role is not Role.decode else 0)
                  + (e.decode_ranks * e.decode_tp if role is not Role.prefill else 0))
         need, have = each * procs, platform.host_mem_bytes
         if have is not None and need > have:
-            raise ConfigError("buffers.size", size,
-                              f"fewer slots or a smaller row: {procs} processes' host buffers would "
+            raise ConfigError(key, value,
+                              f"{fix}: {shape} in {procs} processes' host buffers would "
                               f"need {need:,} bytes ({each:,} each) and this host has {have:,} "
                               "bytes available")
     elif plan.buffer_device is Device.cuda and platform.gpu_mem_bytes:
@@ -165,6 +186,6 @@ def _check_memory(e: EndpointsConfig, role: Role, size: int, each: int, plan: Pl
         for gpu, need in sorted(per_gpu.items()):
             have = platform.gpu_mem_bytes[gpu] if gpu < len(platform.gpu_mem_bytes) else None
             if have is not None and need > have:
-                raise ConfigError("buffers.size", size,
-                                  f"fewer slots or a smaller row: the buffers on GPU {gpu} would need "
+                raise ConfigError(key, value,
+                                  f"{fix}: {shape}: the buffers on GPU {gpu} would need "
                                   f"{need:,} bytes ({each:,} per process) and it has {have:,} bytes")

@@ -445,6 +445,19 @@ def _latency_line(results: JobResults) -> str:
             + (f"   set_buf p50 {_num(set_buf)}" if set_buf is not None else ""))
 
 
+def nothing_handed_off(w: Workload) -> str:
+    """Why a run that ran handed off no request (its exit code is 1: nothing was verified)."""
+    if w.duration_s is not None and w.rate is not None:
+        why = (f"workload.duration_s={w.duration_s:g} s at workload.rate={w.rate:g}/s: no arrival of "
+               "the seeded schedule fell inside it; a longer duration or a higher rate")
+    elif w.duration_s is not None:
+        why = (f"workload.duration_s={w.duration_s:g} s: the phase ended before the first request "
+               "arrived; a longer duration")
+    else:
+        why = "no request arrived"
+    return f"no request was handed off ({why})"
+
+
 def _problems(results: JobResults) -> list[str]:
     """The summary's first lines: what went wrong (the first two are shown)."""
     e = results.ending
@@ -455,6 +468,8 @@ def _problems(results: JobResults) -> list[str]:
         problems.append("lost: " + "; ".join(f"{k} {v}" for k, v in e.lost.items()))
     if e.engine_log:
         problems.append(f"engine said: {e.engine_log[-200:]}")
+    if results.requests == 0 and not e.interrupted and not results.error:
+        problems.append(f"ERROR: {nothing_handed_off(results.workload)}")
     if e.interrupted:
         slow = e.slow_to_stop
         problems.append(f"interrupted ({e.signal}): counts so far"

@@ -429,6 +429,8 @@ class Results:
             return EXIT_SIGNAL.get(e.signal, 130)
         if self.error or e.lost:
             return EXIT_LOST
+        if self.requests == 0 and isinstance(self, JobResults):  # nothing handed off: nothing verified
+            return EXIT_NOT_VERIFIED
         if self.verified != (self.requests or 0) - (self.not_started or 0):
             return EXIT_NOT_VERIFIED
         return EXIT_OK

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,89 @@ DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "r
                  "outcome")
 
 
+INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+NOT_REPLAYABLE = "is not replayable: a replay takes the task config only (no hydra node, no _target_)"
+
+
+class NotReplayable(Exception):
+    """A run dir's saved config that replay will not run; str() is one line naming the file and
+    the key."""
+
+
+def _code_key(data: dict, prefix: str = "") -> str | None:
+    """The first key of a saved config that would make Hydra run something rather than read a
+    value: the hydra node (callbacks, launcher, sweeper, searchpath, job_logging ...), a
+    defaults list (it picks configs, hydra's among them), or an instantiate key (_target_ ...)."""
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if not prefix and key == "hydra":
+            sub = next(iter(value), None) if isinstance(value, dict) else None
+            return f"hydra.{sub}" if sub is not None else "hydra"
+        if not prefix and key == "defaults":
+            return "defaults"
+        if key in INSTANTIATE_KEYS:
+            return name
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                found = _code_key(item, f"{name}[{i}]." if isinstance(value, list) else f"{name}.")
+                if found:
+                    return found
+    return None
+
+
+def task_config(run_dir: Path) -> dict[str, Any]:
+    """The run dir's saved task config (.hydra/config.yaml) as data: bounded before it is
+    parsed (size, YAML aliases), parsed safely, refused if it carries anything Hydra would run
+    (_code_key), and validated against the schema by a structured merge (nothing is
+    instantiated). .hydra/hydra.yaml and overrides.yaml are never read: the replay's own Hydra
+    config is conf/'s, and its only overrides are the run dir, the job name and the seed.
+
+    Raises NotReplayable with one line naming the file and the key."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from orchestrator.preflight.compose import yaml_bounds
+    from orchestrator.profile.config import ConfigError, validate
+
+    path = run_dir / ".hydra" / "config.yaml"
+    if path.is_symlink():
+        raise NotReplayable(f"{path}: a symlink (a replay reads the run dir's own file only)")
+    problem = yaml_bounds(path)
+    if problem is not None:
+        raise NotReplayable(problem)
+    try:
+        data = yaml.safe_load(path.read_bytes())
+    except (OSError, yaml.YAMLError) as exc:
+        raise NotReplayable(f"{path}: not a readable YAML config ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise NotReplayable(f"{path}: not a mapping of config sections")
+    key = _code_key(data)
+    if key is not None:
+        raise NotReplayable(f"{path}: {key} {NOT_REPLAYABLE}")
+    try:
+        validate(OmegaConf.create(data))
+    except ConfigError as exc:
+        raise NotReplayable(f"{path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's own refusals (a bad interpolation ...)
+        raise NotReplayable(f"{path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return data
+
+
 def _fill(run_dir: Path) -> str:
     import yaml
 
     path = run_dir / ".hydra" / "config.yaml"
-    cfg = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
-    return str((cfg.get("workload") or {}).get("fill", "inline"))
+    if not path.exists():
+        return "inline"
+    from orchestrator.preflight.compose import yaml_bounds
+
+    problem = yaml_bounds(path)
+    if problem is not None:
+        raise NotReplayable(problem)
+    cfg = yaml.safe_load(path.read_bytes()) or {}
+    workload = cfg.get("workload") if isinstance(cfg, dict) else None
+    return str((workload if isinstance(workload, dict) else {}).get("fill", "inline"))
 
 
 def deterministic(run_dir: Path) -> dict[str, Any]:
@@ -163,18 +241,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {run_dir} is not a complete run dir (missing {', '.join(missing)})",
               file=sys.stderr)
         return 2
+    try:
+        task = task_config(run_dir)
+        seeds = json.loads((run_dir / "fingerprint.json").read_text()).get("seeds", {})
+    except NotReplayable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, AttributeError) as exc:
+        print(f"error: {run_dir / 'fingerprint.json'}: not a readable fingerprint ({exc})", file=sys.stderr)
+        return 2
     out = (args.out or run_dir / "replays" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
-    cmd = [sys.executable, "-m", "orchestrator", "--config-path", str(run_dir / ".hydra"),
-           "--config-name", "config", f"hydra.run.dir={out}", "hydra.job.name=orchestrator"]
-    seeds = json.loads((run_dir / "fingerprint.json").read_text()).get("seeds", {})
-    if seeds.get("drawn") and seeds.get("workload.seed") is not None:  # the run drew its seed
-        cmd.append(f"workload.seed={seeds['workload.seed']}")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    drawn = seeds.get("workload.seed") if isinstance(seeds, dict) and seeds.get("drawn") else None
+    if drawn is not None and (isinstance(drawn, bool) or not isinstance(drawn, int)):
+        print(f"error: {run_dir / 'fingerprint.json'}: seeds.workload.seed={drawn!r} is not a whole number",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="replay-config-") as conf:
+        # the task config only, re-written from the data checked above: Hydra sees one file in a
+        # fresh dir (no config group of the run dir, no hydra.yaml, no overrides.yaml)
+        import yaml
+
+        (Path(conf) / "config.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
+        cmd = [sys.executable, "-m", "orchestrator", "--config-path", conf,
+               "--config-name", "config", f"hydra.run.dir={out}", "hydra.job.name=orchestrator"]
+        if drawn is not None:  # the run drew its seed
+            cmd.append(f"workload.seed={drawn}")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     if not RunFiles(out).results.exists():
         print(f"error: the replay did not produce results (exit {proc.returncode}):\n"
               f"{proc.stderr[-2000:]}", file=sys.stderr)
         return 2
-    rep = compare(run_dir, out)
+    try:
+        rep = compare(run_dir, out)
+    except NotReplayable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     (out / "replay.json").write_text(json.dumps(rep, indent=2) + "\n")
     print(render(rep))
     codes = rep.get("exit_codes") or {}
