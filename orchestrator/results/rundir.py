@@ -179,7 +179,7 @@ def create_regular(path: Path | str, append: bool = False) -> int:
     import os
     import stat
 
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_APPEND if append else 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_APPEND if append else 0)  # read back: _cut_torn
     for _ in range(4):
         try:
             return open_regular(path, flags)
@@ -523,7 +523,7 @@ class RunFile:
         self.tag = run_tag(run_of(self.path.parent))
         self._full = False
         fd = (create_regular(self.path) if mode == "w"
-              else open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+              else open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT))
         try:
             self.fh = open(fd, mode, buffering=buffering)
         except BaseException:
