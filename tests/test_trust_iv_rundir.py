@@ -17,19 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.results import rundir
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import Record, read_jsonl, read_records
-from orchestrator.results.rundir import (
-    RUN_ID_NAME,
-    SWEEP_ID_NAME,
-    RunDirBusy,
-    RunFile,
-    UnsafePath,
-    lock_run_dir,
-    unlock_run_dir,
-)
+from orchestrator.results.rundir import RunDirBusy, RunFile, lock_run_dir, unlock_run_dir
 
 from .conftest import ROOT
+
+RUN_ID_NAME, SWEEP_ID_NAME = ".run.id", ".sweep.id"  # rundir's names (spelled here: the file the run claims)
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # The loser's pre-check patched out: the run itself (app.run_job) must refuse
@@ -60,9 +55,14 @@ def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
 
 
 def _rec(rid: int, ok: bool, tag: str = "") -> str:
-    return Record(rid, rid + 1, rid % 2, rid % 4, "engine", 1.0, 1.0, 1.0, 1.0,
+    """A requests.jsonl line as a run writes it, ending with its run's tag."""
+    line = Record(rid, rid + 1, rid % 2, rid % 4, "engine", 1.0, 1.0, 1.0, 1.0,
                   Outcome.verified if ok else Outcome.failed, Detail.none if ok else Detail.prefill_lost,
-                  "").line(tag)
+                  "").line()
+    return line[:-1] + tag + "}"
+
+
+UNSAFE = getattr(rundir, "UnsafePath", RunDirBusy)  # (at 3a078eb: none)
 
 
 def _claim(d: Path, run: str, sweep=None) -> None:
@@ -246,7 +246,7 @@ def test_a_run_file_refuses_links_and_special_files_without_blocking(tmp_path, m
     if t.is_alive():  # unblock the FIFO's open so the thread ends
         os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
         pytest.fail("RunFile blocked on a FIFO")
-    assert caught and isinstance(caught[0], UnsafePath), caught
+    assert caught and isinstance(caught[0], UNSAFE), caught
     assert victim.read_text() == "precious\n"
 
 
@@ -258,7 +258,7 @@ def test_the_lock_is_taken_before_its_pid_is_written_and_never_through_a_link(tm
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".run.lock").symlink_to(victim)
-    with pytest.raises(UnsafePath):
+    with pytest.raises(UNSAFE):
         lock_run_dir(run_dir)
     assert victim.read_text() == "precious\n"
     (run_dir / ".run.lock").unlink()
@@ -418,7 +418,7 @@ def test_a_linked_mps_dir_is_refused(tmp_path):
     victim.mkdir()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "mps").symlink_to(victim)
-    with pytest.raises(UnsafePath):
+    with pytest.raises(UNSAFE):
         OwnDaemon(FAKE, tmp_path / "run")
     assert list(victim.iterdir()) == []
     assert stat.S_ISLNK((tmp_path / "run" / "mps").lstat().st_mode)

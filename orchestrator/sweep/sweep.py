@@ -112,7 +112,7 @@ def foreign_sweep_files(sweep_dir: Path) -> list[str]:
     return jobs + sorted(n for n in names if n in SWEEP_FILES)
 
 
-def own_sweep_dir(sweep_dir: Path) -> str:
+def own_sweep_dir(sweep_dir: Path, claim: bool = True) -> str:
     """A sweep owns its dir or refuses it: RunDirBusy naming what another sweep left there
     (foreign_sweep_files); else the dir is claimed for a new sweep id (SWEEP_ID_NAME,
     created exclusively), returned. Its jobs carry the id (app.own_run_dir) and the summary
@@ -124,8 +124,10 @@ def own_sweep_dir(sweep_dir: Path) -> str:
         shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
         raise RunDirBusy(f"hydra.sweep.dir={sweep_dir} holds another sweep's files ({shown}): choose a new "
                          "dir or remove them")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep = new_run_id()
+    if not claim:  # the check alone
+        return sweep
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     path = sweep_dir / SWEEP_ID_NAME
     try:
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -589,11 +591,7 @@ class SweepSummary(Callback):
         from orchestrator.sweep import bad_files, slurm
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        try:  # a sweep owns its dir or refuses it (another sweep's jobs are never counted as ours)
-            sweep = own_sweep_dir(sweep_dir)
-        except (RunDirBusy, NoSpace) as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(3 if isinstance(exc, NoSpace) else 2) from None
+        self._own(sweep_dir, claim=False)  # refused before anything is written there
         launcher = config.hydra.get("launcher")
         if slurm.is_slurm_launcher(launcher):
             slurm.quiet_submitit(Path(config.hydra.sweep.dir) / ".submitit" / slurm.LOG_NAME)
@@ -604,6 +602,7 @@ class SweepSummary(Callback):
                 raise SystemExit(2) from None
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+        sweep = self._own(sweep_dir)
         if bad_files.REFUSED:  # rows for the jobs that picked a config-dir file that cannot compose
             bad_files.write_refused(sweep_dir, bad_files.REFUSED)
             for job in bad_files.REFUSED:  # this sweep's rows
@@ -611,6 +610,15 @@ class SweepSummary(Callback):
             for why in dict.fromkeys(job.error for job in bad_files.REFUSED):
                 print(f"warning: {why} (the jobs that pick it are refused rows; the others run)",
                       file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _own(sweep_dir: Path, claim: bool = True) -> str:
+        """A sweep owns its dir or refuses it (own_sweep_dir): one line, exit 2 (3: a full disk)."""
+        try:
+            return own_sweep_dir(sweep_dir, claim)
+        except (RunDirBusy, NoSpace) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(3 if isinstance(exc, NoSpace) else 2) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
