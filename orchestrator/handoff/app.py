@@ -31,7 +31,18 @@ from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
 from orchestrator.results.logs import configure
 from orchestrator.results.progress import ProgressMeter, mode_for
-from orchestrator.results.rundir import NoSpace, RunFiles, lock_run_dir, unlock_run_dir, write_atomic
+from orchestrator.results.rundir import (
+    NoSpace,
+    RunFiles,
+    claim_run_dir,
+    lock_run_dir,
+    new_run_id,
+    refuse_foreign,
+    safe_dir,
+    sweep_owner,
+    unlock_run_dir,
+    write_atomic,
+)
 from orchestrator.results.schema import DecodeSideResults, JobResults, NotRun, Results
 
 R = TypeVar("R", bound=Results)
@@ -46,6 +57,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
     PHASE[0] = "preparing the run dir"
     lock = lock_run_dir(run_dir)  # one run per run dir (RunDirBusy: refused, exit 2)
     try:
+        own_run_dir(run_dir)  # another run's files there: refused (RunDirBusy), never overwritten
         save_hydra(cfg, run_dir)  # .hydra/ only under the lock: a loser writes nothing
         PHASE[0] = "starting the children"
         with Signals() as signals:
@@ -76,6 +88,29 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
 HYDRA_SUBDIR = ".hydra"
 
 
+def own_run_dir(run_dir: Path) -> None:
+    """Under the run dir's lock: refuse a dir that holds another run's files (rundir.
+    refuse_foreign: RunDirBusy, exit 2; nothing of theirs is touched), then claim it for a
+    new run id (rundir.claim_run_dir), of the sweep that owns the sweep dir for a sweep's job.
+    Every records, verdicts and decisions line of the run then carries that id, and readers
+    (recovery, the report, replay) count only the lines of the dir's own run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc: Any = HydraConfig.get() if HydraConfig.initialized() else None
+    ignore: set[str] = set()
+    where = f"hydra.run.dir={run_dir}"
+    sweep: Optional[str] = None
+    if hc is not None:
+        if hc.output_subdir is not None:  # Hydra saved it itself, before this job began
+            ignore.add(str(hc.output_subdir))
+        if hc.mode is RunMode.MULTIRUN:
+            where = f"the job dir {run_dir}"
+            sweep = sweep_owner(Path(hc.sweep.dir))
+    refuse_foreign(run_dir, where, ignore)
+    claim_run_dir(run_dir, new_run_id(), sweep)
+
+
 def save_hydra(cfg: object, run_dir: Path) -> None:
     """What Hydra's own run_job would have saved to `.hydra/` (the entry point turns that
     off: hydra.output_subdir=null) for the job config `cfg`, saved here under the run dir's
@@ -87,13 +122,7 @@ def save_hydra(cfg: object, run_dir: Path) -> None:
     hc: Any = HydraConfig.instance().cfg if HydraConfig.initialized() else None  # {"hydra": ...}
     if hc is None or not isinstance(cfg, DictConfig) or hc.hydra.output_subdir is not None:
         return
-    out = run_dir / HYDRA_SUBDIR
-    try:
-        out.mkdir(exist_ok=True)
-    except OSError as exc:
-        if exc.errno in (28, 122):
-            raise NoSpace(out) from None
-        raise
+    out = safe_dir(run_dir / HYDRA_SUBDIR)  # a link or a stranger's dir there: UnsafePath (exit 2)
     for name, node in (("config.yaml", cfg), ("hydra.yaml", hc), ("overrides.yaml", hc.hydra.overrides.task)):
         write_atomic(out / name, OmegaConf.to_yaml(node))
 

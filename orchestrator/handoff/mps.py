@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 from structlog.stdlib import BoundLogger
 
 from orchestrator.profile.sharing import MPS_CONTROL, MPS_ENV, GpuSharing, MpsDaemon
+from orchestrator.results.rundir import NotARegularFile, read_shared, safe_dir
 
 START_S = 15.0  # the daemon's start, bounded
 STOP_S = 15.0  # the reaper's quit (it waits for the clients still attached), then the daemon's exit
@@ -39,7 +40,7 @@ MAX_PIPE_DIR = 64  # the daemon's unix sockets live in the pipe dir: sun_path ho
 # stdin: held open by the runner; EOF (the runner closed it, or died) quits the daemon, waits
 # for its pid to be gone, and kills it if the quit did not end it in time.
 REAPER = r"""
-import os, re, signal, subprocess, sys, time
+import os, re, signal, stat, subprocess, sys, time
 SIGS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 for s in SIGS:
     signal.signal(s, signal.SIG_IGN)
@@ -53,12 +54,22 @@ def alive(pid):  # a zombie no one reaps counts as gone
     except OSError:
         return False
 control, pipe, logs, start_s, stop_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
-out = open(os.path.join(logs, "reaper.log"), "ab", buffering=0)
+def regular(path, flags):  # never through a link, never blocked by a FIFO: a regular file or none
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+try:
+    out = open(regular(os.path.join(logs, "reaper.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab", buffering=0)
+except OSError as exc:
+    sys.stdout.write(f"reaper.log: {exc}\n")
+    sys.exit(1)
 rc = subprocess.run([control, "-d"], stdin=subprocess.DEVNULL, stdout=out, stderr=out, preexec_fn=default).returncode
 pid, deadline = None, time.monotonic() + start_s
 while rc == 0 and pid is None and time.monotonic() < deadline:
     try:
-        with open(os.path.join(logs, "control.log"), "rb") as fh:
+        with open(regular(os.path.join(logs, "control.log"), os.O_RDONLY), "rb") as fh:
             m = re.search(rb"Control +(\d+)\] Starting control daemon", fh.read())
     except OSError:
         m = None
@@ -99,8 +110,9 @@ class OwnDaemon:
         self.pipe_dir = pipe
         self.reaper: Optional[subprocess.Popen] = None
         self.pid: Optional[int] = None  # the daemon's
-        for d in (pipe, self.log_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, pipe, self.log_dir):  # a link or a stranger's dir there: UnsafePath
+            safe_dir(d)
         if len(str(pipe)) > MAX_PIPE_DIR:
             self.link = Path(tempfile.mkdtemp(prefix="mps-")) / "pipe"
             self.link.symlink_to(pipe.resolve())
@@ -155,8 +167,8 @@ class OwnDaemon:
 
 def _last_line(path: Path) -> str:
     try:
-        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
+        lines = [ln.strip() for ln in read_shared(path).splitlines() if ln.strip()]
+    except (OSError, NotARegularFile):
         return ""
     return lines[-1] if lines else ""
 

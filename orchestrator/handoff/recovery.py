@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 from orchestrator.profile.config import BuffersConfig, EndpointsConfig, LayoutConfig, WorkloadConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult, RankResult, Record, read_jsonl, read_records
-from orchestrator.results.rundir import NoSpace, RunFiles, parse_proc_name
+from orchestrator.results.rundir import NoSpace, RunFiles, open_regular, parse_proc_name, run_of, run_tag
 from orchestrator.results.rundir import full as _full
 
 
@@ -117,23 +117,31 @@ def _judged(run_dir: Path, rank: int) -> dict[int, tuple[Outcome, Detail]]:
 def _append(path: Path, added: list[Record]) -> None:
     """Append `added` to a requests file, of which only complete lines count: a torn last
     line is cut off first. All or nothing: a full disk (NoSpace, naming the file) leaves the
-    file as it was, its records complete lines."""
+    file as it was, its records complete lines. Opened as rundir.open_regular opens (a link
+    or special file planted there raises UnsafePath: never followed); the lines carry the id
+    of the run that owns the dir."""
+    import os
+
+    tag = run_tag(run_of(path.parent))
     cut = 0
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT)
     try:
-        if path.exists():
-            data = path.read_bytes()
-            cut = data.rfind(b"\n") + 1
-            if cut != len(data):
-                with open(path, "r+b") as fh:
-                    fh.truncate(cut)
-        with open(path, "ab") as fh:
-            fh.write("".join(rec.line() + "\n" for rec in added).encode())
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size else b""
+        cut = data.rfind(b"\n") + 1
+        if cut != len(data):
+            os.ftruncate(fd, cut)
+        body = "".join(rec.line(tag) + "\n" for rec in added).encode()
+        done = 0
+        while done < len(body):
+            done += os.pwrite(fd, body[done:], cut + done)
     except OSError as exc:
         if not _full(exc):
             raise
         try:
-            with open(path, "r+b") as fh:
-                fh.truncate(cut)
+            os.ftruncate(fd, cut)
         except OSError:
             pass
         raise NoSpace(path) from None
+    finally:
+        os.close(fd)

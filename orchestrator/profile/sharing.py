@@ -101,9 +101,24 @@ def processes_on_gpus(prefill_gpus: Optional[tuple[int, ...]], decode_gpus: Opti
 def running_daemon(env: Mapping[str, str], exists: Callable[[str], bool]) -> Optional[str]:
     """The pipe dir of an MPS control daemon already running for processes with `env`
     (CUDA_MPS_PIPE_DIRECTORY, else the default), judged by its control pipe; None: none.
-    `exists(path)` asks the file system (os.path.exists)."""
+    `exists(path)` asks the file system (os.path.exists). A pipe dir that is a symbolic
+    link or not this user's, or a control pipe that is a link, is never joined: the default
+    /tmp/nvidia-mps is anyone's to plant (the run starts its own daemon instead)."""
     pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
-    return pipe if exists(f"{pipe}/control") else None
+    return pipe if exists(f"{pipe}/control") and _ours(pipe) else None
+
+
+def _ours(pipe: str) -> bool:
+    """The pipe dir is a directory of this user's, and its control pipe no link (lstat)."""
+    import os
+    import stat
+
+    try:
+        st, ctl = os.lstat(pipe), os.lstat(f"{pipe}/control")
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not stat.S_ISLNK(ctl.st_mode) \
+        and ctl.st_uid == os.getuid()
 
 
 def sharing_rule(mode: MpsMode, gpus: tuple[tuple[int, tuple[str, ...]], ...], control: Optional[str],

@@ -16,6 +16,7 @@ logger of events.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import sys
@@ -27,7 +28,7 @@ from typing import Any, Mapping, MutableMapping, Optional, TextIO
 import structlog
 
 from orchestrator.results.escape import escape_event
-from orchestrator.results.rundir import RunFile, RunFiles
+from orchestrator.results.rundir import RunFile, RunFiles, open_regular
 
 _SHARED: list[Any] = [  # structlog processors
     structlog.contextvars.merge_contextvars,
@@ -108,6 +109,17 @@ def _drop_closed_streams(root: logging.Logger) -> None:
             root.removeHandler(handler)
 
 
+class RunLogHandler(logging.FileHandler):
+    """A process's log in the run dir, appended to as rundir.open_regular opens: a link or a
+    special file planted at its path is refused (UnsafePath), never followed or blocked on."""
+
+    def _open(self) -> io.TextIOWrapper:
+        import os
+
+        fd = open_regular(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return open(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
+
+
 def configure(run_dir: Optional[Path], role: str, console_level: int = logging.WARNING,
               keep_root_handlers: bool = False) -> structlog.stdlib.BoundLogger:
     """Route structlog through stdlib logging. `keep_root_handlers` keeps (and re-formats)
@@ -139,7 +151,7 @@ def configure(run_dir: Optional[Path], role: str, console_level: int = logging.W
         _quiet(console, console_level)
         root.addHandler(console)
         if run_dir is not None:
-            fh = logging.FileHandler(RunFiles(run_dir).log(role))
+            fh = RunLogHandler(RunFiles(run_dir).log(role))
             fh.setFormatter(_json_formatter())
             root.addHandler(fh)
     root.setLevel(logging.INFO)
@@ -174,7 +186,7 @@ class DecisionLog:
         ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
         head = (f'{{"event": "route_decision", "timestamp": "{ts}", '
                 f'"logger": "orchestrator.decisions", "role": {self.role}, ')
-        tail = f", {self.static}}}\n"
+        tail = f", {self.static}{self.fh.tag}}}\n"
         self.fh.write("".join([head + f + tail for f in fields]))
         now = time.monotonic()
         if now - self._flushed >= self.FLUSH_S:

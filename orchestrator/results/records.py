@@ -56,20 +56,25 @@ class Record:
     taken_us: Optional[float] = None
     t_verdict: Optional[float] = None  # not written: the prefill's clock at the verdict
 
-    def line(self) -> str:
-        """The requests.jsonl line (formatted directly: this runs once per request)."""
+    def line(self, tag: str = "") -> str:
+        """The requests.jsonl line (formatted directly: this runs once per request); `tag`
+        (rundir.run_tag: the run's id) ends it."""
         return (f'{{"rid": {self.rid}, "room": {self.room}, "decode": {self.decode}, '
                 f'"dst_slot": {self.dst_slot}, "route": "{self.route}", "set_buf_us": {_j(self.set_buf_us)}, '
                 f'"send_us": {_j(self.send_us)}, "handoff_us": {_j(self.handoff_us)}, '
                 f'"e2e_us": {_j(self.e2e_us)}, "outcome": "{self.outcome.value}", '
                 f'"detail": "{self.detail.value}", "checksum": "{self.checksum}", '
-                f'"fault": {json.dumps(self.fault)}, "taken_us": {_j(self.taken_us)}}}')
+                f'"fault": {json.dumps(self.fault)}, "taken_us": {_j(self.taken_us)}{tag}}}')
 
     @classmethod
     def from_line(cls, text: str) -> "Record":
-        d = json.loads(text)
-        d["outcome"], d["detail"] = Outcome(d["outcome"]), Detail(d["detail"])
-        return cls(**{k: d.get(k) for k in RECORD_FIELDS})
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Record":
+        fields: dict[str, Any] = {k: d.get(k) for k in RECORD_FIELDS}
+        fields["outcome"], fields["detail"] = Outcome(d["outcome"]), Detail(d["detail"])
+        return cls(**fields)
 
 
 @dataclass
@@ -289,25 +294,46 @@ def counter_dict(c: Counter) -> dict[str, int]:
         c.items(), key=lambda kv: str(getattr(kv[0], "value", kv[0])))}
 
 
-def read_jsonl(path: Path, parse: Callable[[str], Any] = json.loads, strict: bool = False) -> Iterator[Any]:
-    """`parse` of each line of a .jsonl file (requests, verdicts, decisions); a missing file
-    has none. By default only complete lines count and one that does not parse is skipped:
-    a writer that died may have left a torn last line. `strict` (a finished run's files)
-    reads every non-blank line and raises on one that does not parse."""
-    if not path.exists():
+_OWN = object()  # read_jsonl's default `run`: the id of the run that owns the file's dir
+
+
+def read_jsonl(path: Path, convert: Callable[[dict], Any] = lambda d: d, strict: bool = False,
+               run: Any = _OWN) -> Iterator[Any]:
+    """`convert` of each line of a .jsonl file (requests, verdicts, decisions) that belongs to
+    run `run` (by default the run that owns the file's dir, rundir.run_of; None: a dir no run
+    claimed): a line whose "run" field names another run, or a line without one in a claimed
+    dir, is another run's and skipped. A missing file has none, and so has a link or a
+    special file (opened as rundir.open_regular: never followed, a FIFO never blocks). By
+    default only complete lines count and one that does not parse is skipped: a writer that
+    died may have left a torn last line. `strict` (a finished run's files) reads every
+    non-blank line and raises on one that does not parse."""
+    import os
+
+    from orchestrator.results.rundir import UnsafePath, open_regular, run_of
+
+    want = run_of(path.parent) if run is _OWN else run
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+    except (FileNotFoundError, UnsafePath):
         return
-    with open(path) as fh:
+    with open(fd) as fh:
         for line in fh:
             if strict:
-                if line.strip():
-                    yield parse(line)
+                if not line.strip():
+                    continue
+                d = json.loads(line)
+                if isinstance(d, dict) and d.get("run") == want:
+                    yield convert(d)
             elif line.endswith("\n"):
                 try:
-                    yield parse(line)
+                    d = json.loads(line)
+                    if isinstance(d, dict) and d.get("run") == want:
+                        yield convert(d)
                 except (ValueError, KeyError, TypeError):
                     continue
 
 
-def read_records(path: Path) -> Iterable[Record]:
-    """The complete lines of a requests file (a torn last line is skipped)."""
-    return read_jsonl(path, Record.from_line)
+def read_records(path: Path, run: Any = _OWN) -> Iterable[Record]:
+    """The complete lines of a requests file of run `run` (read_jsonl; a torn last line is
+    skipped)."""
+    return read_jsonl(path, Record.from_dict, run=run)

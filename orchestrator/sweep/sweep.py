@@ -18,7 +18,9 @@ started`: an interrupted sweep lists what it never ran.
 from __future__ import annotations
 
 import csv
+import io
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -28,7 +30,19 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from orchestrator.results.plots import layout_label, log_ticks, pyplot, short_dir
-from orchestrator.results.rundir import RunFiles
+from orchestrator.results.rundir import (
+    SWEEP_ID_NAME,
+    NoSpace,
+    RunDirBusy,
+    RunFiles,
+    claim_run_dir,
+    full,
+    new_run_id,
+    open_regular,
+    run_owner,
+    sweep_owner,
+    write_atomic,
+)
 from orchestrator.results.schema import DecodeSideResults, JobResults, Results, RunStatus
 
 CSV_NAME = "summary.csv"
@@ -59,12 +73,76 @@ class SweepError(ValueError):
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """The job subdirs (named by hydra.job.num), sorted by job number."""
+    """The job subdirs (named by hydra.job.num) of the sweep that owns `sweep_dir`, sorted by
+    job number. Where a sweep claimed the dir (rundir.SWEEP_ID_NAME), a job dir counts when
+    its run was of that sweep (its rundir.RUN_ID_NAME), or when no run claimed it and it
+    holds no results.json (a job of this sweep that crashed first: a `missing` row); any
+    other is another sweep's, left out. A dir no sweep claimed (an older sweep): every one.
+    A symbolic link is never a job dir."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         return []
-    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    jobs = [p for p in sweep_dir.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink()]
+    sweep = sweep_owner(sweep_dir)
+    if sweep is not None:
+        jobs = [p for p in jobs if _of_sweep(p, sweep)]
     return sorted(jobs, key=lambda p: int(p.name))
+
+
+def _of_sweep(job_dir: Path, sweep: str) -> bool:
+    owner = run_owner(job_dir)
+    if owner["run"] is None:
+        return not os.path.lexists(RunFiles(job_dir).results)
+    return owner["sweep"] == sweep
+
+
+# What a sweep writes at the top of its dir (the job dirs apart): any of it there before the
+# sweep starts is another sweep's (refused: never overwritten, never counted).
+SWEEP_FILES = ("multirun.yaml", CSV_NAME, MD_NAME, PNG_NAME, SWEEP_ID_NAME)
+
+
+def foreign_sweep_files(sweep_dir: Path) -> list[str]:
+    """The job dirs (any whole-number name) and sweep files another sweep left in
+    `sweep_dir`, jobs first in number order (lstat: nothing is followed)."""
+    try:
+        names = [e.name for e in os.scandir(sweep_dir)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    jobs = sorted((n for n in names if n.isdigit()), key=int)
+    return jobs + sorted(n for n in names if n in SWEEP_FILES)
+
+
+def own_sweep_dir(sweep_dir: Path, claim: bool = True) -> str:
+    """A sweep owns its dir or refuses it: RunDirBusy naming what another sweep left there
+    (foreign_sweep_files); else the dir is claimed for a new sweep id (SWEEP_ID_NAME,
+    created exclusively), returned. Its jobs carry the id (app.own_run_dir) and the summary
+    counts only them (job_dirs)."""
+    import json
+
+    names = foreign_sweep_files(sweep_dir)
+    if names:
+        shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        raise RunDirBusy(f"hydra.sweep.dir={sweep_dir} holds another sweep's files ({shown}): choose a new "
+                         "dir or remove them")
+    sweep = new_run_id()
+    if not claim:  # the check alone
+        return sweep
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path = sweep_dir / SWEEP_ID_NAME
+    try:
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        raise RunDirBusy(f"hydra.sweep.dir={sweep_dir} holds another sweep's files ({SWEEP_ID_NAME}): "
+                         "choose a new dir or remove them") from None
+    try:
+        with open(fd, "w") as fh:
+            fh.write(json.dumps({"sweep": sweep}) + "\n")
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        if full(exc):
+            raise NoSpace(path) from None
+        raise
+    return sweep
 
 
 def _overrides(job_dir: Path) -> dict[str, str]:
@@ -244,11 +322,12 @@ def collect(sweep_dir: Path) -> tuple[list[str], list[dict[str, Any]]]:
 
 
 def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(columns)
-        for row in rows:
-            w.writerow([_cell(row.get(c)) for c in columns])
+    fh = io.StringIO(newline="")
+    w = csv.writer(fh)
+    w.writerow(columns)
+    for row in rows:
+        w.writerow([_cell(row.get(c)) for c in columns])
+    write_atomic(path, fh.getvalue())  # never through a link planted there; whole or not at all
 
 
 def _md_cell(value: Any) -> str:
@@ -296,7 +375,7 @@ def _write_md(path: Path, sweep_dir: Path, columns: list[str], rows: list[dict[s
         lines.append("| " + " | ".join(cell(row, k) for _, k in short) + " |")
     lines += ["", f"Every column ({len(columns)}: each latency's percentiles, mean and max, MB/s, the "
                   f"transport, start-up, the decode gate, ...): {CSV_NAME}; what each holds: docs/sweeps.md."]
-    path.write_text("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 def _x_axis(swept: list[str], rows: list[dict[str, Any]]) -> tuple[Optional[str], str]:
@@ -365,8 +444,15 @@ def _write_bars(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[s
     axes[0].legend(fontsize="small", loc="upper center", ncol=3, framealpha=0.9)
     fig.suptitle(_title(sweep_dir, rows), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """A figure as PNG, written atomically (never through a link planted there)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_atomic(path, buf.getvalue())
 
 
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
@@ -475,7 +561,7 @@ def _write_png(path: Path, sweep_dir: Path, swept: list[str], rows: list[dict[st
         _axes(ax, key, title, x_label, xs, bool(series), load, clipped)
     fig.suptitle(_title(sweep_dir, rows), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -537,6 +623,8 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from orchestrator.sweep import bad_files, slurm
 
+        sweep_dir = Path(config.hydra.sweep.dir)
+        self._own(sweep_dir, claim=False)  # refused before anything is written there
         launcher = config.hydra.get("launcher")
         if slurm.is_slurm_launcher(launcher):
             slurm.quiet_submitit(Path(config.hydra.sweep.dir) / ".submitit" / slurm.LOG_NAME)
@@ -547,11 +635,23 @@ class SweepSummary(Callback):
                 raise SystemExit(2) from None
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+        sweep = self._own(sweep_dir)
         if bad_files.REFUSED:  # rows for the jobs that picked a config-dir file that cannot compose
-            bad_files.write_refused(Path(config.hydra.sweep.dir), bad_files.REFUSED)
+            bad_files.write_refused(sweep_dir, bad_files.REFUSED)
+            for job in bad_files.REFUSED:  # this sweep's rows
+                claim_run_dir(sweep_dir / str(job.num), new_run_id(), sweep)
             for why in dict.fromkeys(job.error for job in bad_files.REFUSED):
                 print(f"warning: {why} (the jobs that pick it are refused rows; the others run)",
                       file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _own(sweep_dir: Path, claim: bool = True) -> str:
+        """A sweep owns its dir or refuses it (own_sweep_dir): one line, exit 2 (3: a full disk)."""
+        try:
+            return own_sweep_dir(sweep_dir, claim)
+        except (RunDirBusy, NoSpace) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(3 if isinstance(exc, NoSpace) else 2) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -562,6 +662,15 @@ class SweepSummary(Callback):
             paths = summarize(sweep_dir)
         except SweepError as exc:
             print(f"sweep summary skipped: {exc}", file=sys.stderr, flush=True)
+            return
+        except OSError as exc:  # a full disk: what the sweep had, then one line, exit 3
+            if not full(exc):
+                raise
+            print(f"sweep: {sweep_status(sweep_dir)}", flush=True)
+            where = exc.path if isinstance(exc, NoSpace) else (getattr(exc, "filename", None) or sweep_dir)
+            print(f"error: no space left writing {where} (the sweep summary is incomplete: "
+                  f"python -m orchestrator.report {sweep_dir} rebuilds it)", file=sys.stderr, flush=True)
+            SWEEP_EXIT.append(3)
             return
         for path in paths:
             print(f"sweep summary: {path}", flush=True)

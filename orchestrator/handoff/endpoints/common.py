@@ -22,7 +22,7 @@ from orchestrator.handoff.workload import Shapes
 from orchestrator.profile.config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
-from orchestrator.results.rundir import RunFiles
+from orchestrator.results.rundir import RunFiles, open_regular
 
 # Python's thread switch interval in an endpoint process. The transfer thread wakes from each
 # Mooncake write needing the GIL back: at Python's default 5 ms it would wait behind the
@@ -55,7 +55,8 @@ def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: setattr(Shutdown, "requested", True))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # see lifecycle.spawn
-    err = open(RunFiles(run_dir).stderr_log(role), "ab", buffering=0)
+    err = open(open_regular(RunFiles(run_dir).stderr_log(role), os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab",
+               buffering=0)  # a link or FIFO planted there: refused, never followed
     os.dup2(err.fileno(), 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     torch.set_num_threads(1)  # endpoints share the machine; row ops are tiny

@@ -33,6 +33,7 @@ class Stepper:
                  res: DecodeResult, records: IO[str] | RunFile, log: structlog.stdlib.BoundLogger, slots: int):
         self.ledger, self.rows, self.judge, self.group, self.grants = ledger, rows, judge, group, grants
         self.res, self.records, self.log, self.slots = res, records, log, slots
+        self.tag = getattr(records, "tag", "")  # the run's id, on every verdict line
         self.leader = group.rank == 0
 
     def step(self) -> None:
@@ -143,7 +144,7 @@ class Stepper:
             self.ledger.verdicts[g.prank].append([g.rid, outcome.code, detail.code, t_ns,
                                                   int(g.t_status * 1e9), t_taken_ns])
         self.records.write(f'{{"prefill": {g.prank}, "rid": {g.rid}, "outcome": "{mine.value}", '
-                           f'"detail": "{why.value}"}}\n')
+                           f'"detail": "{why.value}"{self.tag}}}\n')
         self.grants.remove(g)
         if self.res.judged == _WARM:
             self.res.memory["rss_kb_warm"] = rss_kb()

@@ -72,7 +72,7 @@ from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import boot_id, usable_cores
 from orchestrator.results.logs import DecisionLog
 from orchestrator.results.records import RankResult
-from orchestrator.results.rundir import RunFiles, proc_name
+from orchestrator.results.rundir import RunFile, RunFiles, proc_name
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class PrefillEndpoint:
         }
         self.decisions = DecisionLog(files.decisions(self.name, ranks), self.name, static)
         self.records_path = files.requests(self.name, ranks)
-        self.records_path.write_text("")  # this process's records start here (phases append)
+        RunFile(self.records_path, "w").close()  # this process's records start here (phases append)
         self._sender: Optional[Sender] = None
 
     @property

@@ -309,7 +309,8 @@ class PrefillLoop:
         pass of the loop, not per request)."""
         if self._recs:
             self.res.add_many(self._recs, self._stages)
-            self.sink.write("".join([rec.line() + "\n" for rec in self._recs]))
+            tag = self.sink.tag
+            self.sink.write("".join([rec.line(tag) + "\n" for rec in self._recs]))
             self._recs, self._stages = [], []
 
     def lose(self, inst: Instance, detail: Detail, why: str) -> None:

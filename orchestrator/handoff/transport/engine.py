@@ -22,6 +22,7 @@ import numpy as np
 from orchestrator.handoff.transport.ports import any_free_port
 from orchestrator.profile.config import is_loopback
 from orchestrator.profile.plan import EngineTransport
+from orchestrator.results.rundir import open_regular
 
 
 class EngineError(RuntimeError):
@@ -70,7 +71,8 @@ def captured_stderr(log_path: Optional[str]) -> Iterator[list[str]]:
     receives the text written while inside. Without a path, a temporary file is used."""
     out: list[str] = []
     with _fd_lock:
-        fh = open(log_path, "a+b") if log_path else tempfile.TemporaryFile(mode="w+b")
+        fh = (open(open_regular(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "a+b") if log_path
+              else tempfile.TemporaryFile(mode="w+b"))  # a link or FIFO planted there: refused
         with fh:
             fh.seek(0, os.SEEK_END)
             start = fh.tell()
