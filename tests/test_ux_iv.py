@@ -354,6 +354,7 @@ def test_replay_exits_1_when_the_run_now_ends_otherwise(codes, exit_code, tmp_pa
         return SimpleNamespace(returncode=codes[1], stderr="")
 
     monkeypatch.setattr(replay.subprocess, "run", rerun)
+    monkeypatch.setattr(replay, "task_config", lambda run_dir: {})  # its checks: tests/test_trust_iv.py
     monkeypatch.setattr(replay, "compare", lambda a, b: {
         "requests_identical": True, "decisions_identical": True,
         "exit_codes": {"original": codes[0], "replay": codes[1]}})

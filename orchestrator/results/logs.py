@@ -27,7 +27,7 @@ from typing import Any, Mapping, MutableMapping, Optional, TextIO
 
 import structlog
 
-from orchestrator.results.escape import escape_event
+from orchestrator.results.escape import escape_event, printable
 from orchestrator.results.rundir import RunFile, RunFiles, open_regular
 
 _SHARED: list[Any] = [  # structlog processors
@@ -81,13 +81,13 @@ class _WarningLine(logging.Formatter):
         level = "warning" if record.levelno < logging.ERROR else "error"
         msg = record.msg
         if not isinstance(msg, dict):
-            return f"{level}: {' '.join(record.getMessage().split())}"
+            return f"{level}: {printable(' '.join(record.getMessage().split()))}"
         detail = msg.get("detail") or msg.get("error")
         reason = msg.get("reason")
         text = f"{level}: {msg.get('event')}" + (f": {detail}" if detail else "")
         if reason and reason != detail:
             text += f" ({reason})" if detail else f": {reason}"
-        return " ".join(text.split())
+        return printable(" ".join(text.split()))  # a peer's string among them: escaped
 
 
 def _console_formatter(stream: TextIO, quiet: bool = False) -> logging.Formatter:
