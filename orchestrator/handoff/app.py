@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
 from orchestrator.handoff.lifecycle import Signals
-from orchestrator.handoff.runner import run_handoffs
 from orchestrator.profile.config import (
     ConfigError,
     EndpointsConfig,
@@ -55,6 +54,8 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
                                       mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
                         if obj.role is not Role.decode else None)
+            from orchestrator.handoff.runner import run_handoffs  # torch and the rest: only to run
+
             try:
                 out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
             finally:

@@ -18,65 +18,21 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.fault_kinds import FAULTS, Site, Traits
 from orchestrator.handoff.lifecycle import resume
 from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
 from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
 
+__all__ = ["FAULTS", "Site", "Traits"]  # the table lives in fault_kinds (torch-free, for the rule book)
+
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration
 STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
-
-
-class Site(Enum):
-    """Where a fault acts."""
-
-    send = "send"  # the prefill's send path (FaultyRouter)
-    checkpoint = "checkpoint"  # the runner signals a process at a handoff count (LoopFaults, strike)
-    control = "control"  # the runner hands out a control endpoint that never answers
-    session = "session"  # the decode advertises an engine session that never answers
-    decode_rows = "decode_rows"  # the decode's rows at start-up (decode_setup)
-
-
-@dataclass(frozen=True)
-class Traits:
-    """One fault kind's properties (FAULTS)."""
-
-    sites: frozenset[Site] = frozenset()
-    # alters each request it hits (at_request, every) in a send of its own; their records name it
-    # (status_first hits requests too, but delays the usual sends of one TP rank, unnamed)
-    per_request: bool = False
-    engine_only: bool = False  # needs the engine route
-    split: bool = False  # may run with role=prefill or role=decode (acts on one side only)
-    victim: Optional[str] = None  # a process fault: "prefill" (rank 0) or "decode" (instance 0)
-    kills: bool = False  # a process fault: SIGKILL (else SIGSTOP for faults.duration_s)
-
-
-def _t(*sites: Site, **kw: Any) -> Traits:
-    return Traits(frozenset(sites), **kw)
-
-
-FAULTS: dict[FaultKind, Traits] = {
-    FaultKind.none: _t(split=True),
-    FaultKind.decode_killed: _t(Site.checkpoint, victim="decode", kills=True),
-    FaultKind.decode_stopped: _t(Site.checkpoint, victim="decode"),
-    FaultKind.prefill_killed: _t(Site.checkpoint, victim="prefill", kills=True, split=True),
-    FaultKind.prefill_stopped: _t(Site.checkpoint, victim="prefill", split=True),
-    FaultKind.silent_control: _t(Site.control),
-    FaultKind.silent_peer: _t(Site.session, engine_only=True),
-    FaultKind.bad_destination: _t(Site.send, per_request=True, engine_only=True, split=True),
-    FaultKind.wrong_session: _t(Site.send, per_request=True, engine_only=True, split=True),
-    FaultKind.stale_room: _t(Site.send, Site.decode_rows, per_request=True, engine_only=True),
-    FaultKind.corrupt_byte: _t(Site.send, per_request=True, split=True),
-    FaultKind.status_first: _t(Site.send),
-    FaultKind.aux_lost: _t(Site.send, per_request=True, split=True),
-}
 
 
 def acts_at(kind: FaultKind, site: Site) -> bool:

@@ -141,15 +141,55 @@ def host_mem_available(meminfo: str = "/proc/meminfo") -> Optional[int]:
     return None
 
 
-def detect() -> Platform:
-    import torch
-
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def torch_build() -> dict[str, Optional[str]]:
+    """torch's version.py (__version__, cuda, hip), read without importing torch (3 s on a
+    loaded box); {} without torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
-        gpu_mem = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_devices))
-    except Exception:  # noqa: BLE001 - not known: not checked
-        gpu_mem = ()
-    npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
+        with open(path) as f:
+            code = compile(f.read(), path, "exec")
+    except OSError:
+        return {}
+    ns: dict[str, object] = {}
+    exec(code, ns)  # noqa: S102 - torch's own version.py, what `import torch.version` runs
+    return {k: (None if ns.get(k) is None else str(ns[k])) for k in ("__version__", "cuda", "hip")}
+
+
+def no_gpu_possible(build: Optional[dict[str, Optional[str]]] = None) -> bool:
+    """True where torch can see no GPU, known without importing it: a CPU-only build, or an
+    NVIDIA (non-ROCm) build on a machine with no NVIDIA device nodes."""
+    b = torch_build() if build is None else build
+    if not b or (b.get("cuda") is None and b.get("hip") is None):
+        return True
+    nodes = any(n[len("nvidia"):].isdigit() for n in _listdir("/dev") if n.startswith("nvidia"))
+    return b.get("hip") is None and not nodes and not _listdir("/proc/driver/nvidia/gpus")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def detect() -> Platform:
+    """The machine as the rule book sees it. torch is imported only where it could see a
+    GPU or an NPU: a refusal or a CPU run's parent stays free of it (fast feedback)."""
+    gpu_mem: tuple[int, ...] = ()
+    if no_gpu_possible() and importlib.util.find_spec("torch_npu") is None:
+        cuda_devices, npu = 0, False
+    else:
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        try:
+            gpu_mem = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_devices))
+        except Exception:  # noqa: BLE001 - not known: not checked
+            gpu_mem = ()
+        npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
     return Platform(
         cuda_devices=cuda_devices,
         cpu_count=usable_cores(),

@@ -94,7 +94,7 @@ def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -
 
 def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
     """The synthetic requests' shapes for these buffers (their buffers section)."""
-    return Shapes(b.hidden_size, buffers.sizes.hidden_states_dtype,
+    return Shapes(b.hidden_size, getattr(torch, b.hidden_states_dtype.value),  # what the buffers hold
                   b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
 
 
