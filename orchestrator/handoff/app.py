@@ -12,6 +12,7 @@ from typing import Any, Optional, Protocol, TypeVar
 from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
+from orchestrator.handoff import warmstart
 from orchestrator.handoff.lifecycle import Signals
 from orchestrator.profile.config import (
     ConfigError,
@@ -47,6 +48,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             given = typed(cfg)
             obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
             plan = check_profile(obj, detect())
+            warmstart.start_early()  # the children's imports, beside the rest of this start-up
             log = _log_plan(run_dir, obj.logging, plan)
             _write_fingerprint(run_dir, obj.workload, plan, drawn=given.workload.seed is None)
             w, lg = obj.workload, obj.logging
@@ -147,11 +149,28 @@ def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideRe
     late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
     print(reporting.summary(results, run_dir, plot=late), flush=True)
+    if _verbose():
+        print(_phases_line(results), flush=True)
     if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
         assert isinstance(results, JobResults)
         plots.draw_later(run_dir, _latency_title(obj, run_dir, results), obj.workload.rate is not None,
                          obj.report.percentiles)
     return results
+
+
+def _verbose() -> bool:
+    """hydra.verbose set (true, or a list of loggers) in this Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and bool(HydraConfig.get().verbose)
+
+
+def _phases_line(results: JobResults | DecodeSideResults) -> str:
+    """hydra.verbose: each process's start-up, phase by phase (results.json startup_phases)."""
+    per = results.timing.startup_phases or {}
+    return "start-up phases (s): " + ("; ".join(
+        f"{name} " + ", ".join(f"{phase} {s:g}" for phase, s in phases.items()) for name, phases in per.items())
+        or "none measured")
 
 
 def _plotted(obj: PlotSections, results: Results) -> bool:

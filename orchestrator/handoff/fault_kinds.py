@@ -1,15 +1,21 @@
 """FAULTS: what each fault kind is (where it acts, whether it is keyed to request ids, which
-route and roles it may run with, whom a process fault strikes and how). A table only, so the
-rule book reads it without importing the handoff (torch, zmq, numpy); the hooks that act on it
-are in orchestrator.handoff.faults, which re-exports it."""
+route and roles it may run with, whom a process fault strikes and how). The table, and the
+runner's own acts (divert_control, strike), without the handoff's imports (torch, zmq, numpy):
+the rule book and the runner read them here; the hooks inside the endpoints are in
+orchestrator.handoff.faults, which re-exports these."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
-from orchestrator.profile.config import FaultKind
+from orchestrator.handoff.lifecycle import resume
+from orchestrator.profile.config import FaultKind, FaultsConfig
 
 
 class Site(Enum):
@@ -55,3 +61,43 @@ FAULTS: dict[FaultKind, Traits] = {
     FaultKind.status_first: _t(Site.send),
     FaultKind.aux_lost: _t(Site.send, per_request=True, split=True),
 }
+
+
+def acts_at(kind: FaultKind, site: Site) -> bool:
+    """Whether a fault of this kind acts at this site (FAULTS)."""
+    return site in FAULTS[kind].sites
+
+
+def silent_listener(host: str) -> socket.socket:
+    """A socket that completes TCP handshakes (kernel backlog) and never says a word."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(64)
+    return sock
+
+
+def divert_control(faults: FaultsConfig, host: str,
+                   infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
+    """silent_control: decode instance 0's control endpoint, as handed to the prefills,
+    replaced (in `infos`) by a listener that never answers. Returns the listener and the
+    faults applied (none without the fault)."""
+    if not acts_at(faults.kind, Site.control):
+        return None, []
+    silent = silent_listener(host)
+    infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
+    return silent, [{"fault": faults.kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
+
+
+def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:
+    """A process fault's act (the runner's, when a prefill reached the checkpoint): SIGKILL
+    its victim, or SIGSTOP it and SIGCONT it `duration_s` later. Returns whether the asking
+    prefill lives on to read the runner's answer."""
+    traits = FAULTS[FaultKind(kind)]
+    pid = prefill_pid if traits.victim == "prefill" else decode_pid
+    assert pid is not None, "a decode fault runs where the runner holds the decode (rules: not split)"
+    if traits.kills:
+        os.kill(pid, signal.SIGKILL)
+        return pid != prefill_pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(duration_s, resume, (pid,)).start()
+    return True

@@ -12,9 +12,7 @@ handoff count, so a faulted run replays identically."""
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import socket
 import threading
 import time
@@ -23,21 +21,16 @@ from typing import Callable, Iterable, Optional, Sequence
 import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
-from orchestrator.handoff.fault_kinds import FAULTS, Site, Traits
-from orchestrator.handoff.lifecycle import resume
+from orchestrator.handoff.fault_kinds import FAULTS, Site, Traits, acts_at, divert_control, silent_listener, strike
 from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
 from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
 
-__all__ = ["FAULTS", "Site", "Traits"]  # the table lives in fault_kinds (torch-free, for the rule book)
+# the table and the runner's own acts live in fault_kinds (torch-free: the rule book and the runner)
+__all__ = ["FAULTS", "Site", "Traits", "acts_at", "divert_control", "silent_listener", "strike"]
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration
 STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
-
-
-def acts_at(kind: FaultKind, site: Site) -> bool:
-    """Whether a fault of this kind acts at this site (FAULTS)."""
-    return site in FAULTS[kind].sites
 
 
 class Injector:
@@ -279,41 +272,6 @@ def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: b
     return zero_on_free
 
 
-def silent_listener(host: str) -> socket.socket:
-    """A socket that completes TCP handshakes (kernel backlog) and never says a word."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(64)
-    return sock
-
-
 def silent_session(faults: FaultsConfig, host: str) -> Optional[socket.socket]:
     """silent_peer: the listener whose address the decode advertises as its engine session."""
     return silent_listener(host) if acts_at(faults.kind, Site.session) else None
-
-
-def divert_control(faults: FaultsConfig, host: str,
-                   infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
-    """silent_control: decode instance 0's control endpoint, as handed to the prefills,
-    replaced (in `infos`) by a listener that never answers. Returns the listener and the
-    faults applied (none without the fault)."""
-    if not acts_at(faults.kind, Site.control):
-        return None, []
-    silent = silent_listener(host)
-    infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-    return silent, [{"fault": faults.kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
-
-
-def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:
-    """A process fault's act (the runner's, when a prefill reached the checkpoint): SIGKILL
-    its victim, or SIGSTOP it and SIGCONT it `duration_s` later. Returns whether the asking
-    prefill lives on to read the runner's answer."""
-    traits = FAULTS[FaultKind(kind)]
-    pid = prefill_pid if traits.victim == "prefill" else decode_pid
-    assert pid is not None, "a decode fault runs where the runner holds the decode (rules: not split)"
-    if traits.kills:
-        os.kill(pid, signal.SIGKILL)
-        return pid != prefill_pid
-    os.kill(pid, signal.SIGSTOP)
-    threading.Timer(duration_s, resume, (pid,)).start()
-    return True

@@ -167,7 +167,7 @@ def _timing(w: WorkloadConfig, e: EndpointsConfig, out: RunResult, m: _Merged) -
                   round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
                   row_bytes, m.sends, round(m.blocks / m.sends, 2) if m.sends else None,
                   w.rate * e.prefill_ranks if w.rate is not None else None,
-                  round(per_send, 2) if per_send is not None else None)
+                  round(per_send, 2) if per_send is not None else None, out.startup_phases)
 
 
 def _per_send(decode_tp: int, sends: Optional[int], routed: int) -> Optional[float]:
@@ -377,7 +377,8 @@ def build_decode_side(cfg: ReportSections, plan: Plan, out: RunResult) -> Decode
     return DecodeSideResults(
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),
-        {name: DecodeCounts.of(d) for name, d in out.decodes.items()}, Timing(startup_s=out.startup_s),
+        {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
+        Timing(startup_s=out.startup_s, startup_phases=out.startup_phases),
         Transports(effective, plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
 

@@ -15,6 +15,7 @@ import structlog
 import torch
 import zmq
 
+from orchestrator.handoff import warmstart
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
@@ -108,6 +109,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
     else:
         device = torch.device("cpu")
     buffers = make_buffers(b, layout, device)
+    warmstart.mark("buffers")
     engine = None
     transport = "zmq-tcp"
     if plan.route is Route.engine:
@@ -117,6 +119,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
                                 mc.device_name, env=plan.mc_env,
                                 log_path=str(RunFiles(run_dir).mooncake_log(role)))
         engine.register(buffers.arena_ptr, buffers.arena_bytes)
+        warmstart.mark("engine")
         effective = engine.effective_transport
         transport = f"mooncake-{effective.value if effective else 'unknown'}"
         listeners = listening_sockets()
