@@ -58,14 +58,16 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
                         if obj.role is not Role.decode else None)
             from orchestrator.handoff.runner import run_handoffs  # torch and the rest: only to run
 
+            drawer = plots.Drawer(run_dir) if obj.role is not Role.decode else None
             try:
-                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
+                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals,
+                                   after_watch=drawer.start if drawer is not None else None)
             finally:
                 if progress is not None:
                     progress.close()
             results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
                        else reporting.build_results(obj, plan, out))
-            return _finish(obj, run_dir, results, out.no_space, log)
+            return _finish(obj, run_dir, results, out.no_space, log, drawer)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
 
@@ -128,9 +130,10 @@ def _write_fingerprint(run_dir: Path, workload: WorkloadConfig, plan: Plan, draw
 
 
 def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
-            no_space: Optional[str], log: BoundLogger) -> Results:
-    """results.json, latency.png, the summary; a full disk (`no_space`: the file an endpoint
-    or the runner could not write) ends it in one line."""
+            no_space: Optional[str], log: BoundLogger, drawer: Optional[plots.Drawer] = None) -> Results:
+    """results.json, the summary as soon as it is written, then latency.png (drawn by
+    `drawer`'s process, which started when the handoffs ended; waited for here); a full disk
+    (`no_space`: the file an endpoint or the runner could not write) ends it in one line."""
     results.role, results.run_dir = obj.role.value, str(run_dir)
     if no_space is not None:  # an endpoint's file, or a record the runner appended
         full = NoSpace(no_space)
@@ -139,16 +142,27 @@ def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideRe
             _write_outputs(obj, run_dir, results)
         except NoSpace:
             pass
+        if drawer is not None:
+            drawer.wait()
         return _no_space(run_dir, results, full)
     try:
-        _write_outputs(obj, run_dir, results)
+        _write_outputs(obj, run_dir, results, drawer)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
+        if drawer is not None:
+            drawer.wait()
         results.failed_writing(str(exc))
         return _no_space(run_dir, results, exc)
     log.info("results", **results.headline())
     late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
-    print(reporting.summary(results, run_dir, plot=late), flush=True)
+    print(reporting.summary(results, run_dir, plot=late, drawing=drawer is not None and drawer.asked), flush=True)
+    drawn = drawer.wait() if drawer is not None else None  # (after the summary: off its path)
+    if drawn == "no space":
+        full = NoSpace(run_dir / plots.LATENCY_PNG)
+        results.failed_writing(str(full))
+        return _no_space(run_dir, results, full)
+    if drawn is not None:
+        print(f"warning: {plots.LATENCY_PNG} not drawn: {drawn}", file=sys.stderr, flush=True)
     if _verbose():
         print(_phases_line(results), flush=True)
     if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
@@ -178,11 +192,16 @@ def _plotted(obj: PlotSections, results: Results) -> bool:
     return obj.role is not Role.decode and isinstance(results, JobResults)
 
 
-def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
+def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
+                   drawer: Optional[plots.Drawer] = None) -> None:
     reporting.write(run_dir, results)
     if _plotted(obj, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
         assert isinstance(results, JobResults)  # (_plotted)
-        _latency_png(obj, run_dir, results)
+        if drawer is not None and drawer.proc is not None:  # started when the handoffs ended
+            drawer.draw(_latency_title(obj, run_dir, results), obj.workload.rate is not None,
+                        obj.report.percentiles)
+        else:
+            _latency_png(obj, run_dir, results)
 
 
 def _latency_title(obj: PlotSections, run_dir: Path, results: JobResults) -> str:

@@ -135,10 +135,14 @@ paths: sweep.bench.BenchDriver)."""
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
                  driver: Optional[Driver] = None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
-                 signals: Optional[Signals] = None) -> RunResult:
+                 signals: Optional[Signals] = None, after_watch: Optional[Callable[[], None]] = None) -> RunResult:
     """Start every decode process and every prefill rank; run `driver` in the prefill ranks
-    (default: the configured workload); watch them; return what they measured."""
-    return Job(cfg, plan, run_dir, progress, driver, bulk_bytes, secret).run(signals)
+    (default: the configured workload); watch them; return what they measured.
+    `after_watch` is called when the handoffs ended, before the processes are wound down
+    (app: the latency.png drawer starts then)."""
+    job = Job(cfg, plan, run_dir, progress, driver, bulk_bytes, secret)
+    job.after_watch = after_watch
+    return job.run(signals)
 
 
 class Job:
@@ -169,6 +173,7 @@ class Job:
         self._tick = getattr(progress, "tick", None)
         self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
         self.metadata: Optional[subprocess.Popen[bytes]] = None  # the metadata server this run started
+        self.after_watch: Optional[Callable[[], None]] = None  # called when the handoffs ended
 
     def run(self, signals: Optional[Signals] = None) -> RunResult:
         """Start, watch and end every process; what they measured is `out`."""
@@ -212,8 +217,6 @@ class Job:
         if cfg.transport.mooncake.start_metadata_server:
             self.metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
-        if self._stage is not None:
-            self._stage("starting processes")
         infos = self._startup()
         record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
         if role is Role.decode:
@@ -239,6 +242,8 @@ class Job:
         if self.progress is not None:
             self.progress.start()
         self._watch()
+        if self.after_watch is not None and not self.signals.caught:
+            self.after_watch()
         if self._stage is not None:
             self._stage("collecting results")
 
@@ -260,12 +265,23 @@ class Job:
                            args=(target, dict(os.environ), self.cfg, self.plan, str(self.run_dir), self.secret,
                                  child, *args))
         t_start = _clock()
-        spawn(proc)
+        try:
+            spawn(proc)
+        except (EOFError, OSError) as exc:  # the forkserver died under it
+            raise RunFailed(f"{name} could not be started: {type(exc).__name__}: {exc}") from None
         return _Proc(name, proc, protocol.Channel(conn), kind, index, tp_rank, t_start=t_start)
 
     def _spawn(self) -> None:
         """Every decode process, then every prefill rank; a decode TP group its rendezvous."""
         cfg, e = self.cfg, self.cfg.endpoints
+        if self._stage is not None:
+            self._stage("starting processes")
+        try:  # the forkserver's imports: a phase of their own, bounded as each child's are
+            warmstart.wait_ready(e.startup_timeout_s, lambda: bool(self.signals.caught))
+        except warmstart.NotReady as exc:
+            raise RunFailed(f"{exc} (endpoints.startup_timeout_s={e.startup_timeout_s:g})") from None
+        if self.signals.caught:
+            raise Interrupted
         for i in range(e.decode_ranks if cfg.role is not Role.prefill else 0):
             for t in range(e.decode_tp):
                 name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -39,11 +40,19 @@ from typing import Any, Optional
 
 # What the forkserver imports once for every child (each of these pulls in torch, zmq, numpy)
 PRELOAD = ["orchestrator.handoff.endpoints.prefill", "orchestrator.handoff.endpoints.decode",
-           "orchestrator.handoff.runner", "orchestrator.handoff.app", "hydra"]
+           "orchestrator.handoff.runner", "orchestrator.handoff.app", "hydra",
+           "orchestrator.handoff.forkserver_ready"]  # last: says the imports are done
 METHOD_ENV = "ORCHESTRATOR_START_METHOD"
+READY_ENV = "ORCHESTRATOR_FORKSERVER_READY"
 
 _chan: Optional[Any] = None  # this child's protocol.Channel to the runner (child_main)
 _lock = threading.Lock()
+_ready: Optional[str] = None  # the file the forkserver creates when its imports are done
+_ready_seen = False
+
+
+class NotReady(Exception):
+    """The forkserver exited, or made no progress within the bound: one line why."""
 
 
 def method() -> str:
@@ -72,16 +81,66 @@ def start_early() -> None:
     import multiprocessing as mp
     from multiprocessing import forkserver
 
+    global _ready, _ready_seen
     with _lock:
+        before = getattr(forkserver._forkserver, "_forkserver_pid", None)
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
         sigs = (signal.SIGINT, signal.SIGTERM)
         main = threading.current_thread() is threading.main_thread()
         saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
+        ready = os.path.join(tempfile.gettempdir(), f".orchestrator-forkserver-{os.getpid()}-{time.time_ns()}")
+        os.environ[READY_ENV] = ready
         try:  # the forkserver, and so every child, starts with both ignored (lifecycle.spawn)
             forkserver.ensure_running()
         finally:
+            os.environ.pop(READY_ENV, None)
             for s, handler in saved.items():
                 signal.signal(s, handler)
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) != before:  # a new one
+            _ready, _ready_seen = ready, False
+            import atexit
+
+            atexit.register(_unlink, ready)  # (a run that ended before its first child)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def wait_ready(timeout_s: float, stop: Any = lambda: False) -> None:
+    """Wait until the forkserver's imports are done (they may take seconds under load);
+    NotReady when it exits first, or `timeout_s` passes. `stop()` true: return at once."""
+    global _ready_seen
+    if _ready_seen or _ready is None or method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(_ready):
+        if stop():
+            return
+        if pid is not None and not _alive(pid):
+            raise NotReady("the forkserver (torch and the endpoints' imports for every child) exited "
+                           "before its imports were done")
+        if time.monotonic() > deadline:
+            raise NotReady(f"the forkserver's imports (torch and the endpoints', for every child) took more "
+                           f"than {timeout_s:g} s")
+        time.sleep(0.01)
+    _ready_seen = True
+    _unlink(_ready)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not), without reaping it (multiprocessing does)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def child_main(target: str, env: dict[str, str], *args: Any, **kwargs: Any) -> None:

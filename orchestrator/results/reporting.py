@@ -479,9 +479,11 @@ def _tp_line(tp: Optional[TpSummary]) -> list[str]:
             + (f"{tp.allreduce_us_mean} us" if tp.allreduce_us_mean is not None else "not timed")]
 
 
-def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False) -> str:
+def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False,
+            drawing: bool = False) -> str:
     """At most 8 lines for a default run: what ran, what happened, how fast, where. `plot`:
-    latency.png is being drawn beside the exit (an interrupted run's)."""
+    latency.png is being drawn beside the exit (an interrupted run's); `drawing`: it is being
+    drawn and is there when the command returns."""
     if isinstance(results, DecodeSideResults):
         return decode_summary(results, run_dir)
     plan, w = results.plan, results.workload
@@ -519,7 +521,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    png = ", latency.png" if (Path(run_dir) / "latency.png").exists() else \
+    png = ", latency.png" if drawing or (Path(run_dir) / "latency.png").exists() else \
         ", latency.png in a few seconds" if plot else ""
     files = "results.json, requests.jsonl" + png
     lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")
