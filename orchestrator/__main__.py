@@ -118,6 +118,15 @@ def entry() -> None:
         _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
 
 
+def _warm(args: Any) -> None:
+    """A single run passed the checks: its children's forkserver starts importing torch now,
+    beside Hydra's own start (orchestrator.handoff.warmstart)."""
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.multirun or args.shell_completion):
+        from orchestrator.handoff import warmstart
+
+        warmstart.start_early()
+
+
 def _entry() -> None:
     from orchestrator.preflight.compose import hydra_command
     from orchestrator.sweep import bad_files
@@ -129,7 +138,7 @@ def _entry() -> None:
         # a job saves .hydra/ itself, under its run dir's lock (app.save_hydra): a second
         # run started into the same dir then writes nothing there
         sys.argv.append("hydra.output_subdir=null")
-    hydra_command(main, argv, started=lambda: bool(_EXIT))
+    hydra_command(main, argv, started=lambda: bool(_EXIT), checked=_warm)
     from orchestrator.sweep.sweep import SWEEP_EXIT
 
     codes = _EXIT + SWEEP_EXIT  # SWEEP_EXIT covers jobs a launcher ran in other processes

@@ -427,7 +427,8 @@ def profile_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool]) -> None:
+def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool],
+                  checked: Optional[Callable[[argparse.Namespace], None]] = None) -> None:
     """How a Hydra command (python -m orchestrator, orchestrator.bench) starts: anything
     Hydra or the rule book would refuse is one `error:` line and exit 2 before Hydra writes
     a run dir; --help adds every key with its default and meaning (profile.keys); Hydra's
@@ -435,6 +436,8 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
     problem = precheck(argv)
     if problem is not None:  # Hydra's own errors too: one line, exit 2, nothing started
         error_exit(problem)
+    if checked is not None:  # the command line passed: what a run needs may start (warmstart)
+        checked(hydra_args(argv))
     asked_help = "--help" in argv or "-h" in argv
     try:
         main()
