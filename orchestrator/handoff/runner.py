@@ -174,6 +174,7 @@ class Job:
         self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
         self.metadata: Optional[subprocess.Popen[bytes]] = None  # the metadata server this run started
         self.after_watch: Optional[Callable[[], None]] = None  # called when the handoffs ended
+        self.forkserver_wait_s = 0.0  # how long the children's start waited for the forkserver's imports
 
     def run(self, signals: Optional[Signals] = None) -> RunResult:
         """Start, watch and end every process; what they measured is `out`."""
@@ -276,10 +277,12 @@ class Job:
         cfg, e = self.cfg, self.cfg.endpoints
         if self._stage is not None:
             self._stage("starting processes")
+        t0 = _clock()
         try:  # the forkserver's imports: a phase of their own, bounded as each child's are
             warmstart.wait_ready(e.startup_timeout_s, lambda: bool(self.signals.caught))
         except warmstart.NotReady as exc:
             raise RunFailed(f"{exc} (endpoints.startup_timeout_s={e.startup_timeout_s:g})") from None
+        self.forkserver_wait_s = round(_clock() - t0, 3)
         if self.signals.caught:
             raise Interrupted
         for i in range(e.decode_ranks if cfg.role is not Role.prefill else 0):
@@ -338,6 +341,8 @@ class Job:
     def _phases(self) -> None:
         """Each process's start-up, phase by phase (warmstart): seconds from the end of the
         previous phase (the first: from the runner's start of it) to the end of this one."""
+        if warmstart.method() == "forkserver":  # what every child's start waited for, once
+            self.out.startup_phases["forkserver"] = {"imports_left": self.forkserver_wait_s}
         for p in self.prefills + self.decodes:
             last, mine = p.t_start, {}
             for phase, at in sorted(p.phases.items(), key=lambda kv: kv[1]):
