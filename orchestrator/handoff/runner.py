@@ -43,10 +43,30 @@ from orchestrator.results.rundir import NoSpace, RunFiles, proc_name
 if TYPE_CHECKING:
     from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 
-# The endpoints' entries, imported in the child (warmstart.child_main), never here: the parent
-# needs neither torch nor Mooncake to run a job
-DECODE_MAIN = "orchestrator.handoff.endpoints.decode:decode_main"
-PREFILL_MAIN = "orchestrator.handoff.endpoints.prefill:prefill_main"
+
+
+def decode_main(*args: Any, **kwargs: Any) -> None:
+    """The decode endpoint's entry. A child is started with its name (`entry`) and imports it
+    there (warmstart.child_main): the parent needs neither torch nor Mooncake to run a job."""
+    from orchestrator.handoff.endpoints.decode import decode_main as main
+
+    main(*args, **kwargs)
+
+
+def prefill_main(*args: Any, **kwargs: Any) -> None:
+    """The prefill endpoint's entry (as decode_main)."""
+    from orchestrator.handoff.endpoints.prefill import prefill_main as main
+
+    main(*args, **kwargs)
+
+
+setattr(decode_main, "entry", "orchestrator.handoff.endpoints.decode:decode_main")  # noqa: B010
+setattr(prefill_main, "entry", "orchestrator.handoff.endpoints.prefill:prefill_main")  # noqa: B010
+
+
+def _entry(fn: Callable[..., None]) -> str:
+    """"module:function" a child imports and calls: an endpoint's own, or a test's stand-in."""
+    return str(getattr(fn, "entry", f"{fn.__module__}:{fn.__qualname__}"))
 
 _clock = time.monotonic
 
@@ -256,14 +276,14 @@ class Job:
             self.metadata.wait(5)
 
     # ---- start ---------------------------------------------------------------------------
-    def _start(self, name: str, kind: str, index: int, tp_rank: int, target: str,
+    def _start(self, name: str, kind: str, index: int, tp_rank: int, target: Callable[..., None],
                args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> _Proc:
-        """A child running `target` ("module:function"), forked warm (warmstart) with this
-        process's environment as it is now."""
+        """A child running `target` (imported there by name: _entry), forked warm (warmstart)
+        with this process's environment as it is now."""
         ctx = warmstart.context()
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=warmstart.child_main, name=name, daemon=True, kwargs=kwargs or {},
-                           args=(target, dict(os.environ), self.cfg, self.plan, str(self.run_dir), self.secret,
+                           args=(_entry(target), dict(os.environ), self.cfg, self.plan, str(self.run_dir), self.secret,
                                  child, *args))
         t_start = _clock()
         try:
@@ -288,11 +308,11 @@ class Job:
         for i in range(e.decode_ranks if cfg.role is not Role.prefill else 0):
             for t in range(e.decode_tp):
                 name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
-                self.decodes.append(self._start(name, "decode", i, t, DECODE_MAIN, (i, t, self.bulk_bytes)))
+                self.decodes.append(self._start(name, "decode", i, t, decode_main, (i, t, self.bulk_bytes)))
         for r in range(e.prefill_ranks if cfg.role is not Role.decode else 0):
             kwargs = {"rank": r} if self.driver is None else {"rank": r, "driver": self.driver}
             name = proc_name("prefill", r, e.prefill_ranks)
-            self.prefills.append(self._start(name, "prefill", r, 0, PREFILL_MAIN, kwargs=kwargs))
+            self.prefills.append(self._start(name, "prefill", r, 0, prefill_main, kwargs=kwargs))
         if e.decode_tp > 1:
             backend = "nccl" if self.plan.buffer_device is Device.cuda else "gloo"
             for i in range(e.decode_ranks):

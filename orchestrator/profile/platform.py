@@ -147,22 +147,31 @@ def torch_build() -> dict[str, Optional[str]]:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return {}
+    import ast
+
     path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
         with open(path) as f:
-            code = compile(f.read(), path, "exec")
-    except OSError:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError):
         return {}
-    ns: dict[str, object] = {}
-    exec(code, ns)  # noqa: S102 - torch's own version.py, what `import torch.version` runs
-    return {k: (None if ns.get(k) is None else str(ns[k])) for k in ("__version__", "cuda", "hip")}
+    out: dict[str, Optional[str]] = {"__version__": None, "cuda": None, "hip": None}
+    for node in tree.body:  # `name = 'literal'` or `name: type = literal` (none executed)
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id in out and isinstance(value, ast.Constant):
+            out[target.id] = None if value.value is None else str(value.value)
+    return out if out["__version__"] is not None else {}
 
 
 def no_gpu_possible(build: Optional[dict[str, Optional[str]]] = None) -> bool:
     """True where torch can see no GPU, known without importing it: a CPU-only build, or an
     NVIDIA (non-ROCm) build on a machine with no NVIDIA device nodes."""
     b = torch_build() if build is None else build
-    if not b or (b.get("cuda") is None and b.get("hip") is None):
+    if not b:  # no torch (nothing can see a GPU), or a version.py not read: ask torch
+        return importlib.util.find_spec("torch") is None
+    if b.get("cuda") is None and b.get("hip") is None:
         return True
     nodes = any(n[len("nvidia"):].isdigit() for n in _listdir("/dev") if n.startswith("nvidia"))
     return b.get("hip") is None and not nodes and not _listdir("/proc/driver/nvidia/gpus")
