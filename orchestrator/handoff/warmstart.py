@@ -100,7 +100,22 @@ def start_early() -> None:
             _ready, _ready_seen = ready, False
             import atexit
 
-            atexit.register(_unlink, ready)  # (a run that ended before its first child)
+            atexit.register(_unready_ends, ready)  # (a command that ended before its first child)
+
+
+def _unready_ends(path: str) -> None:
+    """At exit: a forkserver still importing for a run that never asked for a child (a
+    refusal Hydra made after the checks, a Ctrl-C) is ended, not left importing torch after
+    the command returned (it would exit by itself only once its imports are done)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if path == _ready and not _ready_seen and not os.path.exists(path) and pid is not None and _alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _unlink(path)
 
 
 def _unlink(path: str) -> None:

@@ -200,7 +200,9 @@ def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults
         requests = sum(r.requests for r in out.ranks.values())
     verified, corrupted = m.outcomes[Outcome.verified], m.outcomes[Outcome.corrupted]
     accounted = sum(m.outcomes.values()) + m.not_started
-    if accounted < requests:  # a rank that left no trace at all (cannot start)
+    if accounted < requests and out.interrupted and not out.error and not out.lost:
+        m.not_started += requests - accounted  # stopped before its processes started: none arrived
+    elif accounted < requests:  # a rank that left no trace at all (cannot start)
         m.details["run_error" if out.error else "prefill_lost"] += requests - accounted
     ranks = list(out.ranks.values())
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
