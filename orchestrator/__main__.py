@@ -136,9 +136,15 @@ def entry() -> None:
         _interrupted(exc.args[0] if isinstance(exc, _EarlyStop) else signal.SIGINT)
 
 
-def _checked(_args: Any) -> None:
-    """The command line passed its checks: composing is over (a signal now raises _EarlyStop)."""
+def _checked(args: Any) -> None:
+    """The command line passed its checks: composing is over (a signal now raises _EarlyStop),
+    and a single run's children's forkserver starts importing torch now, beside Hydra's own
+    start (orchestrator.handoff.warmstart)."""
     _COMPOSING[0] = False
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.multirun or args.shell_completion):
+        from orchestrator.handoff import warmstart
+
+        warmstart.start_early()
 
 
 def _entry() -> None:

@@ -27,7 +27,7 @@ from orchestrator.results.rundir import write_atomic
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT, compose_cfg, typed_cfg
-from .helpers.bounds import bound
+from .helpers.bounds import bound, startup_timeout_s
 from .helpers.peers import PrefillPeer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -202,7 +202,7 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "workload.requests=100000",
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + bound(startup_timeout_s(), start=True)  # its start-up, bounded by the run
     # handoffs under way: finished requests reached the records file (opened at the loop's
     # start, written in 64 KiB blocks), not only the file's creation
     while not any(p.stat().st_size for p in run_dir.glob("requests*.jsonl")) and time.monotonic() < deadline:
@@ -229,7 +229,7 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
     assert not (run_dir / ".run.lock").exists()
     # its latency.png is drawn by a process of its own after the stop (seconds on a busy box)
     assert "latency.png in a few seconds" in out
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + bound(start=True, finish=True)  # a Python that imports matplotlib, draws
     while not (run_dir / "latency.png").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert (run_dir / "latency.png").read_bytes()[:4] == b"\x89PNG"
@@ -254,7 +254,7 @@ def test_interrupt_ends_a_sweep_not_only_its_job(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "-m", "workload.requests=100000",
                              "workload.seed=1,2,3", f"hydra.sweep.dir={sweep_dir}"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + bound(startup_timeout_s(), start=True)  # the first job's start-up
     while not list(sweep_dir.glob("0/requests*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)

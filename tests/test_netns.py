@@ -230,7 +230,7 @@ class MetadataServer:
         self.side = start(pair, pair.decode_ns, f"metadata-{self.port}", base, {},
                           module="mooncake.http_metadata_server",
                           args=["--host", DECODE_IP, "--port", str(self.port)])
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + bound(start=True)  # one process start (Python, Mooncake's wheel)
         while f"started on {DECODE_IP}:{self.port}" not in self.side.stdout + self.side.stderr:
             if self.side.proc.poll() is not None or time.monotonic() > deadline:
                 self.side.kill()
@@ -425,7 +425,9 @@ def cut_run(request, pair, tmp_path_factory):
         decode = start(pair, pair.decode_ns, "decode", base, decode_overrides(port, route))
         prefill = start(pair, pair.prefill_ns, "prefill", base,
                         prefill_overrides(port, route, CUT_REQUESTS))
-        deadline = time.monotonic() + 40
+        # the prefill's start-up (it fails by itself past STARTUP_S without progress), then
+        # the first handoffs: a bound from the configured timeout, not a guess
+        deadline = time.monotonic() + bound(STARTUP_S, start=True)
         while len(before := verified_rids(prefill.run_dir)) < CUT_AFTER_VERIFIED:
             if prefill.proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"handoffs never flowed\n{prefill.tail()}\n{decode.tail()}")

@@ -21,7 +21,7 @@ from orchestrator.handoff.transport import wire
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT, typed_cfg
-from .helpers.bounds import bound
+from .helpers.bounds import bound, startup_timeout_s
 from .helpers.peers import PrefillPeer
 from .helpers.procs import process_tree, reap
 
@@ -107,7 +107,7 @@ def test_decode_side_ends_when_its_prefill_dies(tmp_path, load):
     port = _port()
     decode = _side("decode", tmp_path / "d", f"transport.bootstrap_port={port}")
     prefill = _side("prefill", tmp_path / "p", f"peer=127.0.0.1:{port}", "workload.requests=200000", load)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + bound(startup_timeout_s(), start=True)  # both sides' start-up, bounded
     log = tmp_path / "p" / "prefill.log"  # its loop has started: then 2 s of handoffs (8 expected, idle)
     while not (log.exists() and "prefill_loop" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)

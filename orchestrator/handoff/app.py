@@ -12,8 +12,8 @@ from typing import Any, Optional, Protocol, TypeVar
 from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
+from orchestrator.handoff import warmstart
 from orchestrator.handoff.lifecycle import Signals
-from orchestrator.handoff.runner import run_handoffs
 from orchestrator.profile.config import (
     ConfigError,
     EndpointsConfig,
@@ -65,6 +65,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             given = typed(cfg)
             obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
             plan = check_profile(obj, detect())
+            warmstart.start_early()  # the children's imports, beside the rest of this start-up
             log = _log_plan(run_dir, obj.logging, plan)
             _write_fingerprint(run_dir, obj.workload, plan, drawn=given.workload.seed is None)
             w, lg = obj.workload, obj.logging
@@ -72,14 +73,18 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
                                       mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
                         if obj.role is not Role.decode else None)
+            from orchestrator.handoff.runner import run_handoffs  # torch and the rest: only to run
+
+            drawer = plots.Drawer(run_dir) if obj.role is not Role.decode else None
             try:
-                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals)
+                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals,
+                                   after_watch=drawer.start if drawer is not None else None)
             finally:
                 if progress is not None:
                     progress.close()
             results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
                        else reporting.build_results(obj, plan, out))
-            return _finish(obj, run_dir, results, out.no_space, log)
+            return _finish(obj, run_dir, results, out.no_space, log, drawer)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
         PHASE[0] = None
@@ -160,9 +165,10 @@ def _write_fingerprint(run_dir: Path, workload: WorkloadConfig, plan: Plan, draw
 
 
 def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
-            no_space: Optional[str], log: BoundLogger) -> Results:
-    """results.json, latency.png, the summary; a full disk (`no_space`: the file an endpoint
-    or the runner could not write) ends it in one line."""
+            no_space: Optional[str], log: BoundLogger, drawer: Optional[plots.Drawer] = None) -> Results:
+    """results.json, the summary as soon as it is written, then latency.png (drawn by
+    `drawer`'s process, which started when the handoffs ended; waited for here); a full disk
+    (`no_space`: the file an endpoint or the runner could not write) ends it in one line."""
     results.role, results.run_dir = obj.role.value, str(run_dir)
     if no_space is not None:  # an endpoint's file, or a record the runner appended
         full = NoSpace(no_space)
@@ -171,18 +177,31 @@ def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideRe
             _write_outputs(obj, run_dir, results)
         except NoSpace:
             pass
+        if drawer is not None:
+            drawer.wait()
         return _no_space(run_dir, results, full)
     try:
-        _write_outputs(obj, run_dir, results)
+        _write_outputs(obj, run_dir, results, drawer)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
+        if drawer is not None:
+            drawer.wait()
         results.failed_writing(str(exc))
         return _no_space(run_dir, results, exc)
     log.info("results", **results.headline())
     late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
-    text = reporting.summary(results, run_dir, plot=late)
+    text = reporting.summary(results, run_dir, plot=late, drawing=drawer is not None and drawer.asked)
     print(text, flush=True)
     _save_summary(run_dir, text)
+    drawn = drawer.wait() if drawer is not None else None  # (after the summary: off its path)
+    if drawn == "no space":
+        full = NoSpace(run_dir / plots.LATENCY_PNG)
+        results.failed_writing(str(full))
+        return _no_space(run_dir, results, full)
+    if drawn is not None:
+        print(f"warning: {plots.LATENCY_PNG} not drawn: {drawn}", file=sys.stderr, flush=True)
+    if _verbose():
+        print(_phases_line(results), flush=True)
     if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
         assert isinstance(results, JobResults)
         plots.draw_later(run_dir, _latency_title(obj, run_dir, results), obj.workload.rate is not None,
@@ -201,16 +220,36 @@ def _save_summary(run_dir: Path, text: str) -> None:
 SUMMARY_TXT = "summary.txt"
 
 
+def _verbose() -> bool:
+    """hydra.verbose set (true, or a list of loggers) in this Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and bool(HydraConfig.get().verbose)
+
+
+def _phases_line(results: JobResults | DecodeSideResults) -> str:
+    """hydra.verbose: each process's start-up, phase by phase (results.json startup_phases)."""
+    per = results.timing.startup_phases or {}
+    return "start-up phases (s): " + ("; ".join(
+        f"{name} " + ", ".join(f"{phase} {s:g}" for phase, s in phases.items()) for name, phases in per.items())
+        or "none measured")
+
+
 def _plotted(obj: PlotSections, results: Results) -> bool:
     """Whether this run draws latency.png (a run of the prefill side)."""
     return obj.role is not Role.decode and isinstance(results, JobResults)
 
 
-def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults) -> None:
+def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
+                   drawer: Optional[plots.Drawer] = None) -> None:
     reporting.write(run_dir, results)
     if _plotted(obj, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
         assert isinstance(results, JobResults)  # (_plotted)
-        _latency_png(obj, run_dir, results)
+        if drawer is not None and drawer.proc is not None:  # started when the handoffs ended
+            drawer.draw(_latency_title(obj, run_dir, results), obj.workload.rate is not None,
+                        obj.report.percentiles)
+        else:
+            _latency_png(obj, run_dir, results)
 
 
 def _latency_title(obj: PlotSections, run_dir: Path, results: JobResults) -> str:

@@ -12,76 +12,25 @@ handoff count, so a faulted run replays identically."""
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
-from orchestrator.handoff.lifecycle import resume
+from orchestrator.handoff.fault_kinds import FAULTS, Site, Traits, acts_at, divert_control, silent_listener, strike
 from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
 from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
+
+# the table and the runner's own acts live in fault_kinds (torch-free: the rule book and the runner)
+__all__ = ["FAULTS", "Site", "Traits", "acts_at", "divert_control", "silent_listener", "strike"]
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there
 BAD_OFFSET = 1 << 40  # far outside any registration
 STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_room)
-
-
-class Site(Enum):
-    """Where a fault acts."""
-
-    send = "send"  # the prefill's send path (FaultyRouter)
-    checkpoint = "checkpoint"  # the runner signals a process at a handoff count (LoopFaults, strike)
-    control = "control"  # the runner hands out a control endpoint that never answers
-    session = "session"  # the decode advertises an engine session that never answers
-    decode_rows = "decode_rows"  # the decode's rows at start-up (decode_setup)
-
-
-@dataclass(frozen=True)
-class Traits:
-    """One fault kind's properties (FAULTS)."""
-
-    sites: frozenset[Site] = frozenset()
-    # alters each request it hits (at_request, every) in a send of its own; their records name it
-    # (status_first hits requests too, but delays the usual sends of one TP rank, unnamed)
-    per_request: bool = False
-    engine_only: bool = False  # needs the engine route
-    split: bool = False  # may run with role=prefill or role=decode (acts on one side only)
-    victim: Optional[str] = None  # a process fault: "prefill" (rank 0) or "decode" (instance 0)
-    kills: bool = False  # a process fault: SIGKILL (else SIGSTOP for faults.duration_s)
-
-
-def _t(*sites: Site, **kw: Any) -> Traits:
-    return Traits(frozenset(sites), **kw)
-
-
-FAULTS: dict[FaultKind, Traits] = {
-    FaultKind.none: _t(split=True),
-    FaultKind.decode_killed: _t(Site.checkpoint, victim="decode", kills=True),
-    FaultKind.decode_stopped: _t(Site.checkpoint, victim="decode"),
-    FaultKind.prefill_killed: _t(Site.checkpoint, victim="prefill", kills=True, split=True),
-    FaultKind.prefill_stopped: _t(Site.checkpoint, victim="prefill", split=True),
-    FaultKind.silent_control: _t(Site.control),
-    FaultKind.silent_peer: _t(Site.session, engine_only=True),
-    FaultKind.bad_destination: _t(Site.send, per_request=True, engine_only=True, split=True),
-    FaultKind.wrong_session: _t(Site.send, per_request=True, engine_only=True, split=True),
-    FaultKind.stale_room: _t(Site.send, Site.decode_rows, per_request=True, engine_only=True),
-    FaultKind.corrupt_byte: _t(Site.send, per_request=True, split=True),
-    FaultKind.status_first: _t(Site.send),
-    FaultKind.aux_lost: _t(Site.send, per_request=True, split=True),
-}
-
-
-def acts_at(kind: FaultKind, site: Site) -> bool:
-    """Whether a fault of this kind acts at this site (FAULTS)."""
-    return site in FAULTS[kind].sites
 
 
 class Injector:
@@ -323,41 +272,6 @@ def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: b
     return zero_on_free
 
 
-def silent_listener(host: str) -> socket.socket:
-    """A socket that completes TCP handshakes (kernel backlog) and never says a word."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(64)
-    return sock
-
-
 def silent_session(faults: FaultsConfig, host: str) -> Optional[socket.socket]:
     """silent_peer: the listener whose address the decode advertises as its engine session."""
     return silent_listener(host) if acts_at(faults.kind, Site.session) else None
-
-
-def divert_control(faults: FaultsConfig, host: str,
-                   infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
-    """silent_control: decode instance 0's control endpoint, as handed to the prefills,
-    replaced (in `infos`) by a listener that never answers. Returns the listener and the
-    faults applied (none without the fault)."""
-    if not acts_at(faults.kind, Site.control):
-        return None, []
-    silent = silent_listener(host)
-    infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-    return silent, [{"fault": faults.kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
-
-
-def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:
-    """A process fault's act (the runner's, when a prefill reached the checkpoint): SIGKILL
-    its victim, or SIGSTOP it and SIGCONT it `duration_s` later. Returns whether the asking
-    prefill lives on to read the runner's answer."""
-    traits = FAULTS[FaultKind(kind)]
-    pid = prefill_pid if traits.victim == "prefill" else decode_pid
-    assert pid is not None, "a decode fault runs where the runner holds the decode (rules: not split)"
-    if traits.kills:
-        os.kill(pid, signal.SIGKILL)
-        return pid != prefill_pid
-    os.kill(pid, signal.SIGSTOP)
-    threading.Timer(duration_s, resume, (pid,)).start()
-    return True

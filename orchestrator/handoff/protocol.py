@@ -7,7 +7,7 @@ message is trusted, but it is still typed: a receiver matches on the class (`mat
 case Ready(info=info): ...`), and anything else arriving is a `ProtocolError`, never a
 silently ignored tuple.
 
-Child -> runner: Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error,
+Child -> runner: Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error,
 Bye, Refused, PrefillLost.  Runner -> child: Rendezvous, Decodes, Stop, FaultDone,
 DecodeGone, PrefillGone.
 """
@@ -24,6 +24,15 @@ class ProtocolError(RuntimeError):
 
 
 # ---- child -> runner -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    """A child finished start-up phase `phase` at `at` (time.monotonic(), one clock for every
+    process of the machine): progress, and its phase times (orchestrator.handoff.warmstart)."""
+
+    phase: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -155,10 +164,10 @@ class PrefillGone:
     rank: int
 
 
-ToRunner = Union[Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,
+ToRunner = Union[Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,
                  Refused, PrefillLost]
 ToChild = Union[Rendezvous, Decodes, Stop, FaultDone, DecodeGone, PrefillGone]
-MESSAGES = (Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,
+MESSAGES = (Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,
             Refused, PrefillLost, Rendezvous, Decodes, Stop, FaultDone, DecodeGone, PrefillGone)
 
 

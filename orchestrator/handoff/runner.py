@@ -23,15 +23,13 @@ from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import structlog
 
-from orchestrator.handoff import protocol
+from orchestrator.handoff import protocol, warmstart
 from orchestrator.handoff.bootstrap import lookup, serve_bootstrap, start_metadata_server
-from orchestrator.handoff.endpoints.decode import decode_main
-from orchestrator.handoff.endpoints.prefill import PrefillEndpoint, prefill_main
-from orchestrator.handoff.faults import divert_control, strike
+from orchestrator.handoff.fault_kinds import divert_control, strike
 from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
 from orchestrator.handoff.mps import mps_for, record_servers
 from orchestrator.handoff.recovery import decode_from_disk, reconstruct
@@ -41,6 +39,34 @@ from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult
 from orchestrator.results.rundir import NoSpace, RunFiles, proc_name
+
+if TYPE_CHECKING:
+    from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
+
+
+
+def decode_main(*args: Any, **kwargs: Any) -> None:
+    """The decode endpoint's entry. A child is started with its name (`entry`) and imports it
+    there (warmstart.child_main): the parent needs neither torch nor Mooncake to run a job."""
+    from orchestrator.handoff.endpoints.decode import decode_main as main
+
+    main(*args, **kwargs)
+
+
+def prefill_main(*args: Any, **kwargs: Any) -> None:
+    """The prefill endpoint's entry (as decode_main)."""
+    from orchestrator.handoff.endpoints.prefill import prefill_main as main
+
+    main(*args, **kwargs)
+
+
+setattr(decode_main, "entry", "orchestrator.handoff.endpoints.decode:decode_main")  # noqa: B010
+setattr(prefill_main, "entry", "orchestrator.handoff.endpoints.prefill:prefill_main")  # noqa: B010
+
+
+def _entry(fn: Callable[..., None]) -> str:
+    """"module:function" a child imports and calls: an endpoint's own, or a test's stand-in."""
+    return str(getattr(fn, "entry", f"{fn.__module__}:{fn.__qualname__}"))
 
 _clock = time.monotonic
 
@@ -64,6 +90,9 @@ class _Proc:
     last_seen: float = 0.0
     done: bool = False
     running: bool = False  # a prefill that reached its handoff phase (it may hold records)
+    t_start: float = 0.0  # when the runner started it
+    progress_at: float = 0.0  # its last start-up progress (a Started phase, or the wait's start)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # start-up phase: when it ended
 
 
 def _free_port(host: str) -> int:
@@ -119,17 +148,21 @@ class _Progress(Protocol):
     def __call__(self, done: int, verified: Optional[int] = None) -> None: ...
 
 
-Driver = Callable[[PrefillEndpoint, protocol.Channel], Any]
+Driver = Callable[["PrefillEndpoint", protocol.Channel], Any]
 """What a prefill rank runs and sends back (default: prefill.workload_driver; the bench's
 paths: sweep.bench.BenchDriver)."""
 
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
                  driver: Optional[Driver] = None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
-                 signals: Optional[Signals] = None) -> RunResult:
+                 signals: Optional[Signals] = None, after_watch: Optional[Callable[[], None]] = None) -> RunResult:
     """Start every decode process and every prefill rank; run `driver` in the prefill ranks
-    (default: the configured workload); watch them; return what they measured."""
-    return Job(cfg, plan, run_dir, progress, driver, bulk_bytes, secret).run(signals)
+    (default: the configured workload); watch them; return what they measured.
+    `after_watch` is called when the handoffs ended, before the processes are wound down
+    (app: the latency.png drawer starts then)."""
+    job = Job(cfg, plan, run_dir, progress, driver, bulk_bytes, secret)
+    job.after_watch = after_watch
+    return job.run(signals)
 
 
 class Job:
@@ -160,6 +193,8 @@ class Job:
         self._tick = getattr(progress, "tick", None)
         self.silent: Optional[socket.socket] = None  # the silent_control fault's listener
         self.metadata: Optional[subprocess.Popen[bytes]] = None  # the metadata server this run started
+        self.after_watch: Optional[Callable[[], None]] = None  # called when the handoffs ended
+        self.forkserver_wait_s = 0.0  # how long the children's start waited for the forkserver's imports
 
     def run(self, signals: Optional[Signals] = None) -> RunResult:
         """Start, watch and end every process; what they measured is `out`."""
@@ -203,12 +238,11 @@ class Job:
         if cfg.transport.mooncake.start_metadata_server:
             self.metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
-        if self._stage is not None:
-            self._stage("starting processes")
         infos = self._startup()
         record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
+            self._phases()
             serve_bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, self.secret, infos, self.decodes, out,
                             self.log, self.signals)
             raise Interrupted if self.signals.caught else _Done
@@ -224,10 +258,13 @@ class Job:
         self._await(self.prefills, cfg.endpoints.startup_timeout_s, "while bootstrapping",
                     "did not bootstrap in time", self._on_running)
         out.startup_s = round(_clock() - self.t_spawn, 3)
+        self._phases()
         out.t_phase = _clock()
         if self.progress is not None:
             self.progress.start()
         self._watch()
+        if self.after_watch is not None and not self.signals.caught:
+            self.after_watch()
         if self._stage is not None:
             self._stage("collecting results")
 
@@ -241,16 +278,33 @@ class Job:
     # ---- start ---------------------------------------------------------------------------
     def _start(self, name: str, kind: str, index: int, tp_rank: int, target: Callable[..., None],
                args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> _Proc:
-        ctx = mp.get_context("spawn")
+        """A child running `target` (imported there by name: _entry), forked warm (warmstart)
+        with this process's environment as it is now."""
+        ctx = warmstart.context()
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=target, name=name, daemon=True, kwargs=kwargs or {},
-                           args=(self.cfg, self.plan, str(self.run_dir), self.secret, child, *args))
-        spawn(proc)
-        return _Proc(name, proc, protocol.Channel(conn), kind, index, tp_rank)
+        proc = ctx.Process(target=warmstart.child_main, name=name, daemon=True, kwargs=kwargs or {},
+                           args=(_entry(target), dict(os.environ), self.cfg, self.plan, str(self.run_dir), self.secret,
+                                 child, *args))
+        t_start = _clock()
+        try:
+            spawn(proc)
+        except (EOFError, OSError) as exc:  # the forkserver died under it
+            raise RunFailed(f"{name} could not be started: {type(exc).__name__}: {exc}") from None
+        return _Proc(name, proc, protocol.Channel(conn), kind, index, tp_rank, t_start=t_start)
 
     def _spawn(self) -> None:
         """Every decode process, then every prefill rank; a decode TP group its rendezvous."""
         cfg, e = self.cfg, self.cfg.endpoints
+        if self._stage is not None:
+            self._stage("starting processes")
+        t0 = _clock()
+        try:  # the forkserver's imports: a phase of their own, bounded as each child's are
+            warmstart.wait_ready(e.startup_timeout_s, lambda: bool(self.signals.caught))
+        except warmstart.NotReady as exc:
+            raise RunFailed(f"{exc} (endpoints.startup_timeout_s={e.startup_timeout_s:g})") from None
+        self.forkserver_wait_s = round(_clock() - t0, 3)
+        if self.signals.caught:
+            raise Interrupted
         for i in range(e.decode_ranks if cfg.role is not Role.prefill else 0):
             for t in range(e.decode_tp):
                 name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
@@ -270,10 +324,14 @@ class Job:
     def _await(self, procs: list[_Proc], timeout_s: float, while_: str, late: str,
                take: Callable[[_Proc, Any], None]) -> None:
         """One message from each of `procs`, handed to `take` (which raises RunFailed on a
-        wrong one). A process that exits first, or `timeout_s` passing, fails the run:
-        "exited with code N `while_`", or "NAMES `late`"."""
-        deadline = _clock() + timeout_s
+        wrong one). A process that exits first fails the run at once ("exited with code N
+        `while_`"); one that makes no progress for `timeout_s` (no start-up phase ended:
+        protocol.Started) fails it too ("NAMES `late`"). A process that reports its phases is
+        not dead: `timeout_s` bounds each phase, not their sum."""
+        now = _clock()
         pending = list(procs)
+        for p in pending:
+            p.progress_at = now
         while pending:
             if self.signals.caught:
                 raise Interrupted
@@ -281,18 +339,36 @@ class Job:
                 self._tick()
             self._decode_died(pending, while_)
             for p in list(pending):
-                if p.conn.poll(0.02):
+                if p.conn.poll(0.02 / len(pending)):
                     try:
                         msg = p.conn.recv()
                     except (EOFError, OSError):  # it died: its pipe closed
                         p.proc.join(1.0)
                         raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} {while_}") from None
+                    if isinstance(msg, protocol.Started):
+                        p.phases[msg.phase] = msg.at
+                        p.progress_at = _clock()
+                        continue
                     take(p, msg)
                     pending.remove(p)
                 elif not p.proc.is_alive() and not p.conn.poll(0):
                     raise RunFailed(f"{p.name} exited with code {p.proc.exitcode} {while_}")
-            if _clock() > deadline:
-                raise RunFailed(f"{', '.join(p.name for p in pending)} {late}")
+            now = _clock()
+            stuck = [p for p in pending if now - p.progress_at > timeout_s]
+            if stuck:
+                raise RunFailed(f"{', '.join(p.name for p in stuck)} {late}")
+
+    def _phases(self) -> None:
+        """Each process's start-up, phase by phase (warmstart): seconds from the end of the
+        previous phase (the first: from the runner's start of it) to the end of this one."""
+        if warmstart.method() == "forkserver":  # what every child's start waited for, once
+            self.out.startup_phases["forkserver"] = {"imports_left": self.forkserver_wait_s}
+        for p in self.prefills + self.decodes:
+            last, mine = p.t_start, {}
+            for phase, at in sorted(p.phases.items(), key=lambda kv: kv[1]):
+                mine[phase], last = round(max(0.0, at - last), 3), at
+            self.out.startup_phases[p.name] = mine
+        self.log.info("startup_phases", start_method=warmstart.method(), **self.out.startup_phases)
 
     def _decode_died(self, pending: list[_Proc], while_: str) -> None:
         """A decode that said it was ready and then exited, while the runner waits on others

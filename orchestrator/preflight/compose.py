@@ -598,6 +598,24 @@ def profile_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_repository_for_help() -> None:
+    """Hydra's --help lists every config group's options, each through a fresh copy of the
+    whole config repository (copy.deepcopy: 100 of them, 2-4 s of a --help); the listing
+    reads the same search path with the same overrides every time, so --help reuses one."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    made = ConfigLoaderImpl._parse_overrides_and_create_caching_repo
+    seen: dict[Any, Any] = {}
+
+    def once(self: Any, config_name: Optional[str], overrides: list[str]) -> Any:
+        key = (id(self), config_name, tuple(overrides))
+        if key not in seen:
+            seen[key] = made(self, config_name, overrides)
+        return seen[key]
+
+    setattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo", once)  # noqa: B010 - --help only
+
+
 def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callable[[], bool],
                   checked: Optional[Callable[[argparse.Namespace], None]] = None) -> None:
     """How a Hydra command (python -m orchestrator, orchestrator.bench) starts: anything
@@ -612,6 +630,8 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
     if checked is not None:  # the command line passed: what a run needs may start (warmstart)
         checked(hydra_args(argv))
     asked_help = "--help" in argv or "-h" in argv
+    if asked_help:
+        _one_repository_for_help()
     try:
         main()
     except SystemExit as exc:

@@ -13,17 +13,38 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-import torch
 import yaml
 
 from orchestrator.profile.config import CONF_DIR, LAYOUT_DTYPES, BuffersConfig, FieldConfig, LayoutConfig
 
+if TYPE_CHECKING:
+    import torch
+
 LAYOUT_DIR = CONF_DIR / "layout"
 DEFAULT_LAYOUT = "sglang_0_5_23"
 
-DTYPES = {name: getattr(torch, name) for name in LAYOUT_DTYPES}  # the names torch spells alike
+# Bytes per element of each dtype name a layout may declare (torch spells the names alike:
+# torch.<name>). Sizes and the bootstrap description are computed from this table, so the
+# rule book, doctor and the parent never import torch; torch's dtype is looked up only where
+# tensors are made (field_specs).
+ITEMSIZE = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "uint64": 8, "float16": 2,
+            "bfloat16": 2, "float32": 4, "float64": 8}
+assert set(ITEMSIZE) == set(LAYOUT_DTYPES)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # torch's dtype for each name (imports torch)
+        import torch
+
+        return {n: getattr(torch, n) for n in LAYOUT_DTYPES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
+    """float32 for torch.float32 or "float32" (no torch import)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -31,7 +52,7 @@ class Sizes:
     """What the MetadataBuffers constructor was given (SGLang's arguments)."""
 
     hidden_size: int
-    hidden_states_dtype: torch.dtype
+    hidden_states_dtype: Union[str, "torch.dtype"]  # a name (float32) or torch's dtype
     max_sampling_mask_tokens: int
     max_top_logprobs_num: int = 128
     output_dsa_topk_indices_dim: int = 0
@@ -48,7 +69,7 @@ class Sizes:
 class FieldSpec:
     name: str
     width: int
-    dtype: torch.dtype
+    dtype: "torch.dtype"
     fill: int = 0
     role: str = ""
     get_buf: bool = True
@@ -75,8 +96,9 @@ def _field(raw: dict[str, Any]) -> FieldConfig:
     return FieldConfig(**kwargs)
 
 
-def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
-    """The PRESENT fields, in declaration order (= get_buf_infos order)."""
+def field_rows(layout: LayoutConfig, sizes: Sizes) -> list[tuple[FieldConfig, int, str]]:
+    """The PRESENT fields, in declaration order (= get_buf_infos order): the declaration, its
+    row width and its dtype name (without torch)."""
     out = []
     for f in layout.fields:
         if not sizes.present(f.present):
@@ -84,9 +106,21 @@ def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
         width = int(f.width) if f.width.isdigit() else int(getattr(sizes, f.width))
         if width <= 0:
             continue
-        dtype = sizes.hidden_states_dtype if f.dtype == "hidden" else DTYPES[f.dtype]
-        out.append(FieldSpec(f.name, width, dtype, f.fill, f.role, f.get_buf))
+        out.append((f, width, dtype_name(sizes.hidden_states_dtype) if f.dtype == "hidden" else f.dtype))
     return out
+
+
+def row_bytes(layout: LayoutConfig, sizes: Sizes) -> list[int]:
+    """Each present field's row length in bytes (field_rows' order), without torch."""
+    return [width * ITEMSIZE[name] for _f, width, name in field_rows(layout, sizes)]
+
+
+def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
+    """The PRESENT fields, in declaration order (= get_buf_infos order), with torch's dtypes."""
+    import torch
+
+    return [FieldSpec(f.name, width, getattr(torch, name), f.fill, f.role, f.get_buf)
+            for f, width, name in field_rows(layout, sizes)]
 
 
 def get_buf_names(layout: LayoutConfig) -> list[str]:
@@ -97,17 +131,16 @@ def get_buf_names(layout: LayoutConfig) -> list[str]:
 # ---- cross-layout safety ---------------------------------------------------------------------
 def describe(specs: Sequence[FieldSpec]) -> list[list[Any]]:
     """What both sides must agree on, field by field: name, dtype, item length."""
-    return [[s.name, str(s.dtype).removeprefix("torch."), s.item_len] for s in specs]
+    return [[s.name, dtype_name(s.dtype), s.item_len] for s in specs]
 
 
 def profile_layout(buffers: BuffersConfig, layout: LayoutConfig) -> list[list[Any]]:
     """The description a profile's buffers will send at bootstrap, computed without
     building them."""
     b = buffers
-    hidden = getattr(torch, b.hidden_states_dtype.value)
-    sizes = Sizes(b.hidden_size, hidden, b.max_sampling_mask_tokens, b.max_top_logprobs_num,
+    sizes = Sizes(b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens, b.max_top_logprobs_num,
                   b.output_dsa_topk_indices_dim, b.kv_checksum_enabled, b.enable_sampling_mask)
-    return describe(field_specs(layout, sizes))
+    return [[f.name, name, width * ITEMSIZE[name]] for f, width, name in field_rows(layout, sizes)]
 
 
 def fingerprint(description: list[list[Any]]) -> str:

@@ -141,15 +141,64 @@ def host_mem_available(meminfo: str = "/proc/meminfo") -> Optional[int]:
     return None
 
 
-def detect() -> Platform:
-    import torch
+def torch_build() -> dict[str, Optional[str]]:
+    """torch's version.py (__version__, cuda, hip), read without importing torch (3 s on a
+    loaded box); {} without torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    import ast
 
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
-        gpu_mem = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_devices))
-    except Exception:  # noqa: BLE001 - not known: not checked
-        gpu_mem = ()
-    npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError):
+        return {}
+    out: dict[str, Optional[str]] = {"__version__": None, "cuda": None, "hip": None}
+    for node in tree.body:  # `name = 'literal'` or `name: type = literal` (none executed)
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id in out and isinstance(value, ast.Constant):
+            out[target.id] = None if value.value is None else str(value.value)
+    return out if out["__version__"] is not None else {}
+
+
+def no_gpu_possible(build: Optional[dict[str, Optional[str]]] = None) -> bool:
+    """True where torch can see no GPU, known without importing it: a CPU-only build, or an
+    NVIDIA (non-ROCm) build on a machine with no NVIDIA device nodes."""
+    b = torch_build() if build is None else build
+    if not b:  # no torch (nothing can see a GPU), or a version.py not read: ask torch
+        return importlib.util.find_spec("torch") is None
+    if b.get("cuda") is None and b.get("hip") is None:
+        return True
+    nodes = any(n[len("nvidia"):].isdigit() for n in _listdir("/dev") if n.startswith("nvidia"))
+    return b.get("hip") is None and not nodes and not _listdir("/proc/driver/nvidia/gpus")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def detect() -> Platform:
+    """The machine as the rule book sees it. torch is imported only where it could see a
+    GPU or an NPU: a refusal or a CPU run's parent stays free of it (fast feedback)."""
+    gpu_mem: tuple[int, ...] = ()
+    if no_gpu_possible() and importlib.util.find_spec("torch_npu") is None:
+        cuda_devices, npu = 0, False
+    else:
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        try:
+            gpu_mem = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(cuda_devices))
+        except Exception:  # noqa: BLE001 - not known: not checked
+            gpu_mem = ()
+        npu = hasattr(torch, "npu") and bool(getattr(torch.npu, "is_available", lambda: False)())
     return Platform(
         cuda_devices=cuda_devices,
         cpu_count=usable_cores(),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from orchestrator.handoff.faults import FAULTS
+from orchestrator.handoff.fault_kinds import FAULTS
 from orchestrator.handoff.transport.auth import secret_from_env
 from orchestrator.profile.config import (
     WIDTH_KEYS,
@@ -138,14 +138,13 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
 def buffer_bytes(cfg: BufferSections) -> int:
     """One process's MetadataBuffers arena (every present field, 256-byte aligned, plus its
     alignment slack and warm-up scratch), computed from the layout without allocating."""
-    from orchestrator.handoff.buffers import TORCH_DTYPES
-    from orchestrator.profile.layout import Sizes, field_specs
+    from orchestrator.profile.layout import Sizes, row_bytes
 
     b = cfg.buffers
-    sizes = Sizes(b.hidden_size, TORCH_DTYPES[b.hidden_states_dtype], b.max_sampling_mask_tokens,
+    sizes = Sizes(b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
                   b.max_top_logprobs_num, b.output_dsa_topk_indices_dim, b.kv_checksum_enabled,
                   b.enable_sampling_mask)
-    return sum(-(-b.size * s.item_len // 256) * 256 for s in field_specs(cfg.layout, sizes)) + 3 * 256
+    return sum(-(-b.size * n // 256) * 256 for n in row_bytes(cfg.layout, sizes)) + 3 * 256
 
 
 def _memory_key(b: BuffersConfig) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from orchestrator.profile.config import WorkloadConfig
 from orchestrator.profile.plan import Plan
-from orchestrator.profile.platform import mooncake_distribution
+from orchestrator.profile.platform import mooncake_distribution, no_gpu_possible, torch_build
 
 PACKAGES = ("hydra-core", "omegaconf", "structlog", "pyzmq", "torch", "numpy")
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +40,8 @@ def git_commit() -> dict[str, Any]:
 
 
 def gpus() -> dict[str, Any]:
+    if no_gpu_possible():  # known without importing torch
+        return {"count": 0}
     import torch
 
     if not torch.cuda.is_available():
@@ -73,8 +75,7 @@ def host_load() -> dict[str, Any]:
 
 def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
     """fingerprint.json: versions, machine, git commit, the plan's MC_* env and the run's seed."""
-    import torch
-
+    build = torch_build()  # torch's version.py: what torch.__version__ and torch.version.cuda say
     packages = {name: _version(name) for name in PACKAGES}
     dist = mooncake_distribution()
     packages[dist[0] if dist else "mooncake"] = dist[1] if dist else None
@@ -84,8 +85,8 @@ def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "host": host_load(),
         "packages": packages,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
+        "torch": build.get("__version__"),
+        "cuda": build.get("cuda"),
         "gpus": gpus(),
         "mc_env": dict(plan.mc_env),
         "gpu_sharing": plan.sharing.as_dict(),  # as planned (results.json: as the run had it)

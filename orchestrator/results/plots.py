@@ -270,6 +270,77 @@ def draw_later(run_dir: Path, title: str, arrival: bool = False, qs: Sequence[fl
                      start_new_session=True, close_fds=True)
 
 
+class Drawer:
+    """A run's latency.png, drawn off the critical path by a process of its own: started
+    when the handoffs end (`start`: it imports matplotlib while the endpoints wind down and
+    the results are built), told to draw once results.json is written (`draw`: its marks are
+    results.json's), and waited for after the summary is printed (`wait`), so the image is
+    there when the command returns. The image appears whole (drawn aside, then renamed)."""
+
+    NO_SPACE = 28  # the drawer's exit code for a full disk (ENOSPC, EDQUOT)
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.proc: Optional[Any] = None
+        self.asked = False
+
+    def start(self) -> None:
+        import subprocess
+        import sys
+
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.results.plots", "--stdin",
+                                          str(self.run_dir)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, close_fds=True)
+
+    def draw(self, title: str, arrival: bool = False, qs: Sequence[float] = DEFAULT_QS) -> None:
+        self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps({"title": title, "arrival": arrival, "qs": list(qs)}) + "\n").encode())
+            self.proc.stdin.close()
+            self.asked = True
+        except OSError:
+            pass
+
+    def wait(self) -> Optional[str]:
+        """None: drawn (or nothing to draw: the drawer is ended at once); "no space": the
+        disk is full; else the error."""
+        if self.proc is None:
+            return None
+        if not self.asked:
+            self.proc.kill()
+        err = self.proc.stderr.read() if self.proc.stderr is not None else b""
+        self.proc.wait()
+        if not self.asked:
+            return None
+        if self.proc.returncode == 0:
+            return None
+        if self.proc.returncode == self.NO_SPACE:
+            return "no space"
+        lines = err.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"the drawer exited with code {self.proc.returncode}"
+
+
+def _draw_asked(run_dir: Path) -> int:
+    """Drawer's process: matplotlib first, then the request from stdin (none: exit)."""
+    import errno
+    import sys
+
+    pyplot()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    try:
+        _draw(run_dir, json.loads(line))
+    except OSError as exc:
+        (run_dir / f".{LATENCY_PNG}.partial.png").unlink(missing_ok=True)  # nothing torn left
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return Drawer.NO_SPACE
+        raise
+    return 0
+
+
 def _draw(run_dir: Path, opts: dict) -> Optional[Path]:
     """draw_later's process: latency.png from the run dir's records and results.json."""
     import os
@@ -297,7 +368,9 @@ def short_dir(path: str | Path) -> str:
     return "/".join(parts[-2:]) if len(parts) >= 2 else str(path)
 
 
-if __name__ == "__main__":  # draw_later's process
+if __name__ == "__main__":  # draw_later's process, or a Drawer's (--stdin)
     import sys
 
+    if sys.argv[1] == "--stdin":
+        sys.exit(_draw_asked(Path(sys.argv[2])))
     _draw(Path(sys.argv[1]), json.loads(sys.argv[2]))

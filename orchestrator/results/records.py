@@ -267,6 +267,7 @@ class RunResult:
     prefills_seen: list[int] = field(default_factory=list)  # role=decode: ranks that said bye
     run_dir: str = ""
     startup_by_process: dict[str, float] = field(default_factory=dict)  # s from spawn to its engine up
+    startup_phases: dict[str, dict[str, float]] = field(default_factory=dict)  # per process: phase -> s
     t_phase: Optional[float] = None  # the handoff phase began (this host's CLOCK_MONOTONIC)
     t_stop: Optional[float] = None  # the interrupt, or the first process the runner saw end
     slow_to_stop: list[str] = field(default_factory=list)  # ended by the runner after an interrupt

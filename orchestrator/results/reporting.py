@@ -168,7 +168,7 @@ def _timing(w: WorkloadConfig, e: EndpointsConfig, out: RunResult, m: _Merged) -
                   round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
                   row_bytes, m.sends, round(m.blocks / m.sends, 2) if m.sends else None,
                   w.rate * e.prefill_ranks if w.rate is not None else None,
-                  round(per_send, 2) if per_send is not None else None)
+                  round(per_send, 2) if per_send is not None else None, out.startup_phases)
 
 
 def _per_send(decode_tp: int, sends: Optional[int], routed: int) -> Optional[float]:
@@ -201,7 +201,9 @@ def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults
         requests = sum(r.requests for r in out.ranks.values())
     verified, corrupted = m.outcomes[Outcome.verified], m.outcomes[Outcome.corrupted]
     accounted = sum(m.outcomes.values()) + m.not_started
-    if accounted < requests:  # a rank that left no trace at all (cannot start)
+    if accounted < requests and out.interrupted and not out.error and not out.lost:
+        m.not_started += requests - accounted  # stopped before its processes started: none arrived
+    elif accounted < requests:  # a rank that left no trace at all (cannot start)
         m.details["run_error" if out.error else "prefill_lost"] += requests - accounted
     ranks = list(out.ranks.values())
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
@@ -378,7 +380,8 @@ def build_decode_side(cfg: ReportSections, plan: Plan, out: RunResult) -> Decode
     return DecodeSideResults(
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),
-        {name: DecodeCounts.of(d) for name, d in out.decodes.items()}, Timing(startup_s=out.startup_s),
+        {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
+        Timing(startup_s=out.startup_s, startup_phases=out.startup_phases),
         Transports(effective, plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
 
@@ -502,9 +505,11 @@ def _tp_line(tp: Optional[TpSummary]) -> list[str]:
             + (f"{tp.allreduce_us_mean} us" if tp.allreduce_us_mean is not None else "not timed")]
 
 
-def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False) -> str:
+def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool = False,
+            drawing: bool = False) -> str:
     """At most 8 lines for a default run: what ran, what happened, how fast, where. `plot`:
-    latency.png is being drawn beside the exit (an interrupted run's)."""
+    latency.png is being drawn beside the exit (an interrupted run's); `drawing`: it is being
+    drawn and is there when the command returns."""
     if isinstance(results, DecodeSideResults):
         return decode_summary(results, run_dir)
     plan, w = results.plan, results.workload
@@ -542,7 +547,7 @@ def summary(results: JobResults | DecodeSideResults, run_dir: Path, plot: bool =
         if rates:
             lines.append(f"{len(pairs)} pairs: {min(rates)}-{max(rates)} handoffs/s each "
                          "(results.json: pairs)")
-    png = ", latency.png" if (Path(run_dir) / "latency.png").exists() else \
+    png = ", latency.png" if drawing or (Path(run_dir) / "latency.png").exists() else \
         ", latency.png in a few seconds" if plot else ""
     files = "results.json, requests.jsonl" + png
     lines.append(f"run dir: {rel(run_dir)} ({files}, logs)")

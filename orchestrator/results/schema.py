@@ -314,6 +314,11 @@ class Timing:
     blocks_per_send: Optional[float] = None
     offered_per_s: Optional[float] = None  # open loop: workload.rate x prefill ranks
     requests_per_send: Optional[float] = None  # request rows per send call (per decode TP rank)
+    # per process, its start-up phase by phase (s): interpreter, imports, buffers, engine,
+    # warm-up, waiting, bootstrap (orchestrator.handoff.warmstart); "forkserver": how long the
+    # children's start waited for the forkserver's imports (imports_left: what the parent's own
+    # start-up had not already covered)
+    startup_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -525,9 +530,9 @@ class JobResults(Results):
 
     ORDER = ("requests", "verified", "corrupted", "failed", "not_started", "routes", "failure_reasons",
              "sglang_0_5_23", "latency_us", "latency_clock", "handoff_stages_us", "handoffs_per_s", "mb_per_s",
-             "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "wall_s",
-             "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing", "pairs",
-             "authenticated", "decode", "decode_verified", "verified_after_lost", "verified_after_lost_ids",
+             "bytes_per_request", "sends", "blocks_per_send", "startup_s", "startup_by_process", "startup_phases",
+             "wall_s", "workload", "effective_transport", "declared_transport", "endpoint_transports", "gpu_sharing",
+             "pairs", "authenticated", "decode", "decode_verified", "verified_after_lost", "verified_after_lost_ids",
              "slots_held_by_failed_s",
              "memory_kb", "faults_applied",
              "engine_listeners_beyond_loopback", "lost", "interrupted", "signal", "slow_to_stop",
@@ -573,7 +578,7 @@ class DecodeSideResults(Results):
     routes = None
 
     ORDER = ("role", "bootstrap", "prefills_seen", "requests", "verified", "corrupted", "failed",
-             "failure_reasons", "decode", "startup_s", "effective_transport", "declared_transport",
+             "failure_reasons", "decode", "startup_s", "startup_phases", "effective_transport", "declared_transport",
              "endpoint_transports", "gpu_sharing", "engine_listeners_beyond_loopback", "lost", "interrupted", "signal",
              "engine_log", "plan", "error", "tp", "warnings", "exit_code", "run_dir")
 

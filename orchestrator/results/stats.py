@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Optional, Sequence
 
-import numpy as np
-
 _BASE_US = 0.1
 _RATIO = 1.005  # bucket width: 0.5%; values are reported at the bucket's geometric middle
 _LOG_RATIO = math.log(_RATIO)
@@ -50,6 +48,8 @@ class LatencyHistogram:
         """Fold buffered values into the buckets (one vectorized pass)."""
         if not self._pending:
             return self
+        import numpy as np  # here: a refusal or --help reads this module without numpy
+
         v = np.asarray(self._pending, dtype=np.float64)
         self._pending = []
         b = np.where(v > _BASE_US, np.log(np.maximum(v, _BASE_US) / _BASE_US) / _LOG_RATIO, 0).astype(np.int64)

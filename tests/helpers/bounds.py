@@ -21,6 +21,14 @@ teardown. After a link cut at load 11.6 (tests/test_netns.py, 30,000 requests): 
 records, 7.0 s of latency.png, 3.5 s of teardown."""
 
 
+def startup_timeout_s() -> float:
+    """endpoints.startup_timeout_s as configured by default (a command run without it): the
+    longest one start-up phase of a run may go without progress before the run ends itself."""
+    from orchestrator.profile.config import EndpointsConfig
+
+    return EndpointsConfig().startup_timeout_s
+
+
 def bound(*waits_s: float, start: bool = False, finish: bool = False) -> float:
     """The longest a test lets something take: the configured waits on its path, a round of
     start-up and a command's ending where they are on it, and SLACK_S."""

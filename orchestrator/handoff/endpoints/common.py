@@ -15,6 +15,7 @@ import structlog
 import torch
 import zmq
 
+from orchestrator.handoff import warmstart
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
@@ -95,7 +96,7 @@ def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -
 
 def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
     """The synthetic requests' shapes for these buffers (their buffers section)."""
-    return Shapes(b.hidden_size, buffers.sizes.hidden_states_dtype,
+    return Shapes(b.hidden_size, getattr(torch, b.hidden_states_dtype.value),  # what the buffers hold
                   b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
 
 
@@ -109,6 +110,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
     else:
         device = torch.device("cpu")
     buffers = make_buffers(b, layout, device)
+    warmstart.mark("buffers")
     engine = None
     transport = "zmq-tcp"
     if plan.route is Route.engine:
@@ -118,6 +120,7 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
                                 mc.device_name, env=plan.mc_env,
                                 log_path=str(RunFiles(run_dir).mooncake_log(role)))
         engine.register(buffers.arena_ptr, buffers.arena_bytes)
+        warmstart.mark("engine")
         effective = engine.effective_transport
         transport = f"mooncake-{effective.value if effective else 'unknown'}"
         listeners = listening_sockets()

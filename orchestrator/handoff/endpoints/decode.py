@@ -46,7 +46,7 @@ import structlog
 import torch
 import zmq
 
-from orchestrator.handoff import protocol
+from orchestrator.handoff import protocol, warmstart
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowDigest
 from orchestrator.handoff.endpoints.common import (
@@ -172,6 +172,7 @@ class DecodeEndpoint:
         digest = RowDigest(buffers, self.peers.keys, c.verify.digest)
         buffers.warm()  # start-up pays the device's first-use costs, not request 1
         digest.warm()
+        warmstart.mark("warm-up")
         self.timeout_s = c.transport.timeout_s
         self.group = group or single()
         self.ledger = ledger = Ledger(c.buffers.size)

@@ -40,7 +40,7 @@ import structlog
 import torch
 import zmq
 
-from orchestrator.handoff import protocol
+from orchestrator.handoff import protocol, warmstart
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import (
@@ -112,6 +112,7 @@ class PrefillEndpoint:
         staged = StagedRows(buffers) if device_rows else None
         buffers.warm()  # start-up pays the device's first-use costs, not request 1
         digest.warm_seal(c.max_batch, staged)
+        warmstart.mark("warm-up")
         # Mooncake's intra-node NVLink transport records an event on the submitting thread's
         # per-thread stream and waits for it before it copies; work on the legacy default
         # stream (torch's default) is ordered before that event, so a step's row writes land
@@ -255,7 +256,9 @@ def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: byte
         msg = chan.recv()
         if not isinstance(msg, protocol.Decodes):
             return  # the run ended before it started (a stop, or a refused bootstrap)
+        warmstart.mark("waiting")
         endpoint.connect(msg.infos)
+        warmstart.mark("bootstrap")
         chan.send(protocol.Running())
         chan.send(protocol.Result(result=driver(endpoint, chan)))
     except Exception as exc:
