@@ -51,7 +51,7 @@ CASES = {
     "out-of-range": (("workload.requests=0",), 2, "workload.requests=0 is not allowed"),
     "bad-enum": (("transport.route=zmq",), 2, "transport.route=zmq"),
     "ambiguous": (("endpoints.prefill_ranks=1,2",), 2, "is ambiguous"),
-    "bad-config-dir": (("--config-dir", "/nonexistent-ff"), 2, "not a directory"),
+    "bad-config-dir": (("--config-dir", "/nonexistent-ff"), 2, "/nonexistent-ff"),
     "rule-book": (("faults.kind=silent_peer", "transport.route=tcp"), 2, "need the engine route"),
 }
 
