@@ -269,6 +269,40 @@ def test_a_run_file_refuses_links_and_special_files_without_blocking(tmp_path, m
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_plot_replaces_a_planted_link_never_writes_through_it(tmp_path, kind):
+    """latency.png (and its aside file, the bench's and the sweep's outputs) are written as
+    every run file is: rendered in memory, then a private temporary file renamed over the
+    path. A link planted there is replaced, its target untouched; a FIFO never blocks."""
+    from orchestrator.results import plots
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path = tmp_path / ".latency.png.partial.png"
+    _plant(path, kind, victim)
+    fig = plots.pyplot().figure()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (plots.save_png(fig, path), done.set()), daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set(), "save_png blocked or failed"
+    assert victim.read_text() == "precious\n"
+    assert stat.S_ISREG(path.lstat().st_mode) and path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_metadata_servers_log_refuses_a_planted_link(tmp_path):
+    """metadata_server.log (transport.metadata_server=http://...) is created as the run's
+    other files: a link planted there is refused before the server starts, never appended to."""
+    from orchestrator.handoff import bootstrap
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "metadata_server.log").symlink_to(victim)
+    with pytest.raises(UNSAFE):
+        bootstrap.start_metadata_server("http://127.0.0.1:1/metadata", tmp_path)
+    assert victim.read_text() == "precious\n"
+
+
 def test_the_lock_is_taken_before_its_pid_is_written_and_never_through_a_link(tmp_path):
     """A .run.lock link to a victim: refused, the victim keeps its content (3a078eb
     truncated it to the pid). A lock held by another: its pid file is not truncated."""

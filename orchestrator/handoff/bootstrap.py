@@ -42,7 +42,7 @@ from orchestrator.handoff.peercheck import PeerCheck
 from orchestrator.handoff.transport import wire
 from orchestrator.profile.config import ConfigError, EndpointsConfig, TransportConfig
 from orchestrator.results.records import RunResult
-from orchestrator.results.rundir import proc_name
+from orchestrator.results.rundir import create_regular, proc_name
 
 _clock = time.monotonic
 _wall_ns = time.time_ns  # the lookup's sent_ms: the two hosts' wall clocks, not monotonic
@@ -470,7 +470,9 @@ def start_metadata_server(url: str, run_dir: Path) -> subprocess.Popen[bytes]:
 
     u = urlsplit(url)
     assert u.hostname is not None  # config checked it: http://HOST:PORT/metadata
-    log = open(run_dir / "metadata_server.log", "ab")
+    import os
+
+    log = os.fdopen(create_regular(run_dir / "metadata_server.log", append=True), "ab")  # no link followed
     proc = subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host", u.hostname,
                              "--port", str(u.port)], stdout=log, stderr=log, start_new_session=True)
     deadline = _clock() + 20

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
-from orchestrator.results.rundir import RunFiles
+from orchestrator.results.rundir import RunFiles, write_atomic
 
 LATENCY_PNG = "latency.png"
 
@@ -162,9 +162,20 @@ def latency_cdf(path: Path, data: dict[str, dict[str, list[float]]], title: str,
     fig = latency_figure(data, title, marks, qs)
     if fig is None:
         return None
-    fig.savefig(path, dpi=DPI)
-    pyplot().close(fig)
+    save_png(fig, Path(path))
     return path
+
+
+def save_png(fig: Any, path: Path) -> None:
+    """A figure into the run dir as every run file is written: rendered in memory, then
+    write_atomic (a private temporary file, renamed: a link or FIFO planted at `path` is
+    replaced, never followed; a full disk raises NoSpace, nothing torn left)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=DPI, format="png")
+    pyplot().close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 DPI = 110

@@ -65,6 +65,7 @@ from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
 from orchestrator.results.records import STAGES, RankResult
+from orchestrator.results.rundir import write_atomic
 from orchestrator.results.schema import EXIT_SIGNAL, Percentiles, each, read_section
 from orchestrator.results.stats import percentile
 
@@ -413,9 +414,9 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
             break
         results.paths.append(report)
     results.ratios = ratios(results.paths)
-    (run_dir / "bench.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
+    write_atomic(run_dir / "bench.json", json.dumps(results.to_json(), indent=2) + "\n")
     table = markdown(results)
-    (run_dir / "bench.md").write_text(table + "\n")
+    write_atomic(run_dir / "bench.md", table + "\n")
     print(table, flush=True)
     print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
           flush=True)

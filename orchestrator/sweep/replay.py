@@ -26,7 +26,7 @@ from typing import Any
 
 from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.records import read_jsonl
-from orchestrator.results.rundir import RunFiles
+from orchestrator.results.rundir import RunFiles, write_atomic
 from orchestrator.results.schema import JobResults, Results
 
 DECISION_KEYS = ("mem_pool", "buffer_device", "route", "reason", "transport", "row_bytes",
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     except NotReplayable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    (out / "replay.json").write_text(json.dumps(rep, indent=2) + "\n")
+    write_atomic(out / "replay.json", json.dumps(rep, indent=2) + "\n")
     print(render(rep))
     codes = rep.get("exit_codes") or {}
     same_ending = codes.get("original") == codes.get("replay")  # a run that now ends otherwise differs
