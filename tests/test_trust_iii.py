@@ -20,7 +20,7 @@ from orchestrator.results.rundir import NotARegularFile, read_shared, write_atom
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT
-from .helpers.procs import reap
+from .helpers.procs import free_port, reap, wait_for
 
 pytestmark = pytest.mark.integration
 SECRET_VAR = "TRUST3_TEST_SECRET"
@@ -48,18 +48,6 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(pred, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.1)
 
 
 def _logged(path: Path, event: str) -> bool:
@@ -128,7 +116,7 @@ def test_a_signal_ends_the_prefill_waiting_for_its_bootstrap_file(tmp_path, sig)
     proc = _popen("role=prefill", f"transport.secret_env={SECRET_VAR}",
                   f"transport.bootstrap_file={tmp_path / 'none-yet'}", "endpoints.startup_timeout_s=300",
                   f"hydra.run.dir={run_dir}")
-    _wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_waiting"), 120, "the wait")
+    wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_waiting"), 120, "the wait")
     t0 = time.monotonic()
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
@@ -144,7 +132,7 @@ def test_decode_side_stops_with_a_fifo_planted_at_its_bootstrap_file(tmp_path):
     run_dir = tmp_path / "d"
     proc = _popen("role=decode", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_file={shared}",
                   "endpoints.startup_timeout_s=300", f"hydra.run.dir={run_dir}")
-    _wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
+    wait_for(lambda: _logged(run_dir / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
     shared.unlink()
     os.mkfifo(shared)
     proc.send_signal(signal.SIGTERM)
@@ -517,10 +505,10 @@ def test_forged_frames_at_the_bootstrap_port_never_end_the_decode_side(tmp_path)
 
     from orchestrator.handoff.transport.auth import Authenticator
 
-    port = _port()
+    port = free_port()
     decode = _popen("role=decode", f"transport.secret_env={SECRET_VAR}", f"transport.bootstrap_port={port}",
                     "endpoints.startup_timeout_s=300", f"hydra.run.dir={tmp_path / 'd'}")
-    _wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
+    wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_listening"), 120, "the decode side")
     lookup = json.dumps({"type": "lookup", "rank": 0, "prefill_ranks": 1}).encode()
     ctx = zmq.Context()
     try:
@@ -534,7 +522,7 @@ def test_forged_frames_at_the_bootstrap_port_never_end_the_decode_side(tmp_path)
             sock.close(0)
     finally:
         ctx.term()
-    _wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_rejected") or decode.poll() is not None,
+    wait_for(lambda: _logged(tmp_path / "d" / "orchestrator.log", "bootstrap_rejected") or decode.poll() is not None,
               60, "the rejections")
     assert decode.poll() is None, decode.communicate()
     prefill = _popen("role=prefill", f"transport.secret_env={SECRET_VAR}", f"peer=127.0.0.1:{port}",

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from orchestrator.results.rundir import RunDirBusy, RunFile, lock_run_dir, unloc
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT, typed_cfg
-from .helpers.procs import reap
+from .helpers.procs import free_port, reap, wait_for
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -895,18 +894,6 @@ def _popen(*args: str, env=None) -> subprocess.Popen:
     return proc
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(pred, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.1)
-
 
 def _events(path: Path) -> list[dict]:
     try:
@@ -1000,7 +987,7 @@ def recorded(tmp_path_factory) -> list[bytes]:
     """Run 1: a real split run whose prefill side was pointed at the relay; the frames its
     prefill side sent (its lookups), as the relay recorded them."""
     tmp = tmp_path_factory.mktemp("run1")
-    port = _port()
+    port = free_port()
     started: list[subprocess.Popen] = []
     try:
         decode = _popen("role=decode", f"transport.bootstrap_port={port}", "endpoints.startup_timeout_s=300",
@@ -1044,15 +1031,15 @@ def test_a_recorded_lookup_replayed_into_a_later_run_is_refused_and_never_judged
     from tcp://...`), with warn it planted a false warning and the real prefill's address was
     never probed. Now each is refused and counted (never the endpoints, never judged), run 2
     verifies everything, and its address verdict is the real prefill's: probed and reached."""
-    port = _port()
+    port = free_port()
     d_dir, p_dir = tmp_path / "d", tmp_path / "p"
     decode = _popen("role=decode", f"transport.bootstrap_port={port}", f"transport.address_check={mode}",
                     "endpoints.startup_timeout_s=300", f"hydra.run.dir={d_dir}")
     log = d_dir / "orchestrator.log"
-    _wait_for(lambda: _logged(log, "bootstrap_listening") or decode.poll() is not None, 120, "the decode side")
+    wait_for(lambda: _logged(log, "bootstrap_listening") or decode.poll() is not None, 120, "the decode side")
     answers = [a for frame in [*recorded, _old_format_lookup()] for a in _ask(port, frame)]
     # the replays were looked at (refused now; judged, at 3a078eb)
-    _wait_for(lambda: _logged(log, "bootstrap_rejected", reason=_stale()) or decode.poll() is not None
+    wait_for(lambda: _logged(log, "bootstrap_rejected", reason=_stale()) or decode.poll() is not None
               or _logged(log, "peer_address_unreachable"), 60, "the decode side's verdict on the replays")
     prefill = _popen("role=prefill", f"peer=127.0.0.1:{port}", f"transport.address_check={mode}",
                      f"workload.requests={REQUESTS}", f"hydra.run.dir={p_dir}")
@@ -1117,10 +1104,10 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        _wait_for(lambda: out.bootstrap is not None or failed, 30, "the bootstrap address")
+        wait_for(lambda: out.bootstrap is not None or failed, 30, "the bootstrap address")
         port = int(out.bootstrap.rsplit(":", 1)[1])
         auth, nonce = Authenticator(secret), new_nonce()
-        dead = {"address": "127.0.0.1", "step": "SGLANG_HOST_IP", "interface": "lo", "port": _port(),
+        dead = {"address": "127.0.0.1", "step": "SGLANG_HOST_IP", "interface": "lo", "port": free_port(),
                 "fix": "SGLANG_HOST_IP=127.0.0.1", "error": ""}
 
         def lookup(**fields) -> bytes:
@@ -1221,11 +1208,11 @@ def test_an_over_long_version_is_named_as_over_long_on_both_sides_not_the_secret
     ends its own wait with the same line; neither blames the secret. (The prefill side starts
     first and is asking before the decode side listens: the decode side's 20 s window holds
     on a loaded box.)"""
-    port = _port()
+    port = free_port()
     long_env = {**LOOKUP_ENV, "ORCHESTRATOR_TEST_VERSIONS": "orchestrator=" + "7" * 300}
     prefill = _popen("role=prefill", f"peer=127.0.0.1:{port}", "endpoints.startup_timeout_s=120",
                      f"hydra.run.dir={tmp_path / 'p'}", env=long_env)
-    _wait_for(lambda: _logged(tmp_path / "p" / "orchestrator.log", "address_advertised") or prefill.poll() is not None,
+    wait_for(lambda: _logged(tmp_path / "p" / "orchestrator.log", "address_advertised") or prefill.poll() is not None,
               120, "the prefill side's lookup")
     decode = _popen("role=decode", f"transport.bootstrap_port={port}", "endpoints.startup_timeout_s=20",
                     f"hydra.run.dir={tmp_path / 'd'}")
@@ -1257,7 +1244,7 @@ def test_peer_strings_reach_the_console_escaped(tmp_path):
     strings were printed as they were: the decode side's console showed a line `fake: verified
     200, corrupted 0` of the prefill's making. Now every console line (the summary's warnings,
     the console log lines) shows them escaped, as results.json keeps them (JSON-escaped)."""
-    port = _port()
+    port = free_port()
     forged = "127.0.0.1\r\nfake: verified 200, corrupted 0\x1b[2K"
     decode = _popen("role=decode", f"transport.bootstrap_port={port}", "endpoints.startup_timeout_s=300",
                     f"hydra.run.dir={tmp_path / 'd'}",

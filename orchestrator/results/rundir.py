@@ -279,18 +279,24 @@ def new_run_id() -> str:
 def claim_run_dir(run_dir: Path, run: str, sweep: Optional[str] = None) -> None:
     """Mark `run_dir` as run `run`'s (of sweep `sweep`): RUN_ID_NAME, created exclusively
     (a file already there is another run's: RunDirBusy)."""
+    claim_file(run_dir / RUN_ID_NAME, {"run": run, "sweep": sweep},
+               f"{run_dir} holds another run's files ({RUN_ID_NAME}): choose a new dir or remove them")
+
+
+def claim_file(path: Path, owner: dict[str, Optional[str]], busy: str) -> None:
+    """`owner` as one JSON line in `path`, created exclusively and without following a link
+    (open_regular): a file already there raises RunDirBusy(`busy`); a full disk leaves no
+    half-written claim (NoSpace)."""
     import json
     import os
 
-    path = run_dir / RUN_ID_NAME
     try:
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
-        raise RunDirBusy(f"{run_dir} holds another run's files ({RUN_ID_NAME}): choose a new dir "
-                         "or remove them") from None
+        raise RunDirBusy(busy) from None
     try:
         with open(fd, "w") as fh:
-            fh.write(json.dumps({"run": run, "sweep": sweep}) + "\n")
+            fh.write(json.dumps(owner) + "\n")
     except OSError as exc:
         path.unlink(missing_ok=True)
         if full(exc):

@@ -35,10 +35,10 @@ from orchestrator.results.rundir import (
     NoSpace,
     RunDirBusy,
     RunFiles,
+    claim_file,
     claim_run_dir,
     full,
     new_run_id,
-    open_regular,
     run_owner,
     sweep_owner,
     write_atomic,
@@ -117,7 +117,6 @@ def own_sweep_dir(sweep_dir: Path, claim: bool = True) -> str:
     (foreign_sweep_files); else the dir is claimed for a new sweep id (SWEEP_ID_NAME,
     created exclusively), returned. Its jobs carry the id (app.own_run_dir) and the summary
     counts only them (job_dirs)."""
-    import json
 
     names = foreign_sweep_files(sweep_dir)
     if names:
@@ -128,20 +127,9 @@ def own_sweep_dir(sweep_dir: Path, claim: bool = True) -> str:
     if not claim:  # the check alone
         return sweep
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    path = sweep_dir / SWEEP_ID_NAME
-    try:
-        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    except FileExistsError:
-        raise RunDirBusy(f"hydra.sweep.dir={sweep_dir} holds another sweep's files ({SWEEP_ID_NAME}): "
-                         "choose a new dir or remove them") from None
-    try:
-        with open(fd, "w") as fh:
-            fh.write(json.dumps({"sweep": sweep}) + "\n")
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        if full(exc):
-            raise NoSpace(path) from None
-        raise
+    claim_file(sweep_dir / SWEEP_ID_NAME, {"sweep": sweep},
+               f"hydra.sweep.dir={sweep_dir} holds another sweep's files ({SWEEP_ID_NAME}): choose a new dir or "
+               "remove them")
     return sweep
 
 
