@@ -110,11 +110,13 @@ def test_table_medians_increments_and_a_failed_rung():
 
     rows = [_row("R0", [100.0]), RungRow("R1", "label R1", [RungRun(0, error="the decode ended x"),
                                                             RungRun(1, error="the decode ended x")]),
+            RungRow("R1b", "label", [RungRun(0, error="log: a | b")]),
             _row("R2", [150.0])]
     md = markdown(LadderResults({"buffer_device": "cpu"}, 10, 2, rows))
     lines = {ln.split(" | ")[0][2:]: ln for ln in md.splitlines() if ln.startswith("| ")}
     assert "| FAILED in 2 of 2 rounds: the decode ended x (rounds 1, 2) | | | | | 2 |" in lines["R1"]
     assert "| 150.0 | - |" in lines["R2"]  # no increment over a rung with no reading
+    assert "| FAILED in 1 of 1 rounds: log: a \\| b (round 1) |" in lines["R1b"]  # the table's bars kept
 
 
 def test_full_run_rung_keeps_the_profile_overrides_only():
@@ -184,17 +186,12 @@ def _standin_pair(tmp_path, code):
     p_child.close()
     link = PairLink({"decode": dec, "prefill": pre}, {"decode": d_conn, "prefill": p_conn}, tmp_path, 60)
     try:
-        d_info = link.get("decode", "info")
-        p_conn.send(d_info)
-        d_conn.send(link.get("prefill", "info"))
-        link.get("decode", "ready")
-        p_conn.send("go")
-        return link.get("prefill", "result"), link.get("decode", "result")
+        return link.exchange()
     finally:
-        for p in (pre, dec):
-            p.join(10)
+        for p in (pre, dec):  # a stand-in still waiting (the forks hold the pipes' other ends too)
             if p.is_alive():
                 p.kill()
+            p.join()
 
 
 def test_pair_takes_the_prefill_result_after_the_decode_has_ended(tmp_path):

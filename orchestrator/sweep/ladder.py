@@ -164,9 +164,6 @@ def _stats(samples: list[float]) -> tuple[Optional[float], Optional[float], Opti
 
 
 # ---- R0-R5: the ladder's own pair ------------------------------------------------------------
-SIDES = ("decode", "prefill")
-
-
 def last_log_line(rdir: Path, side: str, width: int = 240) -> str:
     """The last line the side wrote to its structured log (else its Mooncake log), shortened:
     what a side that ended early was doing last."""
@@ -258,6 +255,39 @@ class PairLink:
         while side not in self.closed and self.conns[side].poll(0):
             self._read(side)
 
+    def broken(self, exc: OSError) -> PairFailed:
+        """A send to a side failed (its pipe is gone): the side that ended, named as get()
+        names it, once the sides that are ending have ended (5 s at most)."""
+        for side, proc in self.procs.items():
+            if side not in self.ended:
+                proc.join(5)
+                if proc.exitcode is not None:
+                    try:
+                        self._drain(side)
+                    except PairFailed as failed:
+                        return failed
+                    self.ended[side] = proc.exitcode
+        try:
+            self._check_ended()
+        except PairFailed as failed:
+            return failed
+        return PairFailed(f"a pipe to the pair broke: {exc}")
+
+    def exchange(self) -> tuple[Any, Any]:
+        """The pair's start and end, in order: infos swapped, the decode ready, go; the
+        prefill's result and the decode's (the two in whichever order they come)."""
+        d_conn, p_conn = self.conns["decode"], self.conns["prefill"]
+        try:
+            d_info = self.get("decode", "info")
+            p_info = self.get("prefill", "info")
+            p_conn.send(d_info)
+            d_conn.send(p_info)
+            self.get("decode", "ready")
+            p_conn.send("go")
+            return self.get("prefill", "result"), self.get("decode", "result")
+        except OSError as exc:
+            raise self.broken(exc) from exc
+
     def _check_ended(self) -> None:
         for side, code in self.ended.items():
             if side not in self.delivered:
@@ -291,17 +321,11 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
         for c in (d_child, p_child):
             c.close()  # the children's ends: a child's end closes its pipe
         link = PairLink({"decode": dec, "prefill": pre}, {"decode": d_conn, "prefill": p_conn}, rdir, timeout_s)
-        d_info = link.get("decode", "info")
-        p_info = link.get("prefill", "info")
-        p_conn.send(d_info)
-        d_conn.send(p_info)
-        link.get("decode", "ready")
-        p_conn.send("go")
-        res = link.get("prefill", "result")
-        dres = link.get("decode", "result")
+        res, dres = link.exchange()
     except (PairFailed, OSError) as exc:
-        (rdir / "error.txt").write_text(getattr(exc, "detail", str(exc)) + "\n")
-        return RungRun(0, error=str(exc).splitlines()[0])
+        failed = exc if isinstance(exc, PairFailed) else PairFailed(f"the pair did not start: {exc}")
+        (rdir / "error.txt").write_text(failed.detail + "\n")
+        return RungRun(0, error=str(failed).splitlines()[0])
     finally:
         for p in (pre, dec):
             if p is None or p.pid is None:
@@ -522,7 +546,7 @@ def failed_cell(row: RungRow) -> str:
         why.setdefault(r.error or "not all verified", []).append(r.round + 1)
     errs = "; ".join(f"{e} (round{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
                      for e, rs in why.items())
-    cell = f"FAILED in {len(bad)} of {len(row.runs)} rounds: {errs}"
+    cell = f"FAILED in {len(bad)} of {len(row.runs)} rounds: {errs}".replace("|", "\\|")  # a log line's bars
     passed = len(row.p50s)
     if passed:
         cell += f"; median of the {passed} passed: {row.median_us}"
