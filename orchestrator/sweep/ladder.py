@@ -25,6 +25,9 @@ below, and the min and max of the p50s across rounds. Latency: R0-R5 and the yar
 ready -> verdict received on the prefill; R6 and R7, forward step done -> verdict on the
 decode (the run's `handoff`, one way on the shared monotonic clock): R6/R7 lack the
 verdict's trip back, so their increment is if anything understated.
+A rung that failed in any round is FAILED (the ladder exits 1): its cell names each failure
+with its rounds (a side of the pair that ended early: which one, its exit, its last log line)
+and, if any round passed, the median of those that did, so a flaky rung still gives a reading.
 
 Device rows share a GPU: R0-R5 and the yardstick run under CUDA MPS where the profile's
 endpoints.mps decides so (one daemon of the ladder's own per rung, orchestrator.handoff.mps);
@@ -39,11 +42,15 @@ import multiprocessing as mp
 import os
 import re
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Optional
 
@@ -121,7 +128,7 @@ class RungRow:
         p = self.p50s
         return {"rung": self.rung, "label": self.label, "ok": self.ok, "skipped": self.skipped,
                 "median_p50_us": self.median_us, "min_p50_us": min(p) if p else None,
-                "max_p50_us": max(p) if p else None,
+                "max_p50_us": max(p) if p else None, "failed_rounds": [r.round for r in self.runs if not r.ok],
                 "verified": sum(r.verified for r in self.runs), "handoffs": sum(r.n for r in self.runs),
                 "runs": [asdict(r) for r in self.runs]}
 
@@ -157,9 +164,143 @@ def _stats(samples: list[float]) -> tuple[Optional[float], Optional[float], Opti
 
 
 # ---- R0-R5: the ladder's own pair ------------------------------------------------------------
+def last_log_line(rdir: Path, side: str, width: int = 240) -> str:
+    """The last line the side wrote to its structured log (else its Mooncake log), shortened:
+    what a side that ended early was doing last."""
+    for name in (f"{side}.log", f"{side}.mooncake.log"):
+        try:
+            lines = (rdir / name).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            continue
+        if lines:
+            line = lines[-1].strip()
+            return f"{name}: {line[:width]}{'...' if len(line) > width else ''}"
+    return "no log line"
+
+
+def exit_reason(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+class PairFailed(RuntimeError):
+    """A side of the pair sent an error or ended without its result: `detail` is the full
+    text (a child's traceback) for error.txt; str() is the one line for the table."""
+
+    def __init__(self, line: str, detail: str = "") -> None:
+        super().__init__(line)
+        self.detail = detail or line
+
+
+class PairLink:
+    """The parent's ends of the pair's two pipes. Messages are read from whichever side sends
+    as they come, and a side's end is judged against that side's own messages only: the
+    decode ends as soon as it has the prefill's bye, usually before the prefill has sent its
+    result, and that is the normal order, not a failure. A side that sends an error, or ends
+    without having sent its result, fails the pair at once, named, with its exit reason and
+    its last log line."""
+
+    def __init__(self, procs: dict[str, BaseProcess], conns: dict[str, Connection], rdir: Path,
+                 timeout_s: float) -> None:
+        self.procs, self.conns, self.rdir, self.timeout_s = procs, conns, rdir, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.inbox: dict[str, dict[str, Any]] = {s: {} for s in procs}
+        self.seen: dict[str, list[str]] = {s: [] for s in procs}  # the kinds each side sent, in order
+        self.delivered: set[str] = set()  # the sides whose result came
+        self.ended: dict[str, Optional[int]] = {}  # side -> exit code, once ended and drained
+        self.closed: set[str] = set()  # the sides whose pipe gave EOF
+
+    def get(self, side: str, want: str) -> Any:
+        """The next `want` message of `side`, reading every side's messages meanwhile."""
+        while want not in self.inbox[side]:
+            self._check_ended()
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise PairFailed(f"no {want} from the {side} within {self.timeout_s:.0f} s; "
+                                 f"its {last_log_line(self.rdir, side)}")
+            waits: list[Any] = [self.conns[s] for s in self.procs if s not in self.closed]
+            waits += [self.procs[s].sentinel for s in self.procs if s not in self.ended]
+            for ready in mp_wait(waits, min(left, 1.0)):
+                for s in self.procs:
+                    if ready is self.conns[s]:
+                        self._read(s)
+                    elif ready == self.procs[s].sentinel and s not in self.ended:
+                        self._drain(s)
+                        self.procs[s].join()  # reaped: its exit code
+                        self.ended[s] = self.procs[s].exitcode
+        return self.inbox[side].pop(want)
+
+    def _read(self, side: str) -> None:
+        try:
+            kind, value = self.conns[side].recv()
+        except (EOFError, OSError):
+            self.closed.add(side)
+            return
+        if kind == "error":
+            text = str(value)
+            raise PairFailed(f"{text.splitlines()[0]} (traceback in error.txt)", text)
+        if kind == "result":
+            self.delivered.add(side)
+        self.seen[side].append(kind)
+        self.inbox[side][kind] = value
+
+    def _drain(self, side: str) -> None:
+        """Everything a side that ended had sent (all of it is in the pipe by now)."""
+        while side not in self.closed and self.conns[side].poll(0):
+            self._read(side)
+
+    def broken(self, exc: OSError) -> PairFailed:
+        """A send to a side failed (its pipe is gone): the side that ended, named as get()
+        names it, once the sides that are ending have ended (5 s at most)."""
+        for side, proc in self.procs.items():
+            if side not in self.ended:
+                proc.join(5)
+                if proc.exitcode is not None:
+                    try:
+                        self._drain(side)
+                    except PairFailed as failed:
+                        return failed
+                    self.ended[side] = proc.exitcode
+        try:
+            self._check_ended()
+        except PairFailed as failed:
+            return failed
+        return PairFailed(f"a pipe to the pair broke: {exc}")
+
+    def exchange(self) -> tuple[Any, Any]:
+        """The pair's start and end, in order: infos swapped, the decode ready, go; the
+        prefill's result and the decode's (the two in whichever order they come)."""
+        d_conn, p_conn = self.conns["decode"], self.conns["prefill"]
+        try:
+            d_info = self.get("decode", "info")
+            p_info = self.get("prefill", "info")
+            p_conn.send(d_info)
+            d_conn.send(p_info)
+            self.get("decode", "ready")
+            p_conn.send("go")
+            return self.get("prefill", "result"), self.get("decode", "result")
+        except OSError as exc:
+            raise self.broken(exc) from exc
+
+    def _check_ended(self) -> None:
+        for side, code in self.ended.items():
+            if side not in self.delivered:
+                sent = f"after its {', '.join(self.seen[side])}" if self.seen[side] else "nothing sent"
+                raise PairFailed(f"the {side} ended before its result ({exit_reason(code)}, {sent}); "
+                                 f"its last {last_log_line(self.rdir, side)}")
+
+
 def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s: float,
-          corrupt: Optional[int] = None) -> RungRun:
-    """Rung `rung` (0-5) on a fresh pair; `corrupt` (tests): ladder_pair.prefill_main's."""
+          corrupt: Optional[int] = None, hold_result: bool = False) -> RungRun:
+    """Rung `rung` (0-5) on a fresh pair; `corrupt` (tests): ladder_pair.prefill_main's;
+    `hold_result` (tests): the prefill sends its result only once the decode has ended and
+    this process has reaped it (the order that failed rungs on a GPU host)."""
     from orchestrator.sweep import ladder_pair
 
     ctx = mp.get_context("spawn")
@@ -168,42 +309,27 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
     p_conn, p_child = ctx.Pipe()
     dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, cfg, plan, str(rdir), secret, d_child),
                       name="ladder-decode", daemon=True)
-    pre = ctx.Process(target=ladder_pair.prefill_main,
-                      args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child, corrupt),
-                      name="ladder-prefill", daemon=True)
-    deadline = time.monotonic() + timeout_s
-
-    def get(conn: Any, want: str) -> Any:
-        while not conn.poll(0.1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {want} within {timeout_s:.0f} s")
-            if not (dec.is_alive() and pre.is_alive()) and not conn.poll(0):
-                raise RuntimeError(f"a process ended before its {want} (exit codes "
-                                   f"decode {dec.exitcode}, prefill {pre.exitcode}; logs in {rdir})")
-        kind, value = conn.recv()
-        if kind == "error":
-            raise RuntimeError(value.splitlines()[0] + f" (traceback: see {rdir})")
-        if kind != want:
-            raise RuntimeError(f"expected {want}, got {kind}")
-        return value
-
+    pre: Optional[BaseProcess] = None
     t0 = time.monotonic()
     try:
         spawn(dec)
+        pre = ctx.Process(target=ladder_pair.prefill_main,
+                          args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child, corrupt,
+                                dec.pid if hold_result else None),
+                          name="ladder-prefill", daemon=True)
         spawn(pre)
-        d_info = get(d_conn, "info")
-        p_info = get(p_conn, "info")
-        p_conn.send(d_info)
-        d_conn.send(p_info)
-        get(d_conn, "ready")
-        p_conn.send("go")
-        res = get(p_conn, "result")
-        dres = get(d_conn, "result")
-    except (RuntimeError, TimeoutError, EOFError, OSError) as exc:
-        (rdir / "error.txt").write_text(str(exc) + "\n")
-        return RungRun(0, error=str(exc).splitlines()[0])
+        for c in (d_child, p_child):
+            c.close()  # the children's ends: a child's end closes its pipe
+        link = PairLink({"decode": dec, "prefill": pre}, {"decode": d_conn, "prefill": p_conn}, rdir, timeout_s)
+        res, dres = link.exchange()
+    except (PairFailed, OSError) as exc:
+        failed = exc if isinstance(exc, PairFailed) else PairFailed(f"the pair did not start: {exc}")
+        (rdir / "error.txt").write_text(failed.detail + "\n")
+        return RungRun(0, error=str(failed).splitlines()[0])
     finally:
         for p in (pre, dec):
+            if p is None or p.pid is None:
+                continue
             p.join(5)
             if p.is_alive():
                 p.kill()
@@ -339,7 +465,8 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
                 run.round = rnd
                 row.runs.append(run)
                 _say(f"round {rnd + 1} {row.rung}: " + (f"p50 {run.p50_us} us, {run.verified}/{run.n} verified"
-                                                         if run.ok else f"FAILED: {run.error or 'not all verified'}"))
+                                                         if run.ok else f"FAILED: {run.error or 'not all verified'} "
+                                                         f"(logs in {rdir})"))
     except KeyboardInterrupt:  # Ctrl-C: the rounds so far are written, exit 130
         results.interrupted = "SIGINT"
         _say("interrupted (SIGINT): the rounds so far are in the table")
@@ -385,15 +512,18 @@ def markdown(results: LadderResults) -> str:
         if not row.runs:
             lines.append(f"| {row.rung} | {row.label} | - | not run (interrupted) | | | | | 0 |")
             continue
+        cell = str(med)
         if not row.ok:
-            errs = "; ".join(sorted({r.error or "not all verified" for r in row.runs if not r.ok}))
-            lines.append(f"| {row.rung} | {row.label} | {verified} | FAILED: {errs} | | | | | {len(row.runs)} |")
-            if row.rung != YARDSTICK:
-                below = None
-            continue
-        inc = "-" if row.rung == YARDSTICK or below is None or med is None else f"{med - below:+.1f}"
-        pct = f"{100 * med / r0:.0f}%" if med is not None and r0 else "-"
-        lines.append(f"| {row.rung} | {row.label} | {verified} | {med} | {inc} | {pct} | {min(p)} | {max(p)} "
+            cell = failed_cell(row)
+            if med is None:  # no round passed: no reading
+                lines.append(f"| {row.rung} | {row.label} | {verified} | {cell} | | | | | {len(row.runs)} |")
+                if row.rung != YARDSTICK:
+                    below = None
+                continue
+        assert med is not None
+        inc = "-" if row.rung == YARDSTICK or below is None else f"{med - below:+.1f}"
+        pct = f"{100 * med / r0:.0f}%" if r0 else "-"
+        lines.append(f"| {row.rung} | {row.label} | {verified} | {cell} | {inc} | {pct} | {min(p)} | {max(p)} "
                      f"| {len(row.runs)} |")
         if row.rung != YARDSTICK:
             below = med
@@ -405,6 +535,22 @@ def markdown(results: LadderResults) -> str:
               "R0-R5 and the yardstick: row ready -> verdict received on the prefill; R6 and R7: the run's "
               "handoff (row ready -> verdict on the decode)."]
     return "\n".join(lines)
+
+
+def failed_cell(row: RungRow) -> str:
+    """`FAILED in k of n rounds: <why> (rounds ...)`, then the median of the rounds that passed,
+    if any did: a flaky rung still gives a reading, marked (the ladder still exits 1)."""
+    bad = [r for r in row.runs if not r.ok]
+    why: dict[str, list[int]] = {}
+    for r in bad:
+        why.setdefault(r.error or "not all verified", []).append(r.round + 1)
+    errs = "; ".join(f"{e} (round{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                     for e, rs in why.items())
+    cell = f"FAILED in {len(bad)} of {len(row.runs)} rounds: {errs}".replace("|", "\\|")  # a log line's bars
+    passed = len(row.p50s)
+    if passed:
+        cell += f"; median of the {passed} passed: {row.median_us}"
+    return cell
 
 
 def wants_ladder(cfg: OrchestratorConfig) -> bool:

@@ -34,6 +34,7 @@ that say verified. Nothing here is on the run's hot path.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import time
@@ -42,6 +43,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
 
+import structlog
 import torch
 import zmq
 
@@ -85,6 +87,21 @@ def _setup(role: str, cfg: OrchestratorConfig, plan: Plan, run_dir: str) -> tupl
     return side, side.buffers
 
 
+def _log() -> Any:
+    return structlog.get_logger("orchestrator")
+
+
+def _send_error(role: str, conn: Connection, exc: BaseException) -> None:
+    """The side's error to the parent, and its last log line (what the parent quotes when the
+    pipe is gone too)."""
+    line = f"{role}: {type(exc).__name__}: {exc}"
+    try:
+        _log().error("ladder_side_failed", error=line.splitlines()[0])
+    except Exception:  # noqa: BLE001 - the pipe below still says it
+        pass
+    conn.send(("error", f"{line}\n{traceback.format_exc()}"))
+
+
 def _recv(sock: zmq.Socket, spin: bool, multipart: bool = False) -> Any:
     """The next message: busy-polled (spin, as the yardstick on a GPU host) or blocking."""
     if not spin:
@@ -107,9 +124,11 @@ def _flip(b: MetadataBuffers, slot: int) -> None:
 def decode_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes,
                 conn: Connection) -> None:
     try:
-        conn.send(("result", _decode(rung, cfg, plan, run_dir, secret, conn)))
+        res = _decode(rung, cfg, plan, run_dir, secret, conn)
+        _log().info("ladder_decode_end", reason="bye", **res)
+        conn.send(("result", res))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", f"decode: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        _send_error("decode", conn, exc)
 
 
 def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes,
@@ -246,14 +265,30 @@ def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret
 
 # ---- prefill -------------------------------------------------------------------------------
 def prefill_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, n: int,
-                 conn: Connection, corrupt: Optional[int] = None) -> None:
+                 conn: Connection, corrupt: Optional[int] = None, hold_for: Optional[int] = None) -> None:
     """`corrupt` (tests): the timed handoff of this index has one byte of its source row changed
     after its seal and before its write (restored after its verdict): the decode must not
-    verify it."""
+    verify it. `hold_for` (tests): the decode's pid; the result is sent only once that process
+    is gone (ended and reaped by the parent), the order in which the parent must still take
+    it."""
     try:
-        conn.send(("result", _prefill(rung, cfg, plan, run_dir, secret, n, conn, corrupt)))
+        res = _prefill(rung, cfg, plan, run_dir, secret, n, conn, corrupt)
+        _log().info("ladder_prefill_end", n=res["n"], verified=res["verified"])
+        if hold_for is not None:
+            _wait_gone(hold_for)
+        conn.send(("result", res))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", f"prefill: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        _send_error("prefill", conn, exc)
+
+
+def _wait_gone(pid: int) -> None:
+    """Until `pid` no longer exists (a zombie still does: gone means reaped)."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.001)
 
 
 def _verdict_ok(session: Session, raw: bytes, rid: int) -> bool:
@@ -408,6 +443,6 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
         push.send_multipart([BYE])
     else:
         pair.send(BYE)
-    time.sleep(0.05)  # the last frame out before the context closes
+    ctx.destroy(linger=5000)  # the bye out before the sockets close (the decode is waiting for it)
     return {"handoff_us": hand, "verified": verified, "n": n, "transport": side.transport,
             "device": str(b.device), "row_bytes": b.row_bytes}
