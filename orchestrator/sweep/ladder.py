@@ -68,6 +68,7 @@ from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results.logs import configure
+from orchestrator.results.rundir import write_atomic
 from orchestrator.results.schema import EXIT_SIGNAL
 from orchestrator.results.stats import percentile
 
@@ -324,7 +325,7 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
         res, dres = link.exchange()
     except (PairFailed, OSError) as exc:
         failed = exc if isinstance(exc, PairFailed) else PairFailed(f"the pair did not start: {exc}")
-        (rdir / "error.txt").write_text(failed.detail + "\n")
+        write_atomic(rdir / "error.txt", failed.detail + "\n")
         return RungRun(0, error=str(failed).splitlines()[0])
     finally:
         for p in (pre, dec):
@@ -379,7 +380,7 @@ def _full_run(overrides: list[str], n: int, rdir: Path, timeout_s: float) -> Run
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return RungRun(0, error=f"did not end within {timeout_s:.0f} s")
-    (rdir / "console.txt").write_text(p.stdout + p.stderr)
+    write_atomic(rdir / "console.txt", p.stdout + p.stderr)
     try:
         r = json.loads((rdir / "results.json").read_text())
     except (OSError, ValueError):
@@ -407,7 +408,7 @@ def _yardstick(path: Path, mode: str, n: int, rdir: Path, timeout_s: float) -> R
     except subprocess.TimeoutExpired:
         return RungRun(0, error=f"did not end within {timeout_s:.0f} s")
     text = p.stdout + p.stderr
-    (rdir / "yardstick.txt").write_text(text)
+    write_atomic(rdir / "yardstick.txt", text)
     m = _RESULT.search(text)
     if m is None:
         tail = text.strip().splitlines()
@@ -474,9 +475,9 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
         results.load_avg = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
-    (run_dir / "ladder.json").write_text(json.dumps(results.to_json(), indent=2) + "\n")
+    write_atomic(run_dir / "ladder.json", json.dumps(results.to_json(), indent=2) + "\n")
     table = markdown(results)
-    (run_dir / "ladder.md").write_text(table + "\n")
+    write_atomic(run_dir / "ladder.md", table + "\n")
     print(table, flush=True)
     print(f"wrote {os.path.relpath(run_dir / 'ladder.json')} and {os.path.relpath(run_dir / 'ladder.md')}",
           flush=True)
