@@ -39,7 +39,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 # What the forkserver imports once for every child (each of these pulls in torch, zmq, numpy)
-PRELOAD = ["orchestrator.handoff.endpoints.prefill", "orchestrator.handoff.endpoints.decode",
+PRELOAD = ["orchestrator.handoff.forkserver_unblock",  # first: the mask start_early set, lifted
+           "orchestrator.handoff.endpoints.prefill", "orchestrator.handoff.endpoints.decode",
            "orchestrator.handoff.runner", "orchestrator.handoff.app", "hydra",
            "orchestrator.handoff.forkserver_ready"]  # last: says the imports are done
 METHOD_ENV = "ORCHESTRATOR_START_METHOD"
@@ -87,20 +88,35 @@ def start_early() -> None:
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
         sigs = (signal.SIGINT, signal.SIGTERM)
         main = threading.current_thread() is threading.main_thread()
+        from multiprocessing import resource_tracker
+
+        # the resource tracker first, outside the window: its own start unblocks SIGINT and
+        # SIGTERM (multiprocessing.resource_tracker), which would drop one pending there
+        resource_tracker.ensure_running()
+        # blocked first: a signal that comes while both are ignored stays pending (Linux never
+        # discards a blocked signal) and reaches the handler restored below, not lost
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs) if main else None
         saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
         ready = os.path.join(tempfile.gettempdir(), f".orchestrator-forkserver-{os.getpid()}-{time.time_ns()}")
         os.environ[READY_ENV] = ready
         try:  # the forkserver, and so every child, starts with both ignored (lifecycle.spawn)
-            forkserver.ensure_running()
+            _ensure_running(forkserver)
+            if getattr(forkserver._forkserver, "_forkserver_pid", None) != before:  # a new one
+                _ready, _ready_seen = ready, False
+                import atexit
+
+                atexit.register(_unready_ends, ready)  # (a command that ended before its first child)
         finally:
             os.environ.pop(READY_ENV, None)
             for s, handler in saved.items():
                 signal.signal(s, handler)
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) != before:  # a new one
-            _ready, _ready_seen = ready, False
-            import atexit
+            if mask is not None:  # last: a pending Ctrl-C is delivered here, the bookkeeping done
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
-            atexit.register(_unready_ends, ready)  # (a command that ended before its first child)
+
+def _ensure_running(forkserver: Any) -> None:
+    """The forkserver's fork and exec (a test replaces this to send a signal in the window)."""
+    forkserver.ensure_running()
 
 
 def _unready_ends(path: str) -> None:
