@@ -91,15 +91,17 @@ def start_early() -> None:
         from multiprocessing import resource_tracker
 
         # the resource tracker first, outside the window: its own start unblocks SIGINT and
-        # SIGTERM (multiprocessing.resource_tracker), which would drop one pending there
+        # SIGTERM (multiprocessing.resource_tracker), which would open the window early
         resource_tracker.ensure_running()
-        # blocked first: a signal that comes while both are ignored stays pending (Linux never
-        # discards a blocked signal) and reaches the handler restored below, not lost
+        # blocked, never ignored, here: a signal that comes while the forkserver is forked and
+        # exec'd stays pending and reaches this process's handler when the mask is restored
+        # (setting SIG_IGN would discard it); the forkserver inherits the mask, ignores both and
+        # lifts it as its first import (forkserver_unblock), so it and every child start with both
+        # ignored (lifecycle.spawn) until a child installs its own handlers
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs) if main else None
-        saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs} if main else {}
         ready = os.path.join(tempfile.gettempdir(), f".orchestrator-forkserver-{os.getpid()}-{time.time_ns()}")
         os.environ[READY_ENV] = ready
-        try:  # the forkserver, and so every child, starts with both ignored (lifecycle.spawn)
+        try:
             _ensure_running(forkserver)
             if getattr(forkserver._forkserver, "_forkserver_pid", None) != before:  # a new one
                 _ready, _ready_seen = ready, False
@@ -108,8 +110,6 @@ def start_early() -> None:
                 atexit.register(_unready_ends, ready)  # (a command that ended before its first child)
         finally:
             os.environ.pop(READY_ENV, None)
-            for s, handler in saved.items():
-                signal.signal(s, handler)
             if mask is not None:  # last: a pending Ctrl-C is delivered here, the bookkeeping done
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
