@@ -21,7 +21,8 @@ def _early(signum: int, _frame: object) -> None:
     if _COMPOSING[0]:
         # a raise here can land in OmegaConf, whose clean-up turns it into a config error that
         # compose reports and goes on from (the command ran on after SIGTERM): say it, leave now
-        print(f"interrupted ({signal.Signals(signum).name}): no job was running", file=sys.stderr, flush=True)
+        print(f"interrupted ({signal.Signals(signum).name}) while {_PHASE[0]}: no job was running",
+              file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)
     raise _EarlyStop(signum)

@@ -776,7 +776,7 @@ def test_a_signal_ends_the_command_while_it_composes(tmp_path, sig, code):
             proc.communicate()
     assert proc.returncode == code, out + err
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines == [f"interrupted ({sig.name}): no job was running"], err
+    assert lines == [f"interrupted ({sig.name}) while composing the config: no job was running"], err
     assert not (tmp_path / "run").exists()
 
 
