@@ -698,3 +698,16 @@ def read_shared(path: Path | str, limit: int = 1 << 16) -> str:
     finally:
         os.close(fd)
     return data.decode("utf-8", errors="replace")
+
+
+def write_tables(run_dir: Path, stem: str, data: dict[str, Any], table: str) -> None:
+    """A bench's or ladder's outputs: STEM.json (`data`) and STEM.md (`table`), each written
+    atomically; the table printed, then where both went."""
+    import json
+    import os
+
+    write_atomic(run_dir / f"{stem}.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(run_dir / f"{stem}.md", table + "\n")
+    print(table, flush=True)
+    print(f"wrote {os.path.relpath(run_dir / f'{stem}.json')} and {os.path.relpath(run_dir / f'{stem}.md')}",
+          flush=True)

@@ -24,8 +24,6 @@ shared monotonic clock). Results: bench.json and bench.md in the run dir.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import statistics
 import sys
@@ -65,7 +63,7 @@ from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
 from orchestrator.results.records import STAGES, RankResult
-from orchestrator.results.rundir import write_atomic
+from orchestrator.results.rundir import write_tables
 from orchestrator.results.schema import EXIT_SIGNAL, Percentiles, each, read_section
 from orchestrator.results.stats import percentile
 
@@ -414,12 +412,7 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
             break
         results.paths.append(report)
     results.ratios = ratios(results.paths)
-    write_atomic(run_dir / "bench.json", json.dumps(results.to_json(), indent=2) + "\n")
-    table = markdown(results)
-    write_atomic(run_dir / "bench.md", table + "\n")
-    print(table, flush=True)
-    print(f"wrote {os.path.relpath(run_dir / 'bench.json')} and {os.path.relpath(run_dir / 'bench.md')}",
-          flush=True)
+    write_tables(run_dir, "bench", results.to_json(), markdown(results))
     if results.interrupted:
         raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
     failed = [p.path for p in results.paths if not p.ok]

@@ -68,7 +68,7 @@ from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile
 from orchestrator.results.logs import configure
-from orchestrator.results.rundir import write_atomic
+from orchestrator.results.rundir import write_atomic, write_tables
 from orchestrator.results.schema import EXIT_SIGNAL
 from orchestrator.results.stats import percentile
 
@@ -475,12 +475,7 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
         results.load_avg = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
-    write_atomic(run_dir / "ladder.json", json.dumps(results.to_json(), indent=2) + "\n")
-    table = markdown(results)
-    write_atomic(run_dir / "ladder.md", table + "\n")
-    print(table, flush=True)
-    print(f"wrote {os.path.relpath(run_dir / 'ladder.json')} and {os.path.relpath(run_dir / 'ladder.md')}",
-          flush=True)
+    write_tables(run_dir, "ladder", results.to_json(), markdown(results))
     if results.interrupted:
         raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
     failed = [r.rung for r in rows if not r.ok]
