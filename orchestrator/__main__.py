@@ -32,7 +32,7 @@ _PHASE = ["importing"]  # what the command is doing when no job's own handlers a
 
 
 def _interrupted(signum: int) -> None:
-    app = sys.modules.get("orchestrator.handoff.app")
+    app = sys.modules.get("orchestrator.job.app")
     phase = getattr(app, "PHASE", [None])[0] or _PHASE[0]
     print(f"interrupted ({signal.Signals(signum).name}) while {phase}: no job was running",
           file=sys.stderr, flush=True)
@@ -51,7 +51,7 @@ try:
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from orchestrator.handoff.app import failed_job, no_space, refused, run_job
+    from orchestrator.job.app import failed_job, no_space, refused, run_job
     from orchestrator.preflight.compose import job_refusal
     from orchestrator.profile.config import CONF_DIR, ConfigError, register_configs
     from orchestrator.results.rundir import NoSpace, RunDirBusy
@@ -140,10 +140,10 @@ def entry() -> None:
 def _checked(args: Any) -> None:
     """The command line passed its checks: composing is over (a signal now raises _EarlyStop),
     and a single run's children's forkserver starts importing torch now, beside Hydra's own
-    start (orchestrator.handoff.warmstart)."""
+    start (orchestrator.job.warmstart)."""
     _COMPOSING[0] = False
     if not (args.help or args.hydra_help or args.cfg or args.info or args.multirun or args.shell_completion):
-        from orchestrator.handoff import warmstart
+        from orchestrator.job import warmstart
 
         warmstart.start_early()
 

@@ -79,7 +79,7 @@ class JobRunner:
         self.wall_s: Optional[float] = None
 
     def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
-        from orchestrator.handoff.runner import run_handoffs
+        from orchestrator.job.runner import run_handoffs
         from orchestrator.profile.plan import Platform
         from orchestrator.profile.rules import check_profile
         from orchestrator.results.reporting import build_results
@@ -121,8 +121,8 @@ class DecodeProcess:
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):
         import multiprocessing as mp
 
-        from orchestrator.handoff import protocol
         from orchestrator.handoff.endpoints.decode import decode_main
+        from orchestrator.job import protocol
         from orchestrator.profile.plan import Platform, make_plan
 
         self.plan = make_plan(cfg, platform or Platform())
@@ -140,7 +140,7 @@ class DecodeProcess:
 
     def stop(self):
         """Stop the decode side; skips its notices to the runner, returns its final stats."""
-        from orchestrator.handoff import protocol
+        from orchestrator.job import protocol
 
         self.conn.send(protocol.Stop())
         while True:

@@ -236,7 +236,7 @@ def test_a_console_sample_has_the_shape_the_tool_prints(sample, env, words, caps
 
 def test_the_run_sample_has_the_shape_a_run_prints(tmp_path, capsys, monkeypatch):
     """README's `$ python -m orchestrator`, run here with fewer requests (its shape is the same)."""
-    from orchestrator.handoff.app import run_job
+    from orchestrator.job.app import run_job
     from tools.doc_samples import differences, samples
 
     sample = next(s for s in samples(ROOT / "README.md") if s.command == "python -m orchestrator")

@@ -132,7 +132,7 @@ class _Child:
 
 
 def _job(tmp_path: Path):
-    from orchestrator.handoff.runner import Job
+    from orchestrator.job.runner import Job
     from orchestrator.profile.plan import Platform, make_plan
 
     from .conftest import typed_cfg
@@ -142,8 +142,8 @@ def _job(tmp_path: Path):
 
 
 def _proc(msgs: list, alive: bool = True, exitcode=None, every: int = 1):
-    from orchestrator.handoff import protocol
-    from orchestrator.handoff.runner import _Proc
+    from orchestrator.job import protocol
+    from orchestrator.job.runner import _Proc
 
     return _Proc("prefill", _Child(alive, exitcode), protocol.Channel(_Pipe(msgs, every)), "prefill", 0)
 
@@ -152,7 +152,7 @@ def test_startup_timeout_bounds_a_phase_without_progress_not_their_sum(tmp_path,
     """Seven phases of about 0.5 s each (3 s and more in all) with endpoints.startup_timeout_s=1:
     the child is not dead, the run goes on. The clock is the runner's own, moved on 0.1 s at
     every reading; a phase ends at every 5th look at the pipe."""
-    from orchestrator.handoff import protocol, runner
+    from orchestrator.job import protocol, runner
 
     job = _job(tmp_path)
     clock = _Clock(0.1)
@@ -167,8 +167,8 @@ def test_startup_timeout_bounds_a_phase_without_progress_not_their_sum(tmp_path,
 
 
 def test_a_child_without_progress_is_late_and_a_dead_one_is_found_at_once(tmp_path, monkeypatch):
-    from orchestrator.handoff import protocol, runner
-    from orchestrator.handoff.lifecycle import RunFailed
+    from orchestrator.job import protocol, runner
+    from orchestrator.job.lifecycle import RunFailed
 
     job = _job(tmp_path)
     clock = _Clock(0.05)
@@ -186,7 +186,7 @@ def test_a_child_without_progress_is_late_and_a_dead_one_is_found_at_once(tmp_pa
 
 _SIGNAL_IN_THE_WINDOW = '''
 import os, signal, sys
-from orchestrator.handoff import warmstart
+from orchestrator.job import warmstart
 
 launch = warmstart._ensure_running
 

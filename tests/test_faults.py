@@ -131,8 +131,8 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     """reconstruct() after an interrupt: what the prefill recorded counts, what a decode judged
     keeps its verdict (and its route), the requests in flight fail as interrupted, and those
     past the last trace never arrived: not_started, with no line."""
-    from orchestrator.handoff.runner import reconstruct
     from orchestrator.handoff.workload import room_of
+    from orchestrator.job.runner import reconstruct
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record, read_records
 

@@ -239,7 +239,7 @@ def test_interrupt_stops_with_results_no_traceback_and_no_orphans(tmp_path, sig,
 def test_a_job_gives_back_the_signal_handlers_it_found(tmp_path):
     """The CLI's job holds SIGINT/SIGTERM and its runner enters the same handlers again: once
     the job ends, the handlers before it are back (a Ctrl-C between sweep jobs interrupts)."""
-    from orchestrator.handoff.app import run_job as cli_job
+    from orchestrator.job.app import run_job as cli_job
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     res = cli_job(compose_cfg("workload.requests=20"), tmp_path / "run")
@@ -330,7 +330,7 @@ def test_a_job_drops_a_console_handler_whose_stream_was_closed_under_it(tmp_path
     import io
     import logging
 
-    from orchestrator.handoff.app import run_job as cli_job
+    from orchestrator.job.app import run_job as cli_job
 
     stream = io.StringIO()
     stale = logging.StreamHandler(stream)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from orchestrator.handoff import mps
-from orchestrator.handoff.mps import OwnDaemon, mps_for
+from orchestrator.job import mps
+from orchestrator.job.mps import OwnDaemon, mps_for
 from orchestrator.profile.config import ConfigError, MpsMode
 from orchestrator.profile.plan import Platform
 from orchestrator.profile.rules import check_profile
@@ -194,7 +194,7 @@ RUNNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import structlog
-    from orchestrator.handoff.mps import mps_for
+    from orchestrator.job.mps import mps_for
     from orchestrator.profile.config import MpsMode
     from orchestrator.profile.sharing import processes_on_gpus, sharing_rule
     sharing = sharing_rule(MpsMode.auto, processes_on_gpus((0,), (0,), 1, 1), sys.argv[1], None)

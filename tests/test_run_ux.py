@@ -320,7 +320,7 @@ def test_a_timed_coalesced_run_shows_progress_and_keeps_its_run_dir_clean(tmp_pa
 
 
 def test_a_lost_rank_of_a_timed_run_counts_what_arrived_not_its_ceiling(tmp_path):
-    from orchestrator.handoff.recovery import reconstruct
+    from orchestrator.job.recovery import reconstruct
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record
 

@@ -17,10 +17,10 @@ import torch
 import zmq
 
 from orchestrator import MetadataBuffers
-from orchestrator.handoff import protocol
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Replayed, new_nonce
 from orchestrator.handoff.transport.engine import MooncakeEngine
+from orchestrator.job import protocol
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Platform, make_plan
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
@@ -447,7 +447,7 @@ def _decode_that_fails(conn) -> None:
 def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     """Job._finish reads a decode's pipe after it died, so its error is reported (it was
     dropped while the runner read the pipe only of a living decode)."""
-    from orchestrator.handoff.runner import Job, _Proc
+    from orchestrator.job.runner import Job, _Proc
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from orchestrator.handoff import protocol
 from orchestrator.handoff.transport import wire
+from orchestrator.job import protocol
 from orchestrator.results.schema import Results
 
 from .conftest import ROOT, typed_cfg

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.handoff.runner import run_handoffs
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
+from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.plan import Platform, make_plan
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.reporting import build_results

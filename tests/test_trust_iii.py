@@ -396,7 +396,7 @@ def _decode_killed_after_ready(cfg, plan, run_dir, secret, conn, *args) -> None:
     never answers) and is SIGKILLed at once: the window of issue 31's case 10."""
     import zmq
 
-    from orchestrator.handoff import protocol
+    from orchestrator.job import protocol
 
     ctx = zmq.Context()
     control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
@@ -412,7 +412,7 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     """issue 31's trial: "prefill endpoint failed: TimeoutError: decode did not answer hello
     within transport.timeout_s=10", lost: {}, 12.4 s after the kill. The runner watches the
     decodes while the prefills bootstrap: the decode is lost, within transport.timeout_s."""
-    from orchestrator.handoff import runner
+    from orchestrator.job import runner
     from orchestrator.profile.plan import make_plan
     from orchestrator.profile.platform import detect
 
@@ -439,11 +439,11 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
 
     import zmq
 
-    from orchestrator.handoff import peercheck
-    from orchestrator.handoff.bootstrap import REFUSAL_LINGER_MS, lookup
-    from orchestrator.handoff.lifecycle import RunFailed, Signals
     from orchestrator.handoff.transport import wire
     from orchestrator.handoff.transport.auth import Authenticator
+    from orchestrator.job import peercheck
+    from orchestrator.job.bootstrap import REFUSAL_LINGER_MS, lookup
+    from orchestrator.job.lifecycle import RunFailed, Signals
 
     from .conftest import typed_cfg
 

@@ -115,7 +115,7 @@ def test_a_stale_verdicts_file_of_another_run_is_ignored_by_recovery(tmp_path, c
     """A verdicts file of run A planted in run B's dir (B has its own id): recovery's judged
     set and verified_after_lost count only B's lines. At 3a078eb A's verdicts made B's lost
     requests verified."""
-    from orchestrator.handoff.recovery import reconstruct
+    from orchestrator.job.recovery import reconstruct
     from orchestrator.results.reporting import verified_after_lost
 
     _claim(tmp_path, "bbbb")
@@ -292,7 +292,7 @@ def test_a_plot_replaces_a_planted_link_never_writes_through_it(tmp_path, kind):
 def test_the_metadata_servers_log_refuses_a_planted_link(tmp_path):
     """metadata_server.log (transport.metadata_server=http://...) is created as the run's
     other files: a link planted there is refused before the server starts, never appended to."""
-    from orchestrator.handoff import bootstrap
+    from orchestrator.job import bootstrap
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -442,8 +442,8 @@ def test_a_planted_reaper_log_link_is_not_followed(tmp_path, monkeypatch):
     and the run has no MPS, saying why; the victim is untouched."""
     import structlog
 
-    from orchestrator.handoff import mps
-    from orchestrator.handoff.mps import mps_for
+    from orchestrator.job import mps
+    from orchestrator.job.mps import mps_for
     from orchestrator.profile.config import MpsMode
     from orchestrator.profile.sharing import processes_on_gpus, sharing_rule
 
@@ -464,7 +464,7 @@ def test_a_planted_reaper_log_link_is_not_followed(tmp_path, monkeypatch):
 def test_a_linked_mps_dir_is_refused(tmp_path):
     """run_dir/mps a link to a dir elsewhere: refused (the daemon's pipe and logs never land
     in the victim dir)."""
-    from orchestrator.handoff.mps import OwnDaemon
+    from orchestrator.job.mps import OwnDaemon
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -1066,7 +1066,7 @@ def test_a_recorded_lookup_replayed_into_a_later_run_is_refused_and_never_judged
 
 
 def _stale() -> str:
-    from orchestrator.handoff import bootstrap
+    from orchestrator.job import bootstrap
 
     return getattr(bootstrap, "STALE", "")
 
@@ -1078,8 +1078,8 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
     (to the prefill side that sent it), counted, and not judged (its advertised address is
     never probed); the decode side serves on, and a fresh lookup gets the endpoints. The
     decode side's bootstrap serves in a thread here, over real sockets."""
-    from orchestrator.handoff import bootstrap
-    from orchestrator.handoff.lifecycle import Signals
+    from orchestrator.job import bootstrap
+    from orchestrator.job.lifecycle import Signals
     from orchestrator.results.records import RunResult
 
     monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
@@ -1138,8 +1138,8 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     took the first (and probed 192.0.2.2). Now it takes none of them, judges none (the address
     in them is never probed), and ends at its window saying how many answers were another
     run's. The peer is a ROUTER in a thread here, over real sockets."""
-    from orchestrator.handoff.bootstrap import lookup
-    from orchestrator.handoff.lifecycle import RunFailed, Signals
+    from orchestrator.job.bootstrap import lookup
+    from orchestrator.job.lifecycle import RunFailed, Signals
 
     secret = SECRET.encode()
     auth = Authenticator(secret)

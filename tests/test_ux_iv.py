@@ -188,7 +188,7 @@ def test_an_early_interrupt_names_the_phase(phase, capsys, monkeypatch):
 
 def test_the_app_phase_wins_while_a_job_prepares(capsys, monkeypatch):
     import orchestrator.__main__ as entry
-    from orchestrator.handoff import app
+    from orchestrator.job import app
 
     monkeypatch.setattr(app, "PHASE", ["preparing the run dir"])
     with pytest.raises(SystemExit):

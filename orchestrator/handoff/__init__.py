@@ -1,2 +1,2 @@
-"""The handoff: MetadataBuffers and their digest, the transports (Mooncake engine, ZMQ route),
-the prefill and decode endpoints, and the runner that starts them (app: one job)."""
+"""The handoff, the byte path: MetadataBuffers and their digest, the transports (Mooncake
+engine, ZMQ route) and the prefill and decode endpoints that move and judge the aux rows."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
-from orchestrator.handoff.lifecycle import resume
+from orchestrator.job.lifecycle import resume
 from orchestrator.profile.config import FaultKind, FaultsConfig
 
 

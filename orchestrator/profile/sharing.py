@@ -5,7 +5,7 @@ switch of the other (about 300-400 us on an H200), and a one-GPU run then measur
 the transport. Under MPS they share one context and run side by side, much as on two GPUs.
 
 Pure: the machine is described by the Platform (plan.py) the caller passes in. The run's own
-control daemon is started and stopped by orchestrator.handoff.mps.
+control daemon is started and stopped by orchestrator.job.mps.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ collecting), the requests verified and failed so far, the rate, the time.
 On a terminal one line is redrawn in place (at most 5 times a second); elsewhere (a pipe, a
 file, CI) a plain line every `every_s` seconds, and only when asked for (logging.progress,
 or logging.console=true). Everything it shows is a counter the runner already has: the
-prefills' pipe messages (orchestrator.handoff.protocol.Progress, four a second) and the
+prefills' pipe messages (orchestrator.job.protocol.Progress, four a second) and the
 runner's own phases; nothing is added to a request's path. The rate counts from the start
 of the handoff phase, not from the start of the processes. The run's log file gets a
 structured `progress` event every `every_s` seconds whatever the console shows.

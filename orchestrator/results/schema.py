@@ -315,7 +315,7 @@ class Timing:
     offered_per_s: Optional[float] = None  # open loop: workload.rate x prefill ranks
     requests_per_send: Optional[float] = None  # request rows per send call (per decode TP rank)
     # per process, its start-up phase by phase (s): interpreter, imports, buffers, engine,
-    # warm-up, waiting, bootstrap (orchestrator.handoff.warmstart); "forkserver": how long the
+    # warm-up, waiting, bootstrap (orchestrator.job.warmstart); "forkserver": how long the
     # children's start waited for the forkserver's imports (imports_left: what the parent's own
     # start-up had not already covered)
     startup_phases: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -369,7 +369,7 @@ class Agreement:
 
 @dataclass
 class Origin:
-    """Which side wrote the results and where (top-level keys, set by orchestrator.handoff.app)."""
+    """Which side wrote the results and where (top-level keys, set by orchestrator.job.app)."""
 
     role: Optional[str] = None
     run_dir: Optional[str] = None

@@ -36,11 +36,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from orchestrator.handoff import protocol
 from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
-from orchestrator.handoff.runner import run_handoffs
 from orchestrator.handoff.transport.router import Send, Transfer
+from orchestrator.job import protocol
+from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.config import (
     CONF_DIR,
     BenchConfig,

@@ -30,7 +30,7 @@ with its rounds (a side of the pair that ended early: which one, its exit, its l
 and, if any round passed, the median of those that did, so a flaky rung still gives a reading.
 
 Device rows share a GPU: R0-R5 and the yardstick run under CUDA MPS where the profile's
-endpoints.mps decides so (one daemon of the ladder's own per rung, orchestrator.handoff.mps);
+endpoints.mps decides so (one daemon of the ladder's own per rung, orchestrator.job.mps);
 R6 and R7 start theirs as every run does.
 Output: the table on the console, ladder.md and ladder.json in the run dir.
 """
@@ -54,9 +54,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Optional
 
-from orchestrator.handoff.lifecycle import spawn
-from orchestrator.handoff.mps import mps_for
-from orchestrator.handoff.runner import run_handoffs
+from orchestrator.job.lifecycle import spawn
+from orchestrator.job.mps import mps_for
+from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.config import (
     BenchPhases,
     ConfigError,

@@ -15,11 +15,11 @@ import structlog
 import torch
 import zmq
 
-from orchestrator.handoff import warmstart
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
 from orchestrator.handoff.workload import Shapes
+from orchestrator.job import warmstart
 from orchestrator.profile.config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure

@@ -46,7 +46,6 @@ import structlog
 import torch
 import zmq
 
-from orchestrator.handoff import protocol, warmstart
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowDigest
 from orchestrator.handoff.endpoints.common import (
@@ -71,6 +70,7 @@ from orchestrator.handoff.endpoints.tp import Group, TorchGroup, single
 from orchestrator.handoff.faults import decode_setup, silent_session
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.engine import exposed, listening_sockets
+from orchestrator.job import protocol, warmstart
 from orchestrator.profile.config import (
     BuffersConfig,
     EndpointsConfig,
@@ -322,7 +322,7 @@ def _join(c: DecodeConfig, plan: Plan, chan: protocol.Channel, run_path: Path, n
 def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn: Connection,
                 instance: int = 0, tp_rank: int = 0, bulk_bytes: int = 0) -> None:
     """Process entry (multiprocessing spawn) of one decode process; `conn` is its end of the
-    runner's pipe (orchestrator.handoff.protocol). `bulk_bytes` > 0 also registers a bulk target
+    runner's pipe (orchestrator.job.protocol). `bulk_bytes` > 0 also registers a bulk target
     region of that size on the buffers' device (the benchmark's bandwidth point)."""
     run_path = Path(run_dir)
     e = cfg.endpoints

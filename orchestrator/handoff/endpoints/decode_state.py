@@ -13,10 +13,10 @@ from typing import Any, Optional
 import structlog
 import zmq
 
-from orchestrator.handoff import protocol
 from orchestrator.handoff.digest import Keys
 from orchestrator.handoff.endpoints.common import heartbeat_s
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
+from orchestrator.job import protocol
 from orchestrator.profile.platform import boot_id, pid_namespace
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult

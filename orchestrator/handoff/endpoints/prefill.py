@@ -40,7 +40,6 @@ import structlog
 import torch
 import zmq
 
-from orchestrator.handoff import protocol, warmstart
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import (
@@ -57,6 +56,7 @@ from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.transport.auth import Authenticator, new_nonce
 from orchestrator.handoff.workload import RequestPool
+from orchestrator.job import protocol, warmstart
 from orchestrator.profile.config import (
     BuffersConfig,
     CompletionSetting,

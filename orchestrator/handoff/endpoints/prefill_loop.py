@@ -15,7 +15,6 @@ from typing import Optional, cast
 import structlog
 import zmq
 
-from orchestrator.handoff import protocol
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import Shutdown, heartbeat_s, rss_kb
@@ -25,6 +24,7 @@ from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.router import Transfer
 from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
+from orchestrator.job import protocol
 from orchestrator.profile.config import FillMode, SetBufMode, StatusMode, TransportConfig, WorkloadConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import RankResult, Record

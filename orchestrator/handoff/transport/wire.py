@@ -9,12 +9,12 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
     {infos: [[{control_endpoint, data_endpoint, transport, session_id}, ...], ...],
     prefill_ranks, versions, advertised, answer_to}
     (versions: what each side runs; advertised: the address SGLang would advertise on its host
-    and a port it answers probes on there: orchestrator.handoff.peercheck). Fresh lookups
+    and a port it answers probes on there: orchestrator.job.peercheck). Fresh lookups
     (issue 36): the prefill side's nonce is drawn per run; a lookup without the decode side's
     current challenge gets challenge {challenge, answer_to} back, and only a lookup that carries
     it, sent within the decode side's time window, is judged and answered; every answer echoes
     the lookup's nonce (answer_to), so a recorded lookup or answer opens nowhere else
-    (orchestrator.handoff.bootstrap). A lookup from a sender that predates them lacks nonce,
+    (orchestrator.job.bootstrap). A lookup from a sender that predates them lacks nonce,
     challenge and sent_ms: it still decodes, and is refused with a line saying why.
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update {grants: [[rid, slot], ...],
@@ -280,7 +280,7 @@ class LookupMsg(Message):
     rank: int = _check(_u64)
     prefill_ranks: int = _check(_u64)
     # what the prefill side runs, and the address SGLang would advertise on its host
-    # (orchestrator.handoff.peercheck; a peer that predates them leaves them out)
+    # (orchestrator.job.peercheck; a peer that predates them leaves them out)
     versions: Optional[dict[str, str]] = _check(_versions, optional=True)
     advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
     # freshness (issue 36): the prefill side's nonce for this run, the decode side's current

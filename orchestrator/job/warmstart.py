@@ -39,10 +39,10 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 # What the forkserver imports once for every child (each of these pulls in torch, zmq, numpy)
-PRELOAD = ["orchestrator.handoff.forkserver_unblock",  # first: the mask start_early set, lifted
+PRELOAD = ["orchestrator.job.forkserver_unblock",  # first: the mask start_early set, lifted
            "orchestrator.handoff.endpoints.prefill", "orchestrator.handoff.endpoints.decode",
-           "orchestrator.handoff.runner", "orchestrator.handoff.app", "hydra",
-           "orchestrator.handoff.forkserver_ready"]  # last: says the imports are done
+           "orchestrator.job.runner", "orchestrator.job.app", "hydra",
+           "orchestrator.job.forkserver_ready"]  # last: says the imports are done
 METHOD_ENV = "ORCHESTRATOR_START_METHOD"
 READY_ENV = "ORCHESTRATOR_FORKSERVER_READY"
 
@@ -177,7 +177,7 @@ def _alive(pid: int) -> bool:
 def child_main(target: str, env: dict[str, str], *args: Any, **kwargs: Any) -> None:
     """A child's entry: the parent's environment, then the endpoint `target`
     ("module:function") called with `args` (cfg, plan, run_dir, secret, conn, ...)."""
-    from orchestrator.handoff import protocol
+    from orchestrator.job import protocol
 
     if os.environ != env:
         os.environ.clear()
@@ -197,7 +197,7 @@ def mark(phase: str) -> None:
     outside a child started by child_main)."""
     if _chan is None:
         return
-    from orchestrator.handoff import protocol
+    from orchestrator.job import protocol
 
     try:
         _chan.send(protocol.Started(phase=phase, at=time.monotonic()))

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from orchestrator.handoff.lifecycle import RunFailed
 from orchestrator.handoff.transport import reach, wire
 from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.job.lifecycle import RunFailed
 from orchestrator.profile import versions
 from orchestrator.profile.config import AddressCheck, TransportConfig
 from orchestrator.results.records import RunResult

@@ -12,8 +12,8 @@ from typing import Any, Optional, Protocol, TypeVar
 from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
-from orchestrator.handoff import warmstart
-from orchestrator.handoff.lifecycle import Signals
+from orchestrator.job import warmstart
+from orchestrator.job.lifecycle import Signals
 from orchestrator.profile.config import (
     ConfigError,
     EndpointsConfig,
@@ -73,7 +73,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             progress = (ProgressMeter(total if w.duration_s is None else None, log, every_s=lg.progress_every_s,
                                       mode=mode_for(lg.progress, lg.console), duration_s=w.duration_s)
                         if obj.role is not Role.decode else None)
-            from orchestrator.handoff.runner import run_handoffs  # torch and the rest: only to run
+            from orchestrator.job.runner import run_handoffs  # torch and the rest: only to run
 
             drawer = plots.Drawer(run_dir) if obj.role is not Role.decode else None
             try:

@@ -36,10 +36,10 @@ from typing import Any, Optional, Protocol, Sequence
 
 import structlog
 
-from orchestrator.handoff import protocol
-from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals
-from orchestrator.handoff.peercheck import PeerCheck
 from orchestrator.handoff.transport import wire
+from orchestrator.job import protocol
+from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals
+from orchestrator.job.peercheck import PeerCheck
 from orchestrator.profile.config import ConfigError, EndpointsConfig, TransportConfig
 from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import create_regular, proc_name

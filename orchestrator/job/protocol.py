@@ -29,7 +29,7 @@ class ProtocolError(RuntimeError):
 @dataclass(frozen=True)
 class Started:
     """A child finished start-up phase `phase` at `at` (time.monotonic(), one clock for every
-    process of the machine): progress, and its phase times (orchestrator.handoff.warmstart)."""
+    process of the machine): progress, and its phase times (orchestrator.job.warmstart)."""
 
     phase: str
     at: float

@@ -3,11 +3,11 @@ up in parallel), hand the prefills the decode endpoints, watch, collect what the
 
 A `Job` holds one run: its processes, each behind a protocol.Channel, and its RunResult.
 Every wait is bounded. A process that dies or stops reporting is ended, and its requests are
-accounted for from what was recorded on disk (orchestrator.handoff.recovery): everything a decode
+accounted for from what was recorded on disk (orchestrator.job.recovery): everything a decode
 already judged keeps its verdict, the rest fail with a reason. Process faults are carried
 out here when a prefill reaches the exact checkpoint the fault names. SIGINT and SIGTERM end
 the run within about two seconds with what was measured so far. role=decode and
-role=prefill meet through orchestrator.handoff.bootstrap.
+role=prefill meet through orchestrator.job.bootstrap.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import structlog
 
-from orchestrator.handoff import protocol, warmstart
-from orchestrator.handoff.bootstrap import lookup, serve_bootstrap, start_metadata_server
 from orchestrator.handoff.fault_kinds import divert_control, strike
-from orchestrator.handoff.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
-from orchestrator.handoff.mps import mps_for, record_servers
-from orchestrator.handoff.recovery import decode_from_disk, reconstruct
 from orchestrator.handoff.transport.auth import run_secret
+from orchestrator.job import protocol, warmstart
+from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_server
+from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
+from orchestrator.job.mps import mps_for, record_servers
+from orchestrator.job.recovery import decode_from_disk, reconstruct
 from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, with_seed
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
