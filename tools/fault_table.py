@@ -2,7 +2,7 @@
 python tools/fault_table.py [outdir]. Timeouts are short (transport.timeout_s=2) so the whole
 table takes about a minute on a 2-core box.
 
-python tools/fault_table.py --kinds prints orchestrator.handoff.faults.FAULTS instead (what each kind
+python tools/fault_table.py --kinds prints orchestrator.profile.fault_table.FAULTS instead (what each kind
 is: where it acts, what it needs), running nothing."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ CASES = [
 
 
 def kinds() -> None:
-    """orchestrator.handoff.faults.FAULTS as a markdown table."""
-    from orchestrator.handoff.faults import FAULTS
+    """orchestrator.profile.fault_table.FAULTS as a markdown table."""
+    from orchestrator.profile.fault_table import FAULTS
 
     print("| fault | acts at | per request | engine route only | split run | victim | signal |")
     print("|---|---|---|---|---|---|---|")

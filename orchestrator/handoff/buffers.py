@@ -22,7 +22,8 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.profile.config import HiddenStatesDtype, LayoutConfig, MemPoolType
+from orchestrator.profile.config import LayoutConfig
+from orchestrator.profile.kinds import HiddenStatesDtype, MemPoolType
 from orchestrator.profile.layout import FieldSpec, Sizes, field_specs, get_buf_names, load_layout
 from orchestrator.profile.plan import Device, Platform, buffer_device
 

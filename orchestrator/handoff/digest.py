@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from orchestrator.handoff.buffers import MetadataBuffers, StagedRows, _as_i64
-from orchestrator.profile.config import DigestKind
+from orchestrator.profile.kinds import DigestKind
 
 P = 16_777_213
 CHUNK_WORDS = 8192

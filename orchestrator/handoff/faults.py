@@ -21,11 +21,13 @@ from typing import Callable, Iterable, Optional, Sequence
 import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
-from orchestrator.handoff.fault_kinds import FAULTS, Site, Traits, acts_at, divert_control, silent_listener, strike
+from orchestrator.handoff.fault_kinds import divert_control, silent_listener, strike
 from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
-from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
+from orchestrator.profile.config import FaultsConfig
+from orchestrator.profile.fault_table import FAULTS, Site, Traits, acts_at
+from orchestrator.profile.kinds import FaultKind, StatusMode
 
-# the table and the runner's own acts live in fault_kinds (torch-free: the rule book and the runner)
+# the table is the profile's (fault_table), the runner's own acts are in fault_kinds (torch-free)
 __all__ = ["FAULTS", "Site", "Traits", "acts_at", "divert_control", "silent_listener", "strike"]
 
 UNSERVED_SESSION = "127.0.0.1:9"  # the discard port: nothing speaks Mooncake there

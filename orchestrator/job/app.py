@@ -15,16 +15,15 @@ from structlog.stdlib import BoundLogger
 from orchestrator.job import warmstart
 from orchestrator.job.lifecycle import Signals
 from orchestrator.profile.config import (
-    ConfigError,
     EndpointsConfig,
     LoggingConfig,
     OrchestratorConfig,
     ReportConfig,
-    Role,
     WorkloadConfig,
     typed,
     validate,
 )
+from orchestrator.profile.kinds import ConfigError, Role
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import detect
 from orchestrator.profile.rules import check_profile

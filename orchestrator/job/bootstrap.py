@@ -40,9 +40,10 @@ from orchestrator.handoff.transport import wire
 from orchestrator.job import protocol
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals
 from orchestrator.job.peercheck import PeerCheck
-from orchestrator.profile.config import ConfigError, EndpointsConfig, TransportConfig
+from orchestrator.profile.config import EndpointsConfig, TransportConfig
+from orchestrator.profile.kinds import ConfigError, host_port
 from orchestrator.results.records import RunResult
-from orchestrator.results.rundir import create_regular, proc_name
+from orchestrator.results.rundir import NotARegularFile, create_regular, proc_name, read_shared
 
 _clock = time.monotonic
 _wall_ns = time.time_ns  # the lookup's sent_ms: the two hosts' wall clocks, not monotonic
@@ -344,7 +345,6 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
     import zmq
 
     from orchestrator.handoff.transport.auth import Authenticator, new_nonce
-    from orchestrator.profile.config import peer_address
 
     auth = Authenticator(secret)
     deadline = _clock() + e.startup_timeout_s
@@ -433,14 +433,37 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
         zctx.term()
 
 
+def peer_address(peer: Optional[str], bootstrap_file: Optional[str], timeout_s: float = 0.0) -> tuple[str, int]:
+    """The decode side's bootstrap address: `peer`, or what the decode side wrote to
+    transport.bootstrap_file (waited for up to `timeout_s`)."""
+    if peer is not None:
+        addr = host_port(peer)
+        assert addr is not None, "checked by OrchestratorConfig.check"
+        return addr
+    assert bootstrap_file is not None, "checked by OrchestratorConfig.check"
+    path = Path(bootstrap_file)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            addr = host_port(json.loads(read_shared(path))["address"])
+            if addr is not None:
+                return addr
+        except NotARegularFile:
+            raise  # a FIFO or device planted there: refused, never waited on
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() >= deadline:
+            raise ConfigError("transport.bootstrap_file", str(path),
+                              "a file the decode side (role=decode) writes its address to; none "
+                              f"appeared within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 def _await_address(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], deadline: float,
                    signals: Signals) -> tuple[str, int]:
     """The decode side's address: `peer`, or transport.bootstrap_file once the decode side
     wrote it (until `deadline`; a signal ends the wait). A bootstrap file that is not a
     regular file (a FIFO, a device) is refused at once."""
-    from orchestrator.profile.config import peer_address
-    from orchestrator.results.rundir import NotARegularFile
-
     said = False
     while True:
         try:

@@ -4,7 +4,6 @@ traceback before it installed its own handlers (spawn)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from multiprocessing.process import BaseProcess
@@ -45,14 +44,6 @@ class Signals:
             for sig, handler in self._saved.items():
                 signal.signal(sig, handler)
             self._saved.clear()
-
-
-def resume(pid: int) -> None:
-    """SIGCONT a process a stop fault may still hold; one already gone is fine."""
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def spawn(proc: BaseProcess) -> None:

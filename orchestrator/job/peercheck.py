@@ -24,7 +24,8 @@ from orchestrator.handoff.transport import reach, wire
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.job.lifecycle import RunFailed
 from orchestrator.profile import versions
-from orchestrator.profile.config import AddressCheck, TransportConfig
+from orchestrator.profile.config import TransportConfig
+from orchestrator.profile.kinds import AddressCheck
 from orchestrator.results.records import RunResult
 
 PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the address probe

@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import structlog
 
-from orchestrator.handoff.fault_kinds import divert_control, strike
+from orchestrator.handoff.fault_kinds import divert_control, resume, strike
 from orchestrator.handoff.transport.auth import run_secret
 from orchestrator.job import protocol, warmstart
 from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_server
-from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, resume, spawn
+from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
-from orchestrator.profile.config import MpsMode, OrchestratorConfig, Role, with_seed
+from orchestrator.profile.config import OrchestratorConfig, with_seed
+from orchestrator.profile.kinds import MpsMode, Role
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult

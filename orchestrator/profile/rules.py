@@ -22,8 +22,6 @@ from __future__ import annotations
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from orchestrator.handoff.fault_kinds import FAULTS
-from orchestrator.handoff.transport.auth import secret_from_env
 from orchestrator.profile.config import (
     WIDTH_KEYS,
     BuffersConfig,
@@ -38,6 +36,8 @@ from orchestrator.profile.config import (
     WorkloadConfig,
     is_loopback,
 )
+from orchestrator.profile.fault_table import FAULTS
+from orchestrator.profile.kinds import secret_from_env
 from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
 MAX_REQUEST_ID = (1 << 63) - 1  # request ids travel as signed 64-bit numbers (rooms: 63 bits)

@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Callable, Mapping, Optional
 
 from orchestrator.profile.config import ConfigError, MpsMode
-from orchestrator.results.rundir import proc_name
+from orchestrator.profile.proc_names import proc_name
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")  # what a process joins a daemon by

@@ -255,7 +255,7 @@ class RunResult:
     paths: dict[str, Any] = field(default_factory=dict)  # a driver's own result (the bench's PathResult)
     decodes: dict[str, DecodeResult] = field(default_factory=dict)
     transports: dict[str, str] = field(default_factory=dict)
-    gpu_sharing: dict[str, Any] = field(default_factory=dict)  # handoff.mps: the processes per GPU, MPS on or not
+    gpu_sharing: dict[str, Any] = field(default_factory=dict)  # job.mps: the processes per GPU, MPS on or not
     startup_s: Optional[float] = None
     faults_applied: list[dict] = field(default_factory=list)
     engine_exposed: list[str] = field(default_factory=list)

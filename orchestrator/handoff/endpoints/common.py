@@ -20,7 +20,8 @@ from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, liste
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
 from orchestrator.handoff.workload import Shapes
 from orchestrator.job import warmstart
-from orchestrator.profile.config import BuffersConfig, FallbackPolicy, LayoutConfig, TransportConfig, is_loopback
+from orchestrator.profile.config import BuffersConfig, LayoutConfig, TransportConfig
+from orchestrator.profile.kinds import FallbackPolicy, is_loopback
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import RunFiles, open_regular

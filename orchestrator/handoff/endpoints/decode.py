@@ -78,10 +78,10 @@ from orchestrator.profile.config import (
     GateConfig,
     LayoutConfig,
     OrchestratorConfig,
-    Role,
     TransportConfig,
     VerifyConfig,
 )
+from orchestrator.profile.kinds import Role
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import usable_cores

@@ -24,7 +24,8 @@ from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
 from orchestrator.handoff.transport.router import AuxRouter, LayoutMismatch, Peer, Router
 from orchestrator.handoff.transport.wire import Layout
-from orchestrator.profile.config import AddressCheck, FaultsConfig
+from orchestrator.profile.config import FaultsConfig
+from orchestrator.profile.kinds import AddressCheck
 from orchestrator.profile.layout import describe, fingerprint, first_difference
 from orchestrator.profile.plan import Plan, same_process_space_rule
 from orchestrator.profile.platform import pid_namespace

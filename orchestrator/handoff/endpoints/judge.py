@@ -12,7 +12,8 @@ import torch
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowCheck, RowDigest
 from orchestrator.handoff.endpoints.decode_state import Grant
-from orchestrator.profile.config import GateConfig, GateRead
+from orchestrator.profile.config import GateConfig
+from orchestrator.profile.kinds import GateRead
 from orchestrator.profile.plan import Device
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import DecodeResult

@@ -59,7 +59,6 @@ from orchestrator.handoff.workload import RequestPool
 from orchestrator.job import protocol, warmstart
 from orchestrator.profile.config import (
     BuffersConfig,
-    CompletionSetting,
     EndpointsConfig,
     FaultsConfig,
     LayoutConfig,
@@ -68,6 +67,7 @@ from orchestrator.profile.config import (
     VerifyConfig,
     WorkloadConfig,
 )
+from orchestrator.profile.kinds import CompletionSetting
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import boot_id, usable_cores
 from orchestrator.results.logs import DecisionLog

@@ -25,7 +25,8 @@ from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.router import Transfer
 from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
 from orchestrator.job import protocol
-from orchestrator.profile.config import FillMode, SetBufMode, StatusMode, TransportConfig, WorkloadConfig
+from orchestrator.profile.config import TransportConfig, WorkloadConfig
+from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import RankResult, Record
 from orchestrator.results.rundir import RunFile

@@ -32,7 +32,7 @@ import os
 import secrets
 from typing import Mapping, Optional, Sequence, cast
 
-from orchestrator.profile.config import ConfigError
+from orchestrator.profile.kinds import secret_from_env  # the rule book's too
 
 MAC_BYTES = 16
 NONCE_BYTES = 16
@@ -142,14 +142,6 @@ class Session(Authenticator):
             raise Replayed(f"control message {seq} after {self._seen}")
         self._seen = seq
         return body[_SEQ:]
-
-
-def secret_from_env(secret_env: str, env: Mapping[str, str]) -> bytes:
-    value = env.get(secret_env, "")
-    if not value:
-        raise ConfigError("transport.secret_env", secret_env,
-                          "the name of a set, non-empty environment variable holding the secret")
-    return value.encode()
 
 
 def run_secret(secret_env: Optional[str], env: Optional[Mapping[str, str]] = None) -> bytes:

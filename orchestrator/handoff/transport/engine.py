@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from orchestrator.handoff.transport.ports import any_free_port
-from orchestrator.profile.config import is_loopback
+from orchestrator.profile.kinds import is_loopback
 from orchestrator.profile.plan import EngineTransport
 from orchestrator.results.rundir import open_regular
 

@@ -31,7 +31,7 @@ from orchestrator.handoff.buffers import WARM_BYTES, MetadataBuffers
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
-from orchestrator.profile.config import StatusMode
+from orchestrator.profile.kinds import StatusMode
 from orchestrator.profile.plan import Plan, Route
 from orchestrator.results.outcomes import KVPoll
 
