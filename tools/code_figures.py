@@ -4,7 +4,9 @@ and the house's goal figures (issue 29): modules at the package root, ``msg["...
 outside the wire module, functions taking the whole config (a parameter annotated
 ``OrchestratorConfig``, outside the schema module that builds it), class names defined twice,
 ``Any`` on the hot path (fields of the classes in handoff/endpoints and handoff/faults
-annotated ``Any``), the largest endpoint module in lines.
+annotated ``Any``), the largest endpoint module in lines; and the floors (issue 38): arrows up
+(an import from a lower floor to a higher one, floors profile < results < handoff < job <
+sweep = preflight < the package root's entry modules) and handoff/'s imports of profile.config.
 Reads the source only (ast), runs nothing.
 
     python tools/code_figures.py [ROOT]      # ROOT: the repository (default: this one)
@@ -225,6 +227,44 @@ def hot_any(trees: list[tuple[Path, ast.Module]]) -> list[str]:
     return sorted(set(out))
 
 
+FLOORS = {"profile": 0, "results": 1, "handoff": 2, "job": 3, "sweep": 4, "preflight": 4}
+ENTRY = 5  # the package root's modules (__main__, bench, doctor, ...): the top floor
+CONFIG_MODULE = "orchestrator.profile.config"
+
+
+def floor(mod: str) -> int:
+    """A module's floor: its folder's (FLOORS), or the entry modules' at the package root."""
+    parts = mod.split(".")
+    return FLOORS.get(parts[1], ENTRY) if len(parts) > 1 else ENTRY
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower floor to a higher one (imports(): lazy ones and TYPE_CHECKING's too)."""
+    return [f"{m} -> {t}" for m in sorted(graph) for t in sorted(graph[m]) if floor(t) > floor(m)]
+
+
+def config_imports(trees: list[tuple[Path, ast.Module]], under: Path = Path("handoff")) -> list[str]:
+    """Import statements of orchestrator.profile.config under `under`: "file:line names"."""
+    out: list[tuple[str, int, str]] = []
+    for rel, tree in trees:
+        if under not in rel.parents:
+            continue
+        mod = ".".join(("orchestrator",) + rel.with_suffix("").parts)
+        for n in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(n, ast.Import):
+                names = [a.name for a in n.names if a.name == CONFIG_MODULE]
+            elif isinstance(n, ast.ImportFrom):
+                target = _resolve(mod, rel.name == "__init__.py", n)
+                if target == CONFIG_MODULE:
+                    names = [a.name for a in n.names]
+                elif target == CONFIG_MODULE.rpartition(".")[0]:
+                    names = [a.name for a in n.names if a.name == "config"]
+            if names:
+                out.append((str(rel), n.lineno, ", ".join(names)))
+    return [f"{r}:{line} {what}" for r, line, what in sorted(out)]
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent
     pkg = root / "orchestrator"
@@ -266,6 +306,16 @@ def main(argv: list[str]) -> int:
                    reverse=True)
     if sizes:
         print(f"largest endpoint module: {sizes[0][0]} lines ({sizes[0][1]})")
+    up = arrows_up(graph)
+    print(f"arrows up (a lower floor importing a higher one): {len(up)}")
+    for a in up:
+        print("  ", a)
+    cfg = config_imports(trees)
+    names = sorted({n for c in cfg for n in c.split(" ", 1)[1].split(", ")})
+    print(f"handoff/ imports of profile.config: {len(cfg)} in {len({c.split(':')[0] for c in cfg})} files "
+          f"({len(names)} names: {', '.join(names)})")
+    for c in cfg:
+        print("  ", c)
     return 0
 
 
