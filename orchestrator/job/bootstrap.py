@@ -42,10 +42,10 @@ from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals
 from orchestrator.job.peercheck import PeerCheck
 from orchestrator.profile.config import EndpointsConfig, TransportConfig
 from orchestrator.profile.kinds import ConfigError, host_port
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import NotARegularFile, create_regular, proc_name, read_shared
 
-_clock = time.monotonic
 _wall_ns = time.time_ns  # the lookup's sent_ms: the two hosts' wall clocks, not monotonic
 MAC_FAILURES = 3  # answers in a row from the named peer that fail the MAC: different secrets
 REFUSAL_LINGER_MS = 500  # how long a decode side that refused lets its refusals leave

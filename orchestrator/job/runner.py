@@ -37,6 +37,7 @@ from orchestrator.job.recovery import decode_from_disk, reconstruct
 from orchestrator.profile.config import OrchestratorConfig, with_seed
 from orchestrator.profile.kinds import MpsMode, Role
 from orchestrator.profile.plan import Device, Plan
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult
 from orchestrator.results.rundir import NoSpace, RunFiles, proc_name
@@ -69,7 +70,6 @@ def _entry(fn: Callable[..., None]) -> str:
     """"module:function" a child imports and calls: an endpoint's own, or a test's stand-in."""
     return str(getattr(fn, "entry", f"{fn.__module__}:{fn.__qualname__}"))
 
-_clock = time.monotonic
 
 STOP_GRACE_S = 1.0  # after an interrupt, a prefill's own result is awaited this long
 # protocol refusals: the engine's last line is noise there

@@ -10,6 +10,7 @@ import importlib.util
 import math
 import os
 import shutil
+import time
 from importlib import metadata
 from typing import Iterable, Optional
 
@@ -21,6 +22,9 @@ MOONCAKE_DISTRIBUTIONS = (
     "mooncake-transfer-engine",
     "mooncake-transfer-engine-non-cuda",
 )
+# The one clock of the run's deadlines, ages and heartbeats (CLOCK_MONOTONIC: see boot_id). A
+# module imports it as its own `_clock`, so a test can move one module's clock (runner's).
+clock = time.monotonic
 
 
 def pid_namespace() -> str:

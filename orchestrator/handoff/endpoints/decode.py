@@ -36,7 +36,6 @@ endpoints.judge, what the process keeps in endpoints.decode_state; this module b
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -84,11 +83,10 @@ from orchestrator.profile.config import (
 from orchestrator.profile.kinds import Role
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Plan
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.profile.platform import usable_cores
 from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile, RunFiles, proc_name
-
-_clock = time.monotonic
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,12 @@ the leader (orchestrator.handoff.endpoints.grants)."""
 
 from __future__ import annotations
 
-import time
-
 from orchestrator.handoff.endpoints.decode_state import Drops, Notices, Peers, PrefillSession
 from orchestrator.handoff.endpoints.grants import Grants
 from orchestrator.handoff.endpoints.handshake import DecodeHandshake
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Replayed
-
-_clock = time.monotonic
+from orchestrator.profile.platform import clock as _clock
 
 
 class Control:

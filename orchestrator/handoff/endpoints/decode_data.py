@@ -4,15 +4,13 @@ this rank's layout, then landed (tcp-route rows, host rows only) or taken as a s
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Peers
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Session
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import KVPoll
-
-_clock = time.monotonic
 
 
 class DataPlane:

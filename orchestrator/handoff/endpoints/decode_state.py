@@ -6,7 +6,6 @@ sealed replies (Replies)."""
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,10 +17,9 @@ from orchestrator.handoff.endpoints.common import heartbeat_s
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
 from orchestrator.job import protocol
 from orchestrator.profile.platform import boot_id, pid_namespace
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult
-
-_clock = time.monotonic
 
 
 @dataclass(slots=True)

@@ -16,11 +16,11 @@ from orchestrator.handoff.endpoints.decode_state import Grant, Ledger, Verdict
 from orchestrator.handoff.endpoints.grants import Grants
 from orchestrator.handoff.endpoints.judge import Judge, Rows
 from orchestrator.handoff.endpoints.tp import NOT_TAKEN, Group
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile
 
-_clock = time.monotonic
 HOLDS = (Detail.room_never_landed, Detail.written_by_someone_else)  # failures that held a slot long
 _WARM = 1000  # judged requests after which the process's memory is taken as warm (rss_kb_warm)
 

@@ -15,10 +15,9 @@ from orchestrator.handoff.buffers import SlotAllocator
 from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Peers, Replies
 from orchestrator.handoff.endpoints.judge import Rows
 from orchestrator.handoff.transport import wire
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult
-
-_clock = time.monotonic
 
 
 class Grants:

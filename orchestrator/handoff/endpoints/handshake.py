@@ -7,7 +7,6 @@ answer (Offer) sent."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,10 +27,9 @@ from orchestrator.profile.config import FaultsConfig
 from orchestrator.profile.kinds import AddressCheck
 from orchestrator.profile.layout import describe, fingerprint, first_difference
 from orchestrator.profile.plan import Plan, same_process_space_rule
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.profile.platform import pid_namespace
 from orchestrator.results.rundir import proc_name
-
-_clock = time.monotonic
 
 
 @dataclass

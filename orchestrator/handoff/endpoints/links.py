@@ -6,7 +6,6 @@ wake-up socket). The loop and the handshake use Links; neither reaches into the 
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,9 +16,8 @@ from orchestrator.handoff.digest import Keys
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Replayed, Session
 from orchestrator.handoff.transport.router import Router
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
-
-_clock = time.monotonic
 
 
 @dataclass(slots=True)

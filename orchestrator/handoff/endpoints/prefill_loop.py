@@ -27,11 +27,11 @@ from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_o
 from orchestrator.job import protocol
 from orchestrator.profile.config import TransportConfig, WorkloadConfig
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
+from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import RankResult, Record
 from orchestrator.results.rundir import RunFile
 
-_clock = time.monotonic
 ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see PrefillLoop.issue)
 
 
