@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.handoff.buffers import MetadataBuffers, StagedRows, _as_i64
+from orchestrator.handoff.buffers import _U64, MetadataBuffers, StagedRows, _as_i64
 from orchestrator.profile.kinds import DigestKind
 
 P = 16_777_213
@@ -66,7 +66,6 @@ MARK = 1 << 62
 # of digests whose signature differs from its own KV layout signature)
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
 _PUBLIC_SEED = 0x5EED_0A0C
-_U64 = (1 << 64) - 1
 
 
 def buckets(n: int) -> list[int]:

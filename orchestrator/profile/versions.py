@@ -27,7 +27,8 @@ NONE = "none"
 TEST_HOOK_VAR = "ORCHESTRATOR_TEST_VERSIONS"
 
 
-def _version(dist: str) -> Optional[str]:
+def installed_version(dist: str) -> Optional[str]:
+    """The installed distribution `dist`'s version; None when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -38,12 +39,12 @@ def local(layout: str) -> dict[str, str]:
     """This side's versions ({key: value}, every key of KEYS; "none" when not installed)."""
     import os
 
-    wheel = next((d for d in MOONCAKE_WHEELS if _version(d) is not None), None)
+    wheel = next((d for d in MOONCAKE_WHEELS if installed_version(d) is not None), None)
     mine = {"mooncake_wheel": wheel or NONE,
-            "mooncake": (_version(wheel) if wheel else None) or NONE,
-            "torch": _version("torch") or NONE,
+            "mooncake": (installed_version(wheel) if wheel else None) or NONE,
+            "torch": installed_version("torch") or NONE,
             "layout": layout,
-            "orchestrator": _version("pd-aux-orchestrator") or NONE}
+            "orchestrator": installed_version("pd-aux-orchestrator") or NONE}
     hook = os.environ.get(TEST_HOOK_VAR)
     if hook:
         mine.update(dict(item.partition("=")[::2] for item in hook.split()))

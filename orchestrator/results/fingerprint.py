@@ -7,23 +7,16 @@ import platform as _platform
 import socket
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
 from orchestrator.profile.config import WorkloadConfig
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import mooncake_distribution, no_gpu_possible, torch_build
+from orchestrator.profile.versions import installed_version
 
 PACKAGES = ("hydra-core", "omegaconf", "structlog", "pyzmq", "torch", "numpy")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def git_commit() -> dict[str, Any]:
@@ -76,7 +69,7 @@ def host_load() -> dict[str, Any]:
 def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
     """fingerprint.json: versions, machine, git commit, the plan's MC_* env and the run's seed."""
     build = torch_build()  # torch's version.py: what torch.__version__ and torch.version.cuda say
-    packages = {name: _version(name) for name in PACKAGES}
+    packages = {name: installed_version(name) for name in PACKAGES}
     dist = mooncake_distribution()
     packages[dist[0] if dist else "mooncake"] = dist[1] if dist else None
     return {
