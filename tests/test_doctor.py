@@ -227,7 +227,7 @@ def test_mc_env_clean_shell_ok():
     assert check_mc_env({}, False, {}).status is Status.OK
 
 
-@pytest.mark.parametrize("value", ["0", "false", "no", "False", "NO"])
+@pytest.mark.parametrize("value", ["0", "false", "no", "False", "NO", "n", "off", ""])
 def test_mc_env_off_looking_values_warn(value):
     check = check_mc_env({"MC_INTRANODE_NVLINK": value}, wants_nvlink=False, plan_env=TCP_ENV)
     assert check.status is Status.WARN and "presence" in check.detail

@@ -40,6 +40,7 @@ from orchestrator.profile.address import judge as address_judge
 from orchestrator.profile.config import ConfigError, EndpointsConfig, MemPoolType, OrchestratorConfig
 from orchestrator.profile.plan import (
     ALLOC_CONF_VARS,
+    OFF_LOOKING,
     EngineTransport,
     Plan,
     Platform,
@@ -360,7 +361,6 @@ def deployment_platform(env: Mapping[str, str], endpoints: EndpointsConfig) -> P
     return Platform(cuda_devices=gpus, mooncake_cuda=True, rdma_devices=("assumed",), env=dict(env))
 
 
-OFF_LOOKING = frozenset({"0", "false", "no", "off", "n"})
 KEY_VARS = {"mem_pool": POOL_VAR, "transport.route": SEND_AUX_TCP_VAR,
             "transport.mooncake.tcp_progress_timeout_s": TIMEOUT_VAR,
             "buffers.enable_sampling_mask": SAMPLING_MASK_VAR}
@@ -495,7 +495,7 @@ def _variable_traps(env: Mapping[str, str], unknown: set[str]) -> list[Finding]:
     input does not give)."""
     out: list[Finding] = []
     for var in sorted(k for k in env if k.startswith("MC_") and k not in unknown):
-        if env[var].strip().lower() in OFF_LOOKING | {""}:
+        if env[var].strip().lower() in OFF_LOOKING:
             out.append(Finding(Level.WARN, var, f"{env[var]!r} still turns it ON: Mooncake tests MC_* "
                                                 f"variables for presence only; `unset {var}` (remove "
                                                 "it from the env) to turn it off, set it to 1 if on "

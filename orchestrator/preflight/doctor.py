@@ -57,6 +57,7 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.plan import (
     ALLOC_CONF_VARS,
+    OFF_LOOKING,
     Device,
     EngineTransport,
     Plan,
@@ -316,8 +317,6 @@ def check_cuda(device: Device, prefill_gpu: Optional[int], decode_gpu: Optional[
 
 # ---------------------------------------------------------------------------------------------
 # 4. MC_* presence traps in this shell
-
-OFF_LOOKING = frozenset({"0", "false", "no", "off", ""})
 
 
 def check_mc_env(env: Mapping[str, str], wants_nvlink: bool, plan_env: Mapping[str, Optional[str]],

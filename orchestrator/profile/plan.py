@@ -109,6 +109,9 @@ MANAGED_MC_VARS = (
     "MC_FORCE_HCA",
     "MC_TCP_PROGRESS_TIMEOUT_SEC",
 )
+# Values of an MC_* variable that read as "off" (SGLang's false spellings, "off", empty), all of
+# which Mooncake takes as ON: the doctor and the deployment check warn on them.
+OFF_LOOKING = frozenset({"0", "false", "no", "n", "off", ""})
 
 
 def buffer_device(pool: MemPoolType, platform: Platform) -> Device:
