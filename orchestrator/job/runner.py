@@ -43,7 +43,7 @@ from orchestrator.results.records import RankResult, RunResult
 from orchestrator.results.rundir import NoSpace, RunFiles, proc_name
 
 if TYPE_CHECKING:
-    from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
+    from orchestrator.handoff.endpoints.prefill import Driver
 
 
 
@@ -147,11 +147,6 @@ class _Progress(Protocol):
     def start(self) -> None: ...
 
     def __call__(self, done: int, verified: Optional[int] = None) -> None: ...
-
-
-Driver = Callable[["PrefillEndpoint", protocol.Channel], Any]
-"""What a prefill rank runs and sends back (default: prefill.workload_driver; the bench's
-paths: sweep.bench.BenchDriver)."""
 
 
 def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,

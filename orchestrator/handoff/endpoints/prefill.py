@@ -235,6 +235,8 @@ def _ask_runner(conn: protocol.Channel, kind: str) -> None:
 
 
 Driver = Callable[[PrefillEndpoint, protocol.Channel], object]
+"""What a prefill rank runs and sends back (default: workload_driver; the bench's paths:
+sweep.bench.BenchDriver)."""
 
 
 def prefill_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn: Connection,
