@@ -205,7 +205,6 @@ def test_latency_histogram_percentiles_within_a_quarter_percent():
         assert abs(h.percentile(q) - exact) / exact < 0.0026
     half = LatencyHistogram(values[:7000]).merge(LatencyHistogram(values[7000:]))
     assert half.summary() == h.summary() and half.n == len(values)
-    assert LatencyHistogram.from_dict(h.to_dict()).summary() == h.summary()
     assert len(h.counts) < 4200  # bounded, whatever the number of samples
 
 

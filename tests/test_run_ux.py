@@ -155,7 +155,7 @@ def test_percentiles_keep_their_keys_and_add_mean_max_and_the_chosen_ones():
     top = LatencyHistogram([100.0] * 999 + [low])
     assert top.percentile(100) == top.peak == round(low, 2)  # never past the max
     merged = LatencyHistogram([5.0]).merge(LatencyHistogram([7.0, 2.0]))
-    assert merged.peak == 7.0 and LatencyHistogram.from_dict(merged.to_dict()).peak == 7.0
+    assert merged.peak == 7.0
 
 
 # ---- sweeps that say how they ended -----------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from orchestrator.results.outcomes import KVPoll
 from orchestrator.results.reporting import summary
 from orchestrator.results.schema import Results
-from orchestrator.results.transferring import decode_poll, held, held_for_ever
+from orchestrator.results.transferring import decode_poll, held
 
 from .helpers import sglang_oracle
 
@@ -45,6 +46,12 @@ def _sglang(rules, status: KVPoll, room: int, waited: float, receiver=None) -> i
     rows[2, 0] = room
     rules.gate(polls, [SimpleNamespace(req=None, metadata_buffer_index=2)], SimpleNamespace(bootstrap_room=rows))
     return polls[0]
+
+
+def held_for_ever(status: KVPoll, room: int) -> bool:
+    """Whether SGLang 0.5.23 would keep the request in Transferring at every poll, whatever
+    the time: Success delivered, room 0 (decode_poll's one state no clock leaves)."""
+    return decode_poll(status, room, math.inf, 0.0) is KVPoll.Transferring and status is KVPoll.Success
 
 
 def test_decode_poll_is_sglangs_gate_after_its_receiver(rules):

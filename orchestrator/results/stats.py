@@ -108,16 +108,3 @@ class LatencyHistogram:
     def mean(self) -> Optional[float]:
         self.fold()
         return round(self.total / self.n, 2) if self.n else None
-
-    def to_dict(self) -> dict:
-        self.fold()
-        return {"n": self.n, "total": self.total, "max": self.max,
-                "counts": {str(b): c for b, c in self.counts.items()}}
-
-    @classmethod
-    def from_dict(cls, d: Optional[dict]) -> "LatencyHistogram":
-        h = cls()
-        if d:
-            h.counts = {int(b): c for b, c in d["counts"].items()}
-            h.n, h.total, h.max = d["n"], d["total"], d.get("max")
-        return h

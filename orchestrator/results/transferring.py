@@ -38,12 +38,6 @@ def decode_poll(status: KVPoll, room: int, waited_s: float, waiting_timeout_s: f
     return status
 
 
-def held_for_ever(status: KVPoll, room: int) -> bool:
-    """Whether SGLang 0.5.23 would keep the request in Transferring at every poll, whatever
-    the time: Success delivered, room 0 (decode_poll's one state no clock leaves)."""
-    return decode_poll(status, room, math.inf, 0.0) is KVPoll.Transferring and status is KVPoll.Success
-
-
 # this tool's verdict on such a request: the status said Success and the room was still 0 when
 # transport.timeout_s ran out (endpoints.decode's Judge)
 HELD_DETAIL = Detail.room_never_landed

@@ -242,11 +242,6 @@ class MooncakeEngine:
         self._sync_arrays = getattr(self._engine, "batch_transfer_sync_write_arrays", None)
         self.quiet = quiet_info_logs()  # its start-up lines were read: only now
 
-    @property
-    def has_arrays(self) -> bool:
-        """The wheel takes numpy address arrays (Mooncake 0.3.14's `*_arrays` calls)."""
-        return self._async_arrays is not None
-
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self._engine.register_memory(ptr, nbytes)
         if rc != 0:
