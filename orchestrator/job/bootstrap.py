@@ -342,78 +342,16 @@ def lookup(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[s
 
 def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret: bytes, signals: Signals,
             check: PeerCheck, out: RunResult) -> Infos:
-    import zmq
-
-    from orchestrator.handoff.transport.auth import Authenticator, new_nonce
-
-    auth = Authenticator(secret)
     deadline = _clock() + e.startup_timeout_s
-    host, port = _await_address(t, e, peer, deadline, signals)
-    bad = 0  # answers in a row from the named peer that failed the MAC
-    stale = 0  # authentic answers to another lookup than this run's (recorded: replays)
-    nonce = new_nonce()  # this run's: every answer it takes echoes it
-    challenge: Optional[str] = None  # the decode side's, once it said it
-    zctx = zmq.Context()
-    # One socket per decode address, asked again every second: an answer to any ask reaches
-    # it. (A socket per ask lost the answers to the asks before: a decode side that refused
-    # after a probe of seconds answered the closed ones and ended.) SNDHWM 1: while the decode
-    # side is not up, one ask waits, not one per second. Not IMMEDIATE: with it, an answer that
-    # arrived just before the decode side closed is dropped with the connection, unread.
-    sock: Any = None
-    at: Optional[tuple[str, int]] = None
+    asker = _Asker(t, e, secret, check, _await_address(t, e, peer, deadline, signals))
     try:
         while _clock() < deadline and not signals.caught:
             if peer is None:  # a decode side restarted meanwhile writes a new address
-                try:
-                    host, port = peer_address(peer, t.bootstrap_file)
-                except (ConfigError, ValueError):
-                    pass
-            if at != (host, port):
-                if sock is not None:
-                    sock.close(0)
-                sock, at, challenge = zctx.socket(zmq.DEALER), (host, port), None
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 1)
-                sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
-                sock.connect(f"tcp://{host}:{port}")
-            try:
-                sock.send(auth.seal(wire.encode(wire.LookupMsg(
-                    rank=0, prefill_ranks=e.prefill_ranks, **check.fields(), nonce=nonce,
-                    challenge=challenge, sent_ms=_wall_ns() // 1_000_000))), zmq.NOBLOCK)
-            except zmq.Again:  # not connected yet, and an ask already waits
-                pass
-            frame = sock.recv() if sock.poll(1000) else None
-            if frame is None:
+                asker.reread_address()
+            asker.ask()
+            msg = asker.answer()
+            if msg is None:
                 continue
-            body = auth.unseal(frame)
-            if body is None:  # counted; "different secrets" only after MAC_FAILURES in a row
-                bad += 1
-                if bad >= MAC_FAILURES:
-                    raise RunFailed(f"{secret_mismatch(t)} (the decode side at {host}:{port}: "
-                                    f"{bad} answers in a row failed the MAC)")
-                continue
-            bad = 0
-            try:
-                msg = wire.decode(body)
-            except wire.WireError as exc:  # authentic, malformed: said if it answers this run
-                if wire.nonce_in(body, "answer_to") == nonce:
-                    raise RunFailed(f"the decode side at {host}:{port} answered with a message "
-                                    f"refused: {exc}") from None
-                stale += 1
-                continue
-            match msg:
-                case wire.ChallengeMsg(answer_to=to) if to == nonce:
-                    challenge = msg.challenge  # asked again at once, answering it
-                    continue
-                # a refusal without answer_to: to a lookup whose nonce the decode side could
-                # not read (an over-long field), or from a decode side before answer_to
-                case wire.ErrorMsg(detail=detail, answer_to=to) if to in (nonce, None):
-                    raise RunFailed(f"the decode side at {host}:{port} refused: {detail}")
-                case wire.DecodesMsg(answer_to=to) if to == nonce:
-                    pass
-                case _:  # an answer to another run's lookup (recorded), or not an answer
-                    stale += 1
-                    continue
             why = check.judge(msg, out)
             if why is not None:
                 raise RunFailed(f"refused before any handoff: {why}")
@@ -422,15 +360,120 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             return msg.infos
         if signals.caught:
             raise Interrupted
-        note = (f"; {stale} authentic answers were to another run's lookup (recorded: replays?)"
-                if stale else "")
-        raise RunFailed(f"no decode side answered at {host}:{port} within endpoints.startup_timeout_s="
-                        f"{e.startup_timeout_s:g} (is it up, with the same transport.secret_env and "
-                        f"an orchestrator with fresh lookups?){note}")
+        raise asker.unanswered()
     finally:
-        if sock is not None:
-            sock.close(0)
-        zctx.term()
+        asker.close()
+
+
+class _Asker:
+    """role=prefill's side of one lookup: the decode side's address, this run's nonce (every
+    answer it takes echoes it), the decode side's challenge once it said it, the socket it
+    asks on, and the answers it could not take (MAC failures in a row, stale ones)."""
+
+    def __init__(self, t: TransportConfig, e: EndpointsConfig, secret: bytes, check: PeerCheck,
+                 address: tuple[str, int]) -> None:
+        import zmq
+
+        from orchestrator.handoff.transport.auth import Authenticator, new_nonce
+
+        self.t, self.e, self.check = t, e, check
+        self.auth = Authenticator(secret)
+        self.host, self.port = address
+        self.bad = 0  # answers in a row from the named peer that failed the MAC
+        self.stale = 0  # authentic answers to another lookup than this run's (recorded: replays)
+        self.nonce = new_nonce()  # this run's: every answer it takes echoes it
+        self.challenge: Optional[str] = None  # the decode side's, once it said it
+        self.zctx = zmq.Context()
+        self.sock: Any = None
+        self.at: Optional[tuple[str, int]] = None
+
+    def reread_address(self) -> None:
+        """The address in transport.bootstrap_file now, if it can be read."""
+        try:
+            self.host, self.port = peer_address(None, self.t.bootstrap_file)
+        except (ConfigError, ValueError):
+            pass
+
+    def _connect(self) -> None:
+        """One socket per decode address, asked again every second: an answer to any ask
+        reaches it. (A socket per ask lost the answers to the asks before: a decode side that
+        refused after a probe of seconds answered the closed ones and ended.) SNDHWM 1: while
+        the decode side is not up, one ask waits, not one per second. Not IMMEDIATE: with it,
+        an answer that arrived just before the decode side closed is dropped with the
+        connection, unread."""
+        import zmq
+
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock, self.at, self.challenge = self.zctx.socket(zmq.DEALER), (self.host, self.port), None
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.CONTROL_FRAME_BYTES)
+        self.sock.connect(f"tcp://{self.host}:{self.port}")
+
+    def ask(self) -> None:
+        """This run's lookup (with the challenge, once said), on a new socket if the address
+        changed."""
+        import zmq
+
+        if self.at != (self.host, self.port):
+            self._connect()
+        try:
+            self.sock.send(self.auth.seal(wire.encode(wire.LookupMsg(
+                rank=0, prefill_ranks=self.e.prefill_ranks, **self.check.fields(), nonce=self.nonce,
+                challenge=self.challenge, sent_ms=_wall_ns() // 1_000_000))), zmq.NOBLOCK)
+        except zmq.Again:  # not connected yet, and an ask already waits
+            pass
+
+    def answer(self) -> Optional[wire.DecodesMsg]:
+        """The decode side's answer to this run's lookup within a second, if it brought the
+        endpoints; None for no answer, a challenge (taken), a MAC failure or a stale answer
+        (counted). A refusal, an answer refused, or MAC_FAILURES in a row: RunFailed."""
+        frame = self.sock.recv() if self.sock.poll(1000) else None
+        if frame is None:
+            return None
+        body = self.auth.unseal(frame)
+        if body is None:  # counted; "different secrets" only after MAC_FAILURES in a row
+            self.bad += 1
+            if self.bad >= MAC_FAILURES:
+                raise RunFailed(f"{secret_mismatch(self.t)} (the decode side at {self.host}:{self.port}: "
+                                f"{self.bad} answers in a row failed the MAC)")
+            return None
+        self.bad = 0
+        try:
+            msg = wire.decode(body)
+        except wire.WireError as exc:  # authentic, malformed: said if it answers this run
+            if wire.nonce_in(body, "answer_to") == self.nonce:
+                raise RunFailed(f"the decode side at {self.host}:{self.port} answered with a message "
+                                f"refused: {exc}") from None
+            self.stale += 1
+            return None
+        match msg:
+            case wire.ChallengeMsg(answer_to=to) if to == self.nonce:
+                self.challenge = msg.challenge  # asked again at once, answering it
+                return None
+            # a refusal without answer_to: to a lookup whose nonce the decode side could
+            # not read (an over-long field), or from a decode side before answer_to
+            case wire.ErrorMsg(detail=detail, answer_to=to) if to in (self.nonce, None):
+                raise RunFailed(f"the decode side at {self.host}:{self.port} refused: {detail}")
+            case wire.DecodesMsg(answer_to=to) if to == self.nonce:
+                return msg
+            case _:  # an answer to another run's lookup (recorded), or not an answer
+                self.stale += 1
+                return None
+
+    def unanswered(self) -> RunFailed:
+        """Why the lookup ended at endpoints.startup_timeout_s."""
+        note = (f"; {self.stale} authentic answers were to another run's lookup (recorded: replays?)"
+                if self.stale else "")
+        return RunFailed(f"no decode side answered at {self.host}:{self.port} within endpoints.startup_timeout_s="
+                         f"{self.e.startup_timeout_s:g} (is it up, with the same transport.secret_env and "
+                         f"an orchestrator with fresh lookups?){note}")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.zctx.term()
 
 
 def peer_address(peer: Optional[str], bootstrap_file: Optional[str], timeout_s: float = 0.0) -> tuple[str, int]:
