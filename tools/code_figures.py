@@ -7,6 +7,7 @@ outside the wire module, functions taking the whole config (a parameter annotate
 annotated ``Any``), the largest endpoint module in lines; and the floors (issue 38): arrows up
 (an import from a lower floor to a higher one, floors profile < results < handoff < job <
 sweep = preflight < the package root's entry modules) and handoff/'s imports of profile.config.
+Also how many functions and classes sit within 10% of each limit (54-60 lines, 23-25 attributes).
 Reads the source only (ast), runs nothing.
 
     python tools/code_figures.py [ROOT]      # ROOT: the repository (default: this one)
@@ -15,10 +16,12 @@ Reads the source only (ast), runs nothing.
 from __future__ import annotations
 
 import ast
+import math
 import sys
 from pathlib import Path
 
 MAX_LINES, MAX_ATTRS = 60, 25
+NEAR = 0.9  # within 10% of a limit: at or above this share of it, rounded up (54 lines, 23 attributes)
 
 
 def _module(path: Path, pkg_root: Path) -> str:
@@ -112,21 +115,39 @@ def _attrs(cls: ast.ClassDef) -> set[str]:
     return names
 
 
-def shapes(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    long_fns, big_classes = [], []
+def _measured(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Every function with its lines and every class with its attributes: ("file:line name", n)."""
+    fns, classes = [], []
     for path in sorted(pkg_root.rglob("*.py")):
         rel = path.relative_to(pkg_root.parent)
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = (node.end_lineno or node.lineno) - node.lineno + 1
-                if n > MAX_LINES:
-                    long_fns.append((f"{rel}:{node.lineno} {node.name}", n))
+                fns.append((f"{rel}:{node.lineno} {node.name}", (node.end_lineno or node.lineno) - node.lineno + 1))
             elif isinstance(node, ast.ClassDef):
-                n = len(_attrs(node))
-                if n > MAX_ATTRS:
-                    big_classes.append((f"{rel}:{node.lineno} {node.name}", n))
-    return sorted(long_fns, key=lambda x: -x[1]), sorted(big_classes, key=lambda x: -x[1])
+                classes.append((f"{rel}:{node.lineno} {node.name}", len(_attrs(node))))
+    return fns, classes
+
+
+def _between(items: list[tuple[str, int]], low: float, high: float) -> list[tuple[str, int]]:
+    return sorted(((name, n) for name, n in items if low <= n <= high), key=lambda x: -x[1])
+
+
+def shapes(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Functions over MAX_LINES lines, classes over MAX_ATTRS attributes (largest first)."""
+    fns, classes = _measured(pkg_root)
+    return _between(fns, MAX_LINES + 1, float("inf")), _between(classes, MAX_ATTRS + 1, float("inf"))
+
+
+def near_limits(pkg_root: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Functions and classes within 10% of their limit, the limit included (54-60 lines, 23-25
+    attributes): a limit is a warning, not a target."""
+    fns, classes = _measured(pkg_root)
+    return _between(fns, _near(MAX_LINES), MAX_LINES), _between(classes, _near(MAX_ATTRS), MAX_ATTRS)
+
+
+def _near(limit: int) -> int:
+    return math.ceil(NEAR * limit)
 
 
 WIRE = Path("handoff/transport/wire.py")  # the one module that may read a control message by key
@@ -279,6 +300,13 @@ def main(argv: list[str]) -> int:
         print(f"  {n:4d}  {name}")
     print(f"classes setting over {MAX_ATTRS} attributes: {len(big_classes)}")
     for name, n in big_classes:
+        print(f"  {n:4d}  {name}")
+    near_fns, near_classes = near_limits(pkg)
+    print(f"functions within 10% of {MAX_LINES} lines ({_near(MAX_LINES)}-{MAX_LINES}): {len(near_fns)}")
+    for name, n in near_fns:
+        print(f"  {n:4d}  {name}")
+    print(f"classes within 10% of {MAX_ATTRS} attributes ({_near(MAX_ATTRS)}-{MAX_ATTRS}): {len(near_classes)}")
+    for name, n in near_classes:
         print(f"  {n:4d}  {name}")
 
     trees = _trees(pkg)
