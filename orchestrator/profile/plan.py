@@ -271,11 +271,8 @@ def _gpu_placement(endpoints: EndpointsConfig, platform: Platform) -> tuple[tupl
 
 def make_plan(mem_pool: MemPoolConfig, transport: TransportConfig, endpoints: EndpointsConfig, role: Role,
               platform: Platform) -> Plan:
-    """Compose the rules for one run (the config sections the plan reads, and the machine);
-    raise ConfigError for combinations that cannot work."""
-    pool = mem_pool.type
-    setting = transport.route
-    policy = transport.fallback
+    """Compose the rules for one run; raise ConfigError for combinations that cannot work."""
+    pool, setting, policy = mem_pool.type, transport.route, transport.fallback
     device = buffer_device(pool, platform)
     events: list[PlanEvent] = []
 
@@ -283,21 +280,17 @@ def make_plan(mem_pool: MemPoolConfig, transport: TransportConfig, endpoints: En
         raise ConfigError("mem_pool.type", pool.value, "a CUDA or CPU placement (NPU builds are not supported)")
 
     if pool is MemPoolType.NVLINK and setting is RouteSetting.engine:
-        raise ConfigError(
-            "transport.route", setting.value,
-            "auto or tcp with mem_pool=NVLINK, whose aux always goes over tcp",
-        )
+        raise ConfigError("transport.route", setting.value,
+                          "auto or tcp with mem_pool=NVLINK, whose aux always goes over tcp")
 
     if device is Device.cuda:
         device = _cuda_or_fallback(pool, policy, platform, events)
 
     route, reason = route_rule(pool, setting)
     if route is Route.tcp and device is not Device.cpu:
-        raise ConfigError(
-            "transport.route", setting.value,
-            f"auto or engine with mem_pool={pool.value}, whose buffers live on {device.value} "
-            "(the tcp route can only read and write host memory)",
-        )
+        raise ConfigError("transport.route", setting.value,
+                          f"auto or engine with mem_pool={pool.value}, whose buffers live on {device.value} "
+                          "(the tcp route can only read and write host memory)")
 
     engine: Optional[EngineTransport] = None
     env: dict[str, Optional[str]] = {}
