@@ -65,6 +65,13 @@ def cfg_factory():
     return typed_cfg
 
 
+def plan_of(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+    """make_plan over the sections of a whole config it reads."""
+    from orchestrator.profile.plan import make_plan
+
+    return make_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
+
+
 class JobRunner:
     """One in-process job, as the CLI runs it: the config composed from `overrides`, planned
     through the rule book (check_profile) on `platform` (default: a bare CPU Platform()), run
@@ -79,6 +86,7 @@ class JobRunner:
         self.wall_s: Optional[float] = None
 
     def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
+        from orchestrator.job.report_spec import report_spec
         from orchestrator.job.runner import run_handoffs
         from orchestrator.profile.plan import Platform
         from orchestrator.profile.rules import check_profile
@@ -89,7 +97,7 @@ class JobRunner:
         t0 = time.monotonic()
         self.out = out = run_handoffs(cfg, plan, run_dir)
         self.wall_s = time.monotonic() - t0
-        return build_results(cfg, plan, out)
+        return build_results(report_spec(cfg), plan, out)
 
 
 @pytest.fixture
@@ -123,9 +131,9 @@ class DecodeProcess:
 
         from orchestrator.handoff.endpoints.decode import decode_main
         from orchestrator.job import protocol
-        from orchestrator.profile.plan import Platform, make_plan
+        from orchestrator.profile.plan import Platform
 
-        self.plan = make_plan(cfg, platform or Platform())
+        self.plan = plan_of(cfg, platform or Platform())
         self.secret = secret
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()

@@ -34,9 +34,9 @@ from orchestrator.preflight.doctor import (
     CheckStatus as Status,
 )
 from orchestrator.profile.config import ConfigError
-from orchestrator.profile.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route, make_plan
+from orchestrator.profile.plan import ALLOC_CONF_VARS, Device, EngineTransport, Platform, Route
 
-from .conftest import ROOT, has_cuda
+from .conftest import ROOT, has_cuda, plan_of
 
 CPU = Platform()
 TWO_GPU = Platform(cuda_devices=2, mooncake_cuda=True)
@@ -86,17 +86,22 @@ def test_overrides_dict():
 
 # --- what the profile declares --------------------------------------------------------------------
 
+def intent_of(cfg, platform):
+    """intended_plan over the sections of a whole config it reads."""
+    return intended_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
+
+
 def test_intended_plan_of_a_refused_profile_names_its_needs(cfg_factory):
     """The same rules, on a machine that has what the profile asks for (no re-derivation)."""
     cfg = cfg_factory("mem_pool=INTRA_NODE_NVLINK")
     with pytest.raises(ConfigError):
-        make_plan(cfg, CPU)
-    intent = intended_plan(cfg, CPU)
+        plan_of(cfg, CPU)
+    intent = intent_of(cfg, CPU)
     assert intent.buffer_device is Device.cuda and intent.engine_transport is EngineTransport.nvlink_intra
     assert intent.route is Route.engine and (intent.prefill_gpus, intent.decode_gpus) == ((0,), (1,))
-    four = intended_plan(cfg_factory("experiment=pd_8gpu_nvlink"), CPU)
+    four = intent_of(cfg_factory("experiment=pd_8gpu_nvlink"), CPU)
     assert four.prefill_gpus == (0, 1, 2, 3) and four.decode_gpus == (4, 5, 6, 7)
-    assert intended_plan(cfg_factory("mem_pool=NVLINK", "transport.route=engine"), CPU) is None
+    assert intent_of(cfg_factory("mem_pool=NVLINK", "transport.route=engine"), CPU) is None
 
 
 # --- 1. mooncake ----------------------------------------------------------------------------------
@@ -172,20 +177,20 @@ def test_mooncake_not_installed():
 # --- 2. plan --------------------------------------------------------------------------------------
 
 def test_plan_ok(cfg_factory):
-    check = check_plan(make_plan(cfg_factory(), CPU), None)
+    check = check_plan(plan_of(cfg_factory(), CPU), None)
     assert check.status is Status.OK
     assert "route engine" in check.detail and "mooncake-tcp" in check.detail and "cpu" in check.detail
 
 
 def test_plan_degraded_warns(cfg_factory):
-    plan = make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade"), CPU)
+    plan = plan_of(cfg_factory("mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade"), CPU)
     check = check_plan(plan, None)
     assert check.status is Status.WARN and "degraded_no_cuda" in check.detail
 
 
 def test_plan_error_fails(cfg_factory):
     with pytest.raises(ConfigError) as info:
-        make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), CPU)
+        plan_of(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), CPU)
     check = check_plan(None, info.value)
     assert check.status is Status.FAIL and "mem_pool='INTRA_NODE_NVLINK'" in check.detail
 

@@ -20,7 +20,7 @@ def _orchestrator(argv):
 
 
 def _bench(argv):
-    from orchestrator.sweep import bench
+    from orchestrator import bench
 
     sys.argv = ["orchestrator.bench", *argv]
     bench.main()

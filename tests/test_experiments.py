@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from orchestrator.profile.config import ConfigError, MemPoolType
-from orchestrator.profile.plan import Device, EngineTransport, Platform, make_plan
+from orchestrator.profile.plan import Device, EngineTransport, Platform
 
-from .conftest import CONF
+from .conftest import CONF, plan_of
 
 PROFILES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CPU = Platform()
@@ -26,7 +26,7 @@ def test_profile_composes_validates_and_documents_itself(cfg_factory, name):
     cfg = cfg_factory(f"experiment={name}")
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_") and text.count("\n#") >= 2, "say what it models"
-    plan = make_plan(cfg, TWO_GPU)
+    plan = plan_of(cfg, TWO_GPU)
     if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
         assert plan.buffer_device is Device.cuda and plan.engine_transport is EngineTransport.nvlink_intra
     from orchestrator.handoff.endpoints.common import make_buffers
@@ -41,18 +41,18 @@ def test_profile_on_cpu_box_runs_or_is_refused_clearly(cfg_factory, name):
     cfg = cfg_factory(f"experiment={name}")
     if cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK:
         with pytest.raises(ConfigError, match="transport.fallback=degrade"):
-            make_plan(cfg, CPU)
-        plan = make_plan(cfg_factory(f"experiment={name}", "transport.fallback=degrade"), CPU)
+            plan_of(cfg, CPU)
+        plan = plan_of(cfg_factory(f"experiment={name}", "transport.fallback=degrade"), CPU)
         assert plan.buffer_device is Device.cpu and plan.events
     else:
-        assert make_plan(cfg, CPU).buffer_device is Device.cpu
+        assert plan_of(cfg, CPU).buffer_device is Device.cpu
 
 
 def test_pd_8gpu_places_prefill_on_0_3_and_decode_on_4_7(cfg_factory):
-    plan = make_plan(cfg_factory("experiment=pd_8gpu_nvlink"), Platform(cuda_devices=8, mooncake_cuda=True))
+    plan = plan_of(cfg_factory("experiment=pd_8gpu_nvlink"), Platform(cuda_devices=8, mooncake_cuda=True))
     assert plan.prefill_gpus == (0, 1, 2, 3) and plan.decode_gpus == (4, 5, 6, 7)
     assert plan.engine_transport is EngineTransport.nvlink_intra
-    tcp = make_plan(cfg_factory("experiment=pd_8gpu_tcp"), CPU)
+    tcp = plan_of(cfg_factory("experiment=pd_8gpu_tcp"), CPU)
     assert tcp.route.value == "tcp" and tcp.buffer_device is Device.cpu
 
 

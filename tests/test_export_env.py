@@ -15,9 +15,9 @@ import pytest
 from orchestrator.preflight.export_env import render_json, render_sh
 from orchestrator.preflight.serving import serving_env
 from orchestrator.profile.config import ConfigError, MemPoolType, RouteSetting
-from orchestrator.profile.plan import MANAGED_MC_VARS, Platform, make_plan
+from orchestrator.profile.plan import MANAGED_MC_VARS, Platform
 
-from .conftest import ROOT, has_cuda
+from .conftest import ROOT, has_cuda, plan_of
 from .test_doctor import clean_env, run_cli
 
 GPU = Platform(cuda_devices=2, mooncake_cuda=True)
@@ -41,9 +41,9 @@ def test_serving_env_every_combination(cfg_factory, pool, route, platform):
     cfg = cfg_factory(f"mem_pool={pool.value}", f"transport.route={route.value}")
     if refused(pool, route, platform):
         with pytest.raises(ConfigError):
-            make_plan(cfg, PLATFORMS[platform])
+            plan_of(cfg, PLATFORMS[platform])
         return
-    plan = make_plan(cfg, PLATFORMS[platform])
+    plan = plan_of(cfg, PLATFORMS[platform])
     env = serving_env(plan)
     tcp_route = pool is MemPoolType.NVLINK or route is RouteSetting.tcp
     nvlink = pool is MemPoolType.INTRA_NODE_NVLINK
@@ -65,23 +65,23 @@ def test_serving_env_every_combination(cfg_factory, pool, route, platform):
 
 def test_serving_env_table(cfg_factory):
     """The four profiles people deploy, spelled out."""
-    nvl = serving_env(make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), GPU))
+    nvl = serving_env(plan_of(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), GPU))
     assert {k: v for k, v in nvl.items() if v is not None} == {
         "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "INTRA_NODE_NVLINK", "MOONCAKE_PROTOCOL": "nvlink_intra",
         "MC_INTRANODE_NVLINK": "1", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
-    default = serving_env(make_plan(cfg_factory(), CPU))
+    default = serving_env(plan_of(cfg_factory(), CPU))
     assert {k: v for k, v in default.items() if v is not None} == {
         "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
-    assert serving_env(make_plan(cfg_factory("mem_pool=NVLINK"), CPU)) == {
+    assert serving_env(plan_of(cfg_factory("mem_pool=NVLINK"), CPU)) == {
         "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "NVLINK", "SGLANG_MOONCAKE_SEND_AUX_TCP": None,
         "MOONCAKE_PROTOCOL": "tcp"}
-    assert serving_env(make_plan(cfg_factory("transport.route=tcp"), CPU)) == {
+    assert serving_env(plan_of(cfg_factory("transport.route=tcp"), CPU)) == {
         "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": None, "SGLANG_MOONCAKE_SEND_AUX_TCP": "1",
         "MOONCAKE_PROTOCOL": "tcp"}
 
 
 def test_serving_env_rdma_transport(cfg_factory):
-    env = serving_env(make_plan(cfg_factory("transport.mooncake.transport=rdma"), CPU))
+    env = serving_env(plan_of(cfg_factory("transport.mooncake.transport=rdma"), CPU))
     assert env["MOONCAKE_PROTOCOL"] == "rdma"
     assert all(env[name] is None for name in ("MC_FORCE_TCP", "MC_INTRANODE_NVLINK"))
 
@@ -89,7 +89,7 @@ def test_serving_env_rdma_transport(cfg_factory):
 def test_serving_env_degraded_nvlink_names_no_pool(cfg_factory):
     """A degraded plan runs host buffers over TCP; SGLang has no fallback, so naming the pool
     would put its buffers on CUDA: the pool is unset instead."""
-    plan = make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade"), CPU)
+    plan = plan_of(cfg_factory("mem_pool=INTRA_NODE_NVLINK", "transport.fallback=degrade"), CPU)
     env = serving_env(plan)
     assert env["SGLANG_MOONCAKE_CUSTOM_MEM_POOL"] is None
     assert env["MC_FORCE_TCP"] == "1" and env["MC_INTRANODE_NVLINK"] is None

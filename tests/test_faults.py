@@ -132,6 +132,7 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     keeps its verdict (and its route), the requests in flight fail as interrupted, and those
     past the last trace never arrived: not_started, with no line."""
     from orchestrator.handoff.workload import room_of
+    from orchestrator.job.report_spec import report_spec
     from orchestrator.job.runner import reconstruct
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record, read_records
@@ -146,7 +147,7 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     with open(tmp_path / "verdicts-decode.jsonl", "w") as fh:
         for rid in range(40, 50):  # judged by the decode, never recorded by the prefill
             fh.write(json.dumps({"prefill": 0, "rid": rid, "outcome": "verified", "detail": ""}) + "\n")
-    res = reconstruct(cfg, tmp_path, 0, "prefill", Detail.interrupted, route="engine", ran=True,
+    res = reconstruct(report_spec(cfg), tmp_path, 0, "prefill", Detail.interrupted, route="engine", ran=True,
                       phase=(100.0, 102.0))
     assert res.verified == 50 and res.not_started == 950 and res.finished == 50
     assert res.routes["engine"] == 50  # never more verified than routed
@@ -156,6 +157,6 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     # one that never reached its handoff phase started nothing
     never = tmp_path / "never"
     never.mkdir()
-    res = reconstruct(cfg, never, 0, "prefill", Detail.interrupted, ran=False)
+    res = reconstruct(report_spec(cfg), never, 0, "prefill", Detail.interrupted, ran=False)
     assert res.not_started == 1000 and res.finished == 0
     assert not (never / "requests.jsonl").exists() or (never / "requests.jsonl").read_text() == ""

@@ -135,14 +135,13 @@ def test_a_changed_byte_is_not_verified_and_fails_the_rung(tmp_path, rung):
     byte changed after its seal (a hook of the ladder's own pair, not of the run), and the
     rung counts it not verified and fails. R0: the raw loop; R5: every composed component
     (the readiness gate's gate.settle_ms holds the torn-looking row, then it is judged)."""
+    from orchestrator.bench import ladder_spec
     from orchestrator.preflight.compose import load_profile
     from orchestrator.profile.platform import detect
-    from orchestrator.profile.rules import check_profile
-    from orchestrator.sweep.ladder import _pair, ladder_config
+    from orchestrator.sweep.ladder import _pair
 
-    cfg = ladder_config(load_profile(["bench.ladder_handoffs=6"]))
-    plan = check_profile(cfg, detect())
-    run = _pair(rung, cfg, plan, tmp_path, 300, corrupt=2)
+    spec = ladder_spec(load_profile(["bench.ladder_handoffs=6"]), detect())
+    run = _pair(rung, spec.pair, tmp_path, 300, corrupt=2)
     assert run.error is not None and "not verified 1 " in run.error, run.error
     assert run.n == 6 and run.verified == 5 and not run.ok, run
 
@@ -218,13 +217,12 @@ def test_a_side_that_ends_early_is_named_with_its_exit_and_last_log_line(tmp_pat
 def test_a_real_pair_whose_decode_ends_before_the_prefill_result_passes(tmp_path):
     """R2 (the rung that failed most on the GPU host) on the real pair, the prefill's result
     held until the decode process is gone (ladder_pair.prefill_main's hold_for hook)."""
+    from orchestrator.bench import ladder_spec
     from orchestrator.preflight.compose import load_profile
     from orchestrator.profile.platform import detect
-    from orchestrator.profile.rules import check_profile
-    from orchestrator.sweep.ladder import _pair, ladder_config
+    from orchestrator.sweep.ladder import _pair
 
-    cfg = ladder_config(load_profile(["bench.ladder_handoffs=6"]))
-    plan = check_profile(cfg, detect())
-    run = _pair(2, cfg, plan, tmp_path, 300, hold_result=True)
+    spec = ladder_spec(load_profile(["bench.ladder_handoffs=6"]), detect())
+    run = _pair(2, spec.pair, tmp_path, 300, hold_result=True)
     assert run.ok and run.n == 6 and run.verified == 6, run
     assert "ladder_decode_end" in (tmp_path / "decode.log").read_text()

@@ -17,9 +17,10 @@ from orchestrator.profile.plan import (
     buffer_device,
     engine_env,
     gpu_placement,
-    make_plan,
     route_rule,
 )
+
+from .conftest import plan_of
 
 CPU = Platform(cuda_devices=0, mooncake_cuda=False)
 ONE_GPU = Platform(cuda_devices=1, mooncake_cuda=True)
@@ -89,7 +90,7 @@ def test_engine_env_sets_or_unsets_every_managed_var(transport):
 
 
 def _plan(cfg_factory, platform, *overrides):
-    return make_plan(cfg_factory(*overrides), platform)
+    return plan_of(cfg_factory(*overrides), platform)
 
 
 @pytest.mark.parametrize("pool,setting,platform", list(itertools.product(
@@ -198,13 +199,13 @@ def test_nvlink_intra_across_pid_namespaces_is_refused_with_the_fix(cfg_factory)
     other = _other_pid_namespace()
     mine = (pid_namespace(), boot_id())
     assert other.startswith("pid:[") and other != mine[0]
-    plan = make_plan(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), TWO_GPU)
+    plan = plan_of(cfg_factory("mem_pool=INTRA_NODE_NVLINK"), TWO_GPU)
     assert plan.engine_transport is EngineTransport.nvlink_intra
     why = same_process_space_rule(plan.engine_transport, mine, (other, mine[1]))
     assert why is not None and "--pid=host" in why and "hostPID: true" in why and other in why
     assert same_process_space_rule(plan.engine_transport, mine, mine) is None
     assert same_process_space_rule(plan.engine_transport, mine, ("", "")) is None  # an older peer
-    tcp = make_plan(cfg_factory("mem_pool=NONE"), CPU)
+    tcp = plan_of(cfg_factory("mem_pool=NONE"), CPU)
     assert same_process_space_rule(tcp.engine_transport, mine, (other, mine[1])) is None
     # another kernel (boot id) is another host: nvlink_intra cannot reach it either
     assert "another kernel" in same_process_space_rule(plan.engine_transport, mine, (mine[0], "x" * 36))
@@ -228,20 +229,21 @@ def test_bootstrap_messages_carry_the_process_space():
 
 
 def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
+    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.reporting import _open_loop_warnings, batch_caps
 
     cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
-    (line,) = batch_caps(cfg, sends=297, routed=1000)
+    (line,) = batch_caps(report_spec(cfg), sends=297, routed=1000)
     assert "capped at 8" in line and "workload.concurrency=8" in line
     cfg = cfg_factory("workload.batch_size=128", "workload.concurrency=2048", "buffers.size=1024")
-    (line,) = batch_caps(cfg, sends=1000, routed=1000)  # not coalesced: 10 blocks each
+    (line,) = batch_caps(report_spec(cfg), sends=1000, routed=1000)  # not coalesced: 10 blocks each
     assert "transport.max_inflight_blocks=1024" in line and "capped at 102" in line
     cfg = cfg_factory("workload.batch_size=64", "workload.concurrency=1024", "buffers.size=1024",
                       "transport.coalesce=true")
-    assert batch_caps(cfg, sends=180, routed=10000) == []  # ~56 per send
-    (line,) = batch_caps(cfg, sends=1000, routed=10000)  # 10 per send
+    assert batch_caps(report_spec(cfg), sends=180, routed=10000) == []  # ~56 per send
+    (line,) = batch_caps(report_spec(cfg), sends=1000, routed=10000)  # 10 per send
     assert "10.0 requests each" in line and "workload.concurrency=1024" in line
-    assert batch_caps(cfg_factory(), sends=1000, routed=1000) == []
+    assert batch_caps(report_spec(cfg_factory()), sends=1000, routed=1000) == []
     # open loop: achieved < 95% of offered says so with both numbers; a sustained one is quiet
     (warn,) = _open_loop_warnings(offered=1000, achieved=583.6)
     assert "offered 1000" in warn and "583.6" in warn

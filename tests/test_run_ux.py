@@ -321,6 +321,7 @@ def test_a_timed_coalesced_run_shows_progress_and_keeps_its_run_dir_clean(tmp_pa
 
 def test_a_lost_rank_of_a_timed_run_counts_what_arrived_not_its_ceiling(tmp_path):
     from orchestrator.job.recovery import reconstruct
+    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record
 
@@ -328,5 +329,5 @@ def test_a_lost_rank_of_a_timed_run_counts_what_arrived_not_its_ceiling(tmp_path
     lines = [Record(rid, rid, 0, rid, "engine", 1.0, 2.0, 3.0, 4.0, Outcome.verified, Detail.none, "c").line()
              for rid in range(12)]
     (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
-    res = reconstruct(cfg, tmp_path, 0, "prefill", Detail.prefill_lost, route="engine")
+    res = reconstruct(report_spec(cfg), tmp_path, 0, "prefill", Detail.prefill_lost, route="engine")
     assert (res.requests, res.verified, res.finished, res.not_started) == (12, 12, 12, 0)

@@ -22,11 +22,11 @@ from orchestrator.handoff.transport.auth import Authenticator, Replayed, new_non
 from orchestrator.handoff.transport.engine import MooncakeEngine
 from orchestrator.job import protocol
 from orchestrator.profile.layout import describe
-from orchestrator.profile.plan import Platform, make_plan
+from orchestrator.profile.plan import Platform
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.schema import Results
 
-from .conftest import ROOT, DecodeProcess, typed_cfg
+from .conftest import ROOT, DecodeProcess, plan_of, typed_cfg
 from .helpers.bounds import bound, startup_timeout_s
 from .helpers.peers import PrefillPeer
 
@@ -188,7 +188,7 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     router, pull = z.socket(zmq.ROUTER), z.socket(zmq.PULL)
     ctl = "tcp://127.0.0.1:%d" % router.bind_to_random_port("tcp://127.0.0.1")
     data = "tcp://127.0.0.1:%d" % pull.bind_to_random_port("tcp://127.0.0.1")
-    plan = make_plan(cfg, Platform())
+    plan = plan_of(cfg, Platform())
     conn, child = mp.get_context("spawn").Pipe()
     conn = protocol.Channel(conn)
     proc = mp.get_context("spawn").Process(target=prefill_main, args=(cfg, plan, str(tmp_path), secret, child),
@@ -456,7 +456,7 @@ def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     p.join(30)
     assert p.exitcode == 0
     cfg = typed_cfg()
-    job = Job(cfg, make_plan(cfg, Platform()), tmp_path, secret=SECRET)
+    job = Job(cfg, plan_of(cfg, Platform()), tmp_path, secret=SECRET)
     job.decodes = [_Proc("decode", p, protocol.Channel(conn), "decode", 0)]
     job._finish()
     out = job.out
@@ -484,7 +484,7 @@ def test_buffers_beyond_memory_name_the_bytes_needed():
     from orchestrator.profile.rules import buffer_bytes, check_profile
 
     cfg = typed_cfg("buffers.size=1000000", "buffers.hidden_size=7168", "buffers.hidden_states_dtype=bfloat16")
-    need = 2 * buffer_bytes(cfg)
+    need = 2 * buffer_bytes(cfg.buffers, cfg.layout)
     with pytest.raises(ConfigError) as info:
         check_profile(cfg, Platform(host_mem_bytes=need - 1))
     assert info.value.key == "buffers.size" and f"{need:,} bytes" in str(info.value)

@@ -18,12 +18,13 @@ import torch
 
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
+from orchestrator.job.report_spec import report_spec
 from orchestrator.job.runner import run_handoffs
-from orchestrator.profile.plan import Platform, make_plan
+from orchestrator.profile.plan import Platform
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.reporting import build_results
 
-from .conftest import ROOT
+from .conftest import ROOT, plan_of
 from .helpers.bounds import bound
 from .helpers.peers import PrefillPeer
 
@@ -282,15 +283,15 @@ def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
     """Declaring rdma on a box without an HCA: Mooncake quietly comes up on TCP. Under strict
     the run stops and says so; under degrade it runs and logs the fallback."""
     cfg = cfg_factory("transport.mooncake.transport=rdma", "workload.requests=50")
-    plan = make_plan(cfg, CPU)
+    plan = plan_of(cfg, CPU)
     assert plan.mc_env["MC_FORCE_TCP"] is None and plan.declared_transport == "mooncake-rdma"
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / "strict"))
+    res = build_results(report_spec(cfg), plan, run_handoffs(cfg, plan, tmp_path / "strict"))
     assert res.verified == 0 and res.exit_code == 3
     assert "came up on mooncake-tcp, declared mooncake-rdma" in res.error
 
     cfg = cfg_factory("transport.mooncake.transport=rdma", "transport.fallback=degrade",
                       "workload.requests=50")
-    plan = make_plan(cfg, CPU)
-    res = build_results(cfg, plan, run_handoffs(cfg, plan, tmp_path / "degrade"))
+    plan = plan_of(cfg, CPU)
+    res = build_results(report_spec(cfg), plan, run_handoffs(cfg, plan, tmp_path / "degrade"))
     assert res.verified == 50 and res.transports.effective_transport == "mooncake-tcp"
     assert "effective_transport_differs" in (tmp_path / "degrade" / "decode.log").read_text()

@@ -116,6 +116,7 @@ def test_a_stale_verdicts_file_of_another_run_is_ignored_by_recovery(tmp_path, c
     set and verified_after_lost count only B's lines. At 3a078eb A's verdicts made B's lost
     requests verified."""
     from orchestrator.job.recovery import reconstruct
+    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.reporting import verified_after_lost
 
     _claim(tmp_path, "bbbb")
@@ -128,7 +129,7 @@ def test_a_stale_verdicts_file_of_another_run_is_ignored_by_recovery(tmp_path, c
     with open(tmp_path / "requests.jsonl", "a") as fh:  # and a line of A's in B's requests file
         fh.write(_rec(7, False, tag_a) + "\n")
     cfg = cfg_factory("workload.requests=10", "endpoints.decode_ranks=2")
-    res = reconstruct(cfg, tmp_path, 0, "prefill", Detail.prefill_lost)
+    res = reconstruct(report_spec(cfg), tmp_path, 0, "prefill", Detail.prefill_lost)
     assert res.verified == 5 and res.outcomes[Outcome.failed] == 5  # 0-3 recorded, 4 judged by B's decode
     assert verified_after_lost(tmp_path) == []  # A's verified 7 is not B's
     assert [r.rid for r in read_records(tmp_path / "requests.jsonl")][:4] == [0, 1, 2, 3]

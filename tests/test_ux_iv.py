@@ -103,21 +103,25 @@ def _fake_run(outcomes: list[str]):
 
 @pytest.mark.parametrize("outcomes,code", [(["fail", "fail"], 1), (["fail", "ok"], None), (["ok"], None)])
 def test_a_bench_row_is_retried_once_then_failed(outcomes, code, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from orchestrator.bench import bench_spec
     from orchestrator.profile.config import validate
+    from orchestrator.profile.platform import detect
     from orchestrator.sweep import bench
 
     from .conftest import compose_cfg
 
-    cfg = validate(compose_cfg())
-    one = bench.paths(cfg, bench.detect())[:1]
-    monkeypatch.setattr(bench, "paths", lambda *_: one)
+    spec = bench_spec(validate(compose_cfg()), detect())
+    one = spec.paths[:1]
+    spec = dataclasses.replace(spec, paths=one)
     run, calls = _fake_run(outcomes)
     monkeypatch.setattr(bench, "run_handoffs", run)
     if code is None:
-        bench.run_bench(cfg, tmp_path)
+        bench.run_bench(spec, tmp_path)
     else:
         with pytest.raises(SystemExit) as exc:
-            bench.run_bench(cfg, tmp_path)
+            bench.run_bench(spec, tmp_path)
         assert exc.value.code == code
     assert len(calls) == len(outcomes)
     md = (tmp_path / "bench.md").read_text()

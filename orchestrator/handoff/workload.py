@@ -43,7 +43,12 @@ def decode_of(rid: int, n: int) -> int:
 
 def room_of(w: WorkloadConfig, rid: int) -> int:
     """Request `rid`'s room: `duplicate_rooms` consecutive requests share one (retries, n>1)."""
-    return room_for(seed_of(w), rid // w.duplicate_rooms)
+    return request_room(seed_of(w), w.duplicate_rooms, rid)
+
+
+def request_room(seed: int, duplicate_rooms: int, rid: int) -> int:
+    """room_of from the two values it reads (the workload's seed, as seed_of gives it)."""
+    return room_for(seed, rid // duplicate_rooms)
 
 
 @dataclass

@@ -7,18 +7,17 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, Optional, TypeVar
 
 from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
 from orchestrator.job import warmstart
 from orchestrator.job.lifecycle import Signals
+from orchestrator.job.report_spec import report_spec
 from orchestrator.profile.config import (
-    EndpointsConfig,
     LoggingConfig,
     OrchestratorConfig,
-    ReportConfig,
     WorkloadConfig,
     typed,
     validate,
@@ -30,6 +29,7 @@ from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
 from orchestrator.results.logs import configure
 from orchestrator.results.progress import ProgressMeter, mode_for
+from orchestrator.results.report_spec import ReportSpec
 from orchestrator.results.rundir import (
     NoSpace,
     RunFiles,
@@ -81,9 +81,10 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             finally:
                 if progress is not None:
                     progress.close()
-            results = (reporting.build_decode_side(obj, plan, out) if obj.role is Role.decode
-                       else reporting.build_results(obj, plan, out))
-            return _finish(obj, run_dir, results, out.no_space, log, drawer)
+            spec = report_spec(obj)
+            results = (reporting.build_decode_side(spec, plan, out) if spec.role is Role.decode
+                       else reporting.build_results(spec, plan, out))
+            return _finish(spec, run_dir, results, out.no_space, log, drawer)
     finally:
         unlock_run_dir(lock)  # last: no .run.lock with a dead pid stays behind
         PHASE[0] = None
@@ -131,22 +132,6 @@ def save_hydra(cfg: object, run_dir: Path) -> None:
         write_atomic(out / name, OmegaConf.to_yaml(node))
 
 
-class PlotSections(Protocol):
-    """The config sections a run's outputs read (an OrchestratorConfig has them)."""
-
-    @property
-    def role(self) -> Role: ...
-
-    @property
-    def endpoints(self) -> EndpointsConfig: ...
-
-    @property
-    def workload(self) -> WorkloadConfig: ...
-
-    @property
-    def report(self) -> ReportConfig: ...
-
-
 def _log_plan(run_dir: Path, logs: LoggingConfig, plan: Plan) -> BoundLogger:
     """The run's structured log (logging.console: on the console too), opened with the plan."""
     log = configure(run_dir, "orchestrator", keep_root_handlers=True,
@@ -163,31 +148,31 @@ def _write_fingerprint(run_dir: Path, workload: WorkloadConfig, plan: Plan, draw
     write_atomic(run_dir / "fingerprint.json", json.dumps(fp, indent=2) + "\n")
 
 
-def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
+def _finish(spec: ReportSpec, run_dir: Path, results: JobResults | DecodeSideResults,
             no_space: Optional[str], log: BoundLogger, drawer: Optional[plots.Drawer] = None) -> Results:
     """results.json, the summary as soon as it is written, then latency.png (drawn by
     `drawer`'s process, which started when the handoffs ended; waited for here); a full disk
     (`no_space`: the file an endpoint or the runner could not write) ends it in one line."""
-    results.role, results.run_dir = obj.role.value, str(run_dir)
+    results.role, results.run_dir = spec.role.value, str(run_dir)
     if no_space is not None:  # an endpoint's file, or a record the runner appended
         full = NoSpace(no_space)
         results.failed_writing(str(full))
         try:
-            _write_outputs(obj, run_dir, results)
+            _write_outputs(spec, run_dir, results)
         except NoSpace:
             pass
         if drawer is not None:
             drawer.wait()
         return _no_space(run_dir, results, full)
     try:
-        _write_outputs(obj, run_dir, results, drawer)
+        _write_outputs(spec, run_dir, results, drawer)
     except NoSpace as exc:  # after start: one line, exit 3, nothing torn or empty left
         if drawer is not None:
             drawer.wait()
         results.failed_writing(str(exc))
         return _no_space(run_dir, results, exc)
     log.info("results", **results.headline())
-    late = (isinstance(results, JobResults) and _plotted(obj, results) and results.ending.interrupted
+    late = (isinstance(results, JobResults) and _plotted(spec, results) and results.ending.interrupted
             and results.latency_us.send_aux.measured)  # an interrupted run's latency.png
     text = reporting.summary(results, run_dir, plot=late, drawing=drawer is not None and drawer.asked)
     print(text, flush=True)
@@ -203,8 +188,8 @@ def _finish(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideRe
         print(_phases_line(results), flush=True)
     if late:  # drawn beside and after this process's exit: a stop ends in about 2 s
         assert isinstance(results, JobResults)
-        plots.draw_later(run_dir, _latency_title(obj, run_dir, results), obj.workload.rate is not None,
-                         obj.report.percentiles)
+        plots.draw_later(run_dir, _latency_title(spec, run_dir, results), spec.load.rate is not None,
+                         spec.percentiles)
     return results
 
 
@@ -234,42 +219,42 @@ def _phases_line(results: JobResults | DecodeSideResults) -> str:
         or "none measured")
 
 
-def _plotted(obj: PlotSections, results: Results) -> bool:
+def _plotted(spec: ReportSpec, results: Results) -> bool:
     """Whether this run draws latency.png (a run of the prefill side)."""
-    return obj.role is not Role.decode and isinstance(results, JobResults)
+    return spec.role is not Role.decode and isinstance(results, JobResults)
 
 
-def _write_outputs(obj: PlotSections, run_dir: Path, results: JobResults | DecodeSideResults,
+def _write_outputs(spec: ReportSpec, run_dir: Path, results: JobResults | DecodeSideResults,
                    drawer: Optional[plots.Drawer] = None) -> None:
     reporting.write(run_dir, results)
-    if _plotted(obj, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
+    if _plotted(spec, results) and not results.ending.interrupted:  # an interrupted run's: after its summary
         assert isinstance(results, JobResults)  # (_plotted)
         if drawer is not None and drawer.proc is not None:  # started when the handoffs ended
-            drawer.draw(_latency_title(obj, run_dir, results), obj.workload.rate is not None,
-                        obj.report.percentiles)
+            drawer.draw(_latency_title(spec, run_dir, results), spec.load.rate is not None,
+                        spec.percentiles)
         else:
-            _latency_png(obj, run_dir, results)
+            _latency_png(spec, run_dir, results)
 
 
-def _latency_title(obj: PlotSections, run_dir: Path, results: JobResults) -> str:
+def _latency_title(spec: ReportSpec, run_dir: Path, results: JobResults) -> str:
     """latency.png's title: the plan, the transport, the rank/TP layout, the run."""
-    plan, e = results.plan, obj.endpoints
+    plan, e = results.plan, spec.ranks
     transport = results.transports.effective_transport or plan.declared_transport
     ended = " (interrupted: what ran)" if results.ending.interrupted else ""
-    layout = plots.layout_label(e.prefill_ranks, e.decode_ranks, e.decode_tp)
+    layout = plots.layout_label(e.prefill, e.decode, e.decode_tp)
     return (f"mem_pool={plan.mem_pool}, buffers on {plan.buffer_device}, {transport}; {layout}\n"
             f"run {plots.short_dir(run_dir)}{ended}")
 
 
-def _latency_png(obj: PlotSections, run_dir: Path, results: JobResults) -> None:
+def _latency_png(spec: ReportSpec, run_dir: Path, results: JobResults) -> None:
     """latency.png: the CDFs of the run's latencies, the summary's own marks on them."""
     png = run_dir / plots.LATENCY_PNG
     lat = results.latency_us
     try:
-        plots.run_latency_png(run_dir, _latency_title(obj, run_dir, results),
+        plots.run_latency_png(run_dir, _latency_title(spec, run_dir, results),
                               marks={"send_aux": lat.send_aux, "taken": lat.taken,
                                      "handoff": lat.handoff, "from arrival": lat.e2e},
-                              arrival=obj.workload.rate is not None, qs=obj.report.percentiles)
+                              arrival=spec.load.rate is not None, qs=spec.percentiles)
     except OSError as exc:
         png.unlink(missing_ok=True)  # no torn or empty image left behind
         if exc.errno in (28, 122):

@@ -4,11 +4,11 @@ from its verdicts file, a prefill rank from its requests file and every decode's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional
 
-from orchestrator.profile.config import BuffersConfig, EndpointsConfig, LayoutConfig, WorkloadConfig
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult, RankResult, Record, read_jsonl, read_records
+from orchestrator.results.report_spec import ReportSpec
 from orchestrator.results.rundir import NoSpace, RunFiles, open_regular, parse_proc_name, run_of, run_tag
 from orchestrator.results.rundir import full as _full
 
@@ -24,23 +24,7 @@ def decode_from_disk(run_dir: Path, name: str) -> DecodeResult:
     return res
 
 
-class RecoverySections(Protocol):
-    """The config sections a rank's requests are accounted from (an OrchestratorConfig has them)."""
-
-    @property
-    def workload(self) -> WorkloadConfig: ...
-
-    @property
-    def endpoints(self) -> EndpointsConfig: ...
-
-    @property
-    def buffers(self) -> BuffersConfig: ...
-
-    @property
-    def layout(self) -> LayoutConfig: ...
-
-
-def reconstruct(cfg: RecoverySections, run_dir: Path, rank: int, name: str, missing: Detail,
+def reconstruct(spec: ReportSpec, run_dir: Path, rank: int, name: str, missing: Detail,
                 route: str = "", ran: bool = True, phase: tuple = (None, None),
                 full: Optional[list[NoSpace]] = None) -> RankResult:
     """A prefill rank that could not report: its requests file holds what it recorded;
@@ -55,19 +39,17 @@ def reconstruct(cfg: RecoverySections, run_dir: Path, rank: int, name: str, miss
     A workload.duration_s run's count is what arrived: the requests up to the last traced.
     A full disk while appending: the file keeps its complete lines, the NoSpace goes to
     `full` (raised where none is given)."""
-    n = cfg.workload.requests
+    n = spec.load.requests
     base = rank * n
-    path = RunFiles(run_dir).requests(name, cfg.endpoints.prefill_ranks)
-    from orchestrator.profile.layout import profile_layout
-
-    res = RankResult(rank, n, row_bytes=sum(f[2] for f in profile_layout(cfg.buffers, cfg.layout)))
+    path = RunFiles(run_dir).requests(name, spec.ranks.prefill)
+    res = RankResult(rank, n, row_bytes=spec.rows.row_bytes)
     seen: set[int] = set()
     for rec in read_records(path):
         if base <= rec.rid < base + n and rec.rid not in seen:
             seen.add(rec.rid)
             res.add(rec)
     judged = _judged(run_dir, rank)
-    from orchestrator.handoff.workload import decode_of, room_of
+    from orchestrator.handoff.workload import decode_of, request_room
 
     end = base + n
     if missing is Detail.interrupted:
@@ -75,7 +57,7 @@ def reconstruct(cfg: RecoverySections, run_dir: Path, rank: int, name: str, miss
         end = (max(traced) + 1) if traced and ran else base
         res.not_started = base + n - end
         res.interrupted = True
-    elif cfg.workload.duration_s is not None:  # a duration run's count is what arrived: as far as traced
+    elif spec.load.duration_s is not None:  # a duration run's count is what arrived: as far as traced
         traced = [r for r in (*seen, *judged) if base <= r < base + n]
         end = (max(traced) + 1) if traced and ran else base
         res.requests = end - base
@@ -84,7 +66,8 @@ def reconstruct(cfg: RecoverySections, run_dir: Path, rank: int, name: str, miss
         if rid in seen:
             continue
         outcome, detail = judged.get(rid, (Outcome.failed, missing))
-        rec = Record(rid, room_of(cfg.workload, rid), decode_of(rid, cfg.endpoints.decode_ranks), -1,
+        rec = Record(rid, request_room(spec.load.room_seed, spec.load.duplicate_rooms, rid),
+                     decode_of(rid, spec.ranks.decode), -1,
                      route if rid in judged else "", None, None, None, None, outcome, detail, "", None)
         res.add(rec)
         added.append(rec)

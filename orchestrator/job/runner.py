@@ -34,6 +34,7 @@ from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_s
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
+from orchestrator.job.report_spec import report_spec
 from orchestrator.profile.config import OrchestratorConfig, with_seed
 from orchestrator.profile.kinds import MpsMode, Role
 from orchestrator.profile.plan import Device, Plan
@@ -579,6 +580,7 @@ class Job:
     def _account(self, own: dict[str, str]) -> None:
         """Every process that did not report, from disk; every decode a prefill declared lost."""
         out, ep = self.out, self.cfg.endpoints
+        report = report_spec(self.cfg)  # what a rank that did not report is accounted from
         for d in self.decodes:
             if d.name not in out.decodes:
                 out.decodes[d.name] = decode_from_disk(self.run_dir, d.name)
@@ -590,7 +592,7 @@ class Job:
             if not out.reported(p.name):
                 reason = out.lost.get(p.name)
                 full: list[NoSpace] = []
-                out.ranks[p.name] = reconstruct(self.cfg, self.run_dir, p.index, p.name,
+                out.ranks[p.name] = reconstruct(report, self.run_dir, p.index, p.name,
                                                 Detail.interrupted if out.interrupted and not reason else
                                                 Detail.prefill_lost if reason else Detail.run_error,
                                                 route=self.plan.route.value, ran=p.running,

@@ -567,15 +567,23 @@ def precheck(argv: Sequence[str], rules: bool = True) -> Optional[str]:
     base = [c[0] for c in choices]
     combos = [base] + [base[:i] + [v] + base[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
     one = len(combos) == 1 and not args.multirun and args.cfg is None and args.info is None
+    return _composes(combos, dirs, one, rules and one)
+
+
+def _composes(combos: list[list[str]], dirs: list[Path], one: bool, rules: bool) -> Optional[str]:
+    """precheck's last step: what composing each combination of overrides refuses (`one`: the
+    only job, its host resolved as the run does), then (`rules`) what the rule book refuses in
+    the last one, named in the file that set it; None when nothing is."""
     for combo in combos:
         try:
-            cfg = load_profile(combo, dirs, resolve=one)  # one job: its host resolved, as the run does
+            cfg = load_profile(combo, dirs, resolve=one)
         except ProfileError as exc:
             return str(exc)
-    if rules and one:
+    if rules:
         from orchestrator.profile.platform import detect
         from orchestrator.profile.rules import check_profile
 
+        base = combos[0]
         try:
             check_profile(cfg, detect())
         except ConfigError as exc:

@@ -434,7 +434,8 @@ def judge(environment: Environment, wheel: Wheel, load: Callable[[list[str]], Or
         reading.refusal = str(exc)
         out.append(_refusal(exc, env, overrides))
         try:  # what it would try, were the allocator setting not there
-            reading.attempt = make_plan(cfg, dataclasses.replace(platform, env={}))
+            reading.attempt = make_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role,
+                                        dataclasses.replace(platform, env={}))
         except ConfigError:
             pass
     out += _plan_traps(reading, wheel)

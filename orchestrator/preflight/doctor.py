@@ -50,9 +50,13 @@ from orchestrator.preflight.compose import (
 from orchestrator.profile.config import (
     BuffersConfig,
     ConfigError,
+    EndpointsConfig,
     LayoutConfig,
+    MemPoolConfig,
     MemPoolType,
     OrchestratorConfig,
+    Role,
+    TransportConfig,
     is_loopback,
 )
 from orchestrator.profile.plan import (
@@ -61,7 +65,6 @@ from orchestrator.profile.plan import (
     Device,
     EngineTransport,
     Plan,
-    PlanSections,
     Platform,
     Route,
     expandable_segments,
@@ -112,16 +115,17 @@ def _verdict(name: str, findings: Sequence[tuple[CheckStatus, str]]) -> Check:
 # What the profile asks of the machine (also when the rule book refuses it here)
 
 
-def intended_plan(cfg: PlanSections, platform: Platform) -> Optional[Plan]:
-    """The plan the same rules make on a machine that has what the profile asks for (its
-    GPUs, a CUDA Mooncake build): what the build, CUDA and NVLink checks look for when this
-    machine is refused. None when no machine could run the profile."""
-    e = cfg.endpoints
+def intended_plan(mem_pool: MemPoolConfig, transport: TransportConfig, e: EndpointsConfig, role: Role,
+                  platform: Platform) -> Optional[Plan]:
+    """The plan the same rules make (make_plan's sections) on a machine that has what the
+    profile asks for (its GPUs, a CUDA Mooncake build): what the build, CUDA and NVLink checks
+    look for when this machine is refused. None when no machine could run the profile."""
     declared = (e.prefill_gpus or []) + (e.decode_gpus or [])
     gpus = max(platform.cuda_devices, e.prefill_ranks + e.decode_procs, max(declared, default=0) + 1)
     try:
-        return make_plan(cfg, dataclasses.replace(platform, cuda_devices=gpus, mooncake_cuda=True, env={},
-                                                  mps_control=platform.mps_control or MPS_CONTROL))
+        return make_plan(mem_pool, transport, e, role,
+                         dataclasses.replace(platform, cuda_devices=gpus, mooncake_cuda=True, env={},
+                                             mps_control=platform.mps_control or MPS_CONTROL))
     except ConfigError:
         return None
 
@@ -518,7 +522,7 @@ def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
         plan = check_profile(cfg, platform)  # the rule book, exactly as the run applies it
     except ConfigError as exc:
         error = exc
-    intent = plan or intended_plan(cfg, platform)
+    intent = plan or intended_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
     device = intent.buffer_device if intent else Device.cpu
     uses_engine = intent is not None and intent.route is Route.engine
     wants_nvlink = intent is not None and intent.engine_transport is EngineTransport.nvlink_intra
@@ -850,7 +854,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report.checks.append(check_layouts((cfg.layout, cfg.buffers), (peer.layout, peer.buffers), args.peer))
     from orchestrator.profile.platform import detect
 
-    intent = report.plan or intended_plan(cfg, detect())
+    intent = report.plan or intended_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, detect())
     transport = intent.engine_transport if intent else None
     if peer is not None or args.peer_pid_ns is not None or transport is EngineTransport.nvlink_intra:
         report.checks.append(check_process_space(transport, args.peer_pid_ns))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Optional, Sequence
 
 from orchestrator.profile.config import (
     SPIN_MIN_CORES,
@@ -30,22 +30,6 @@ from orchestrator.profile.config import (
     TransportConfig,
 )
 from orchestrator.profile.sharing import GpuSharing, processes_on_gpus, sharing_rule
-
-
-class PlanSections(Protocol):
-    """The config sections the plan reads (an OrchestratorConfig has them)."""
-
-    @property
-    def mem_pool(self) -> MemPoolConfig: ...
-
-    @property
-    def transport(self) -> TransportConfig: ...
-
-    @property
-    def endpoints(self) -> EndpointsConfig: ...
-
-    @property
-    def role(self) -> Role: ...
 
 
 class Device(Enum):
@@ -288,11 +272,10 @@ def _gpu_placement(endpoints: EndpointsConfig, platform: Platform) -> tuple[tupl
     return prefill, decode
 
 
-def make_plan(cfg: PlanSections, platform: Platform) -> Plan:
+def make_plan(mem_pool: MemPoolConfig, transport: TransportConfig, endpoints: EndpointsConfig, role: Role,
+              platform: Platform) -> Plan:
     """Compose the rules for one run; raise ConfigError for combinations that cannot work."""
-    pool = cfg.mem_pool.type
-    setting = cfg.transport.route
-    policy = cfg.transport.fallback
+    pool, setting, policy = mem_pool.type, transport.route, transport.fallback
     device = buffer_device(pool, platform)
     events: list[PlanEvent] = []
 
@@ -300,34 +283,30 @@ def make_plan(cfg: PlanSections, platform: Platform) -> Plan:
         raise ConfigError("mem_pool.type", pool.value, "a CUDA or CPU placement (NPU builds are not supported)")
 
     if pool is MemPoolType.NVLINK and setting is RouteSetting.engine:
-        raise ConfigError(
-            "transport.route", setting.value,
-            "auto or tcp with mem_pool=NVLINK, whose aux always goes over tcp",
-        )
+        raise ConfigError("transport.route", setting.value,
+                          "auto or tcp with mem_pool=NVLINK, whose aux always goes over tcp")
 
     if device is Device.cuda:
         device = _cuda_or_fallback(pool, policy, platform, events)
 
     route, reason = route_rule(pool, setting)
     if route is Route.tcp and device is not Device.cpu:
-        raise ConfigError(
-            "transport.route", setting.value,
-            f"auto or engine with mem_pool={pool.value}, whose buffers live on {device.value} "
-            "(the tcp route can only read and write host memory)",
-        )
+        raise ConfigError("transport.route", setting.value,
+                          f"auto or engine with mem_pool={pool.value}, whose buffers live on {device.value} "
+                          "(the tcp route can only read and write host memory)")
 
-    transport: Optional[EngineTransport] = None
+    engine: Optional[EngineTransport] = None
     env: dict[str, Optional[str]] = {}
     if route is Route.engine:
-        transport = _engine_transport(cfg.transport.mooncake, device, bool(events), platform)
-        env = engine_env(transport, cfg.transport.mooncake.tcp_progress_timeout_s)
+        engine = _engine_transport(transport.mooncake, device, bool(events), platform)
+        env = engine_env(engine, transport.mooncake.tcp_progress_timeout_s)
 
     prefill_gpus = decode_gpus = None
     if device is Device.cuda:
-        prefill_gpus, decode_gpus = _gpu_placement(cfg.endpoints, platform)
-    e = cfg.endpoints
-    here = processes_on_gpus(prefill_gpus if cfg.role is not Role.decode else None,  # this command's own
-                             decode_gpus if cfg.role is not Role.prefill else None, e.decode_ranks, e.decode_tp)
+        prefill_gpus, decode_gpus = _gpu_placement(endpoints, platform)
+    e = endpoints
+    here = processes_on_gpus(prefill_gpus if role is not Role.decode else None,  # this command's own
+                             decode_gpus if role is not Role.prefill else None, e.decode_ranks, e.decode_tp)
     sharing = sharing_rule(e.mps, here, platform.mps_control, platform.mps_pipe)
 
     return Plan(
@@ -335,13 +314,13 @@ def make_plan(cfg: PlanSections, platform: Platform) -> Plan:
         buffer_device=device,
         route=route,
         route_reason=reason,
-        engine_transport=transport,
+        engine_transport=engine,
         mc_env=env,
-        protocol=mooncake_protocol(transport) if transport else None,
+        protocol=mooncake_protocol(engine) if engine else None,
         prefill_gpus=prefill_gpus,
         decode_gpus=decode_gpus,
         fallback=policy,
-        completion=completion_rule(cfg.transport.mooncake.completion, platform.cpu_count),
+        completion=completion_rule(transport.mooncake.completion, platform.cpu_count),
         events=tuple(events),
         sharing=sharing,
     )

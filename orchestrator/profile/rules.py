@@ -19,7 +19,6 @@ Pure: the machine is described by `platform` (its env snapshot included).
 
 from __future__ import annotations
 
-from typing import Protocol
 from urllib.parse import urlsplit
 
 from orchestrator.profile.config import (
@@ -66,16 +65,6 @@ def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:
                           f"transport.timeout_s={t:g}")
 
 
-class BufferSections(Protocol):
-    """The config sections one process's buffers are sized from (an OrchestratorConfig has them)."""
-
-    @property
-    def buffers(self) -> BuffersConfig: ...
-
-    @property
-    def layout(self) -> LayoutConfig: ...
-
-
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     t = cfg.transport
     if t.secret_env is not None:  # the variable it names holds a usable secret
@@ -86,7 +75,7 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
         raise ConfigError("gate.never_landed_s", held,
                           f"null or at most transport.timeout_s={cfg.transport.timeout_s:g} (it only shortens "
                           "the hold of a room that never lands)")
-    plan = make_plan(cfg, platform)
+    plan = make_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
     f = cfg.faults
     if FAULTS[f.kind].engine_only and plan.route is not Route.engine:
         allowed = sorted(k.value for k in FaultKind if not FAULTS[k].engine_only)
@@ -131,20 +120,19 @@ def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
-    _check_memory(cfg.endpoints, cfg.role, cfg.buffers, buffer_bytes(cfg), plan, platform)
+    _check_memory(cfg.endpoints, cfg.role, cfg.buffers, buffer_bytes(cfg.buffers, cfg.layout), plan, platform)
     return plan
 
 
-def buffer_bytes(cfg: BufferSections) -> int:
+def buffer_bytes(b: BuffersConfig, layout: LayoutConfig) -> int:
     """One process's MetadataBuffers arena (every present field, 256-byte aligned, plus its
     alignment slack and warm-up scratch), computed from the layout without allocating."""
     from orchestrator.profile.layout import Sizes, row_bytes
 
-    b = cfg.buffers
     sizes = Sizes(b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
                   b.max_top_logprobs_num, b.output_dsa_topk_indices_dim, b.kv_checksum_enabled,
                   b.enable_sampling_mask)
-    return sum(-(-b.size * n // 256) * 256 for n in row_bytes(cfg.layout, sizes)) + 3 * 256
+    return sum(-(-b.size * n // 256) * 256 for n in row_bytes(layout, sizes)) + 3 * 256
 
 
 def _memory_key(b: BuffersConfig) -> tuple[str, int]:

@@ -16,19 +16,9 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from orchestrator.profile.config import (
-    BuffersConfig,
-    EndpointsConfig,
-    FaultsConfig,
-    GateConfig,
-    LayoutConfig,
-    ReportConfig,
-    TransportConfig,
-    VerifyConfig,
-    WorkloadConfig,
-)
+from orchestrator.profile.kinds import FaultKind
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.sharing import sharing_line, sharing_warning
 from orchestrator.results.escape import printable
@@ -42,6 +32,7 @@ from orchestrator.results.records import (
     read_jsonl,
     read_records,
 )
+from orchestrator.results.report_spec import ReportGate, ReportLoad, ReportSpec
 from orchestrator.results.rundir import RunFiles, write_atomic
 from orchestrator.results.schema import (
     EXIT_LOST,
@@ -124,50 +115,20 @@ def _effective(out: RunResult) -> Optional[str]:
         "mixed:" + ",".join(f"{k}={v}" for k, v in sorted(out.transports.items())) if transports else None)
 
 
-class ReportSections(Protocol):
-    """The config sections results.json reports (an OrchestratorConfig has them)."""
-
-    @property
-    def workload(self) -> WorkloadConfig: ...
-
-    @property
-    def transport(self) -> TransportConfig: ...
-
-    @property
-    def endpoints(self) -> EndpointsConfig: ...
-
-    @property
-    def buffers(self) -> BuffersConfig: ...
-
-    @property
-    def layout(self) -> LayoutConfig: ...
-
-    @property
-    def verify(self) -> VerifyConfig: ...
-
-    @property
-    def gate(self) -> GateConfig: ...
-
-    @property
-    def faults(self) -> FaultsConfig: ...
-
-    @property
-    def report(self) -> ReportConfig: ...
-
-
-def _timing(w: WorkloadConfig, e: EndpointsConfig, out: RunResult, m: _Merged) -> Timing:
+def _timing(spec: ReportSpec, out: RunResult, m: _Merged) -> Timing:
     ranks = list(out.ranks.values())
     verified = m.outcomes[Outcome.verified]
     starts = [r.t_start for r in ranks if r.t_start is not None]
     lasts = [r.t_last for r in ranks if r.t_last is not None]
     wall = (max(lasts) - min(starts)) if starts and lasts and max(lasts) > min(starts) else None
     row_bytes = max((r.row_bytes for r in ranks), default=0)
-    per_send = _per_send(e.decode_tp, m.sends, sum(m.routes.values()))
+    w, prefill_ranks = spec.load, spec.ranks.prefill
+    per_send = _per_send(spec.ranks.decode_tp, m.sends, sum(m.routes.values()))
     return Timing(out.startup_s, out.startup_by_process, round(wall, 4) if wall else None,
                   round(verified / wall, 1) if wall and verified else None,
                   round(verified * row_bytes / wall / 1e6, 3) if wall and verified else None,
                   row_bytes, m.sends, round(m.blocks / m.sends, 2) if m.sends else None,
-                  w.rate * e.prefill_ranks if w.rate is not None else None,
+                  w.rate * prefill_ranks if w.rate is not None else None,
                   round(per_send, 2) if per_send is not None else None, out.startup_phases)
 
 
@@ -176,11 +137,11 @@ def _per_send(decode_tp: int, sends: Optional[int], routed: int) -> Optional[flo
     return routed * decode_tp / sends if sends else None
 
 
-def _workload(cfg: ReportSections) -> Workload:
-    w, t = cfg.workload, cfg.transport
+def _workload(spec: ReportSpec) -> Workload:
+    w, t, rows = spec.load, spec.send, spec.rows
     return Workload(w.concurrency, w.rate, w.batch_size, w.fill.value, t.coalesce, t.status.value,
-                    w.duplicate_rooms, w.seed, cfg.layout.name, cfg.verify.digest.value,
-                    w.concurrency * cfg.endpoints.prefill_ranks, cfg.buffers.size * cfg.endpoints.decode_ranks,
+                    w.duplicate_rooms, w.seed, rows.layout, rows.digest.value,
+                    w.concurrency * spec.ranks.prefill, rows.slots * spec.ranks.decode,
                     w.duration_s, w.burstiness)
 
 
@@ -192,12 +153,12 @@ def _authenticated(secret_env: Optional[str], out: RunResult, m: _Merged) -> Aut
                          sum(d.hijack_refused for d in decodes))
 
 
-def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults:
+def build_results(spec: ReportSpec, plan: Plan, out: RunResult) -> JobResults:
     m = _Merged()
     for r in out.ranks.values():
         m.add(r)
-    requests = cfg.workload.requests * cfg.endpoints.prefill_ranks
-    if cfg.workload.duration_s is not None:  # what arrived (a rank that left no trace: none)
+    requests = spec.load.requests * spec.ranks.prefill
+    if spec.load.duration_s is not None:  # what arrived (a rank that left no trace: none)
         requests = sum(r.requests for r in out.ranks.values())
     verified, corrupted = m.outcomes[Outcome.verified], m.outcomes[Outcome.corrupted]
     accounted = sum(m.outcomes.values()) + m.not_started
@@ -208,16 +169,16 @@ def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults
     ranks = list(out.ranks.values())
     decode_verified = sum(d.outcomes[Outcome.verified] for d in out.decodes.values() if d.tp_rank == 0)
     # this module's own sections first, then what lower modules give (the plan's view last)
-    t, workload = _timing(cfg.workload, cfg.endpoints, out, m), _workload(cfg)
-    auth, tp = _authenticated(cfg.transport.secret_env, out, m), _tp(cfg.endpoints.decode_tp, cfg.gate, out)
-    warnings = (batch_caps(cfg, t.sends, sum(m.routes.values()))
+    t, workload = _timing(spec, out, m), _workload(spec)
+    auth, tp = _authenticated(spec.send.secret_env, out, m), _tp(spec.ranks.decode_tp, spec.gate, out)
+    warnings = (batch_caps(spec, t.sends, sum(m.routes.values()))
                 + _open_loop_warnings(t.offered_per_s, t.handoffs_per_s, out.interrupted is not None)
                 + [w for w in (sharing_warning(out.gpu_sharing),) if w]
-                + _ceiling_warnings(cfg.workload, out))
-    gate = _gate(cfg.gate, out)
+                + _ceiling_warnings(spec.load, out))
+    gate = _gate(spec.gate, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
-        counter_dict(m.routes), counter_dict(m.details), m.latency_us(cfg.report.percentiles),
+        counter_dict(m.routes), counter_dict(m.details), m.latency_us(spec.percentiles),
         ranks[0].clock if ranks else None,
         {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
         Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
@@ -226,7 +187,7 @@ def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults
                           **{name: d.memory for name, d in out.decodes.items()}},
         Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
     res.ending.warnings += warnings
-    res.sglang_0_5_23 = _held(cfg, res)
+    res.sglang_0_5_23 = _held(spec, res)
     for d in out.decodes.values():
         for why, s in (d.held_s.items() if d.tp_rank == 0 else ()):
             res.slots_held_by_failed_s[why] = round(res.slots_held_by_failed_s.get(why, 0.0) + s, 3)
@@ -236,15 +197,13 @@ def build_results(cfg: ReportSections, plan: Plan, out: RunResult) -> JobResults
     return res
 
 
-def _held(cfg: ReportSections, res: JobResults) -> Optional[Held]:
+def _held(spec: ReportSpec, res: JobResults) -> Optional[Held]:
     """What SGLang 0.5.23's decode would hold in Transferring for ever (orchestrator.results.transferring)."""
-    from orchestrator.profile.config import FaultKind
     from orchestrator.results.transferring import held
 
-    f = cfg.faults
-    exact = f.kind is FaultKind.aux_lost and cfg.endpoints.prefill_ranks == 1
-    return held(res.failure_reasons, res.requests - res.not_started, res.workload.decode_rows or cfg.buffers.size,
-                (f.at_request, f.every) if exact else None)
+    exact = spec.fault is FaultKind.aux_lost and spec.ranks.prefill == 1
+    return held(res.failure_reasons, res.requests - res.not_started, res.workload.decode_rows or spec.rows.slots,
+                (spec.fault_at, spec.fault_every) if exact else None)
 
 
 HELD_FEW = 3  # failed rows that held their slots: said on the console from this many
@@ -274,7 +233,7 @@ def verified_after_lost(run_dir: Path) -> list[int]:
                    if rec.outcome is not Outcome.verified and rec.rid in verified})
 
 
-def _gate(g: GateConfig, out: RunResult) -> DecodeGate:
+def _gate(g: ReportGate, out: RunResult) -> DecodeGate:
     """What the readiness gate's reads cost the decode loop (gate.read), per poll, over every
     decode process; and endpoints.decode_load's forward steps/s with and without handoffs."""
     reads, stalls = LatencyHistogram(), LatencyHistogram()
@@ -286,13 +245,11 @@ def _gate(g: GateConfig, out: RunResult) -> DecodeGate:
                       loads[0] if len(loads) == 1 else (loads or None))
 
 
-def batch_caps(cfg: ReportSections, sends: Optional[int], routed: int) -> list[str]:
+def batch_caps(spec: ReportSpec, sends: Optional[int], routed: int) -> list[str]:
     """What keeps a forward step below workload.batch_size, with the cap and the key to
     raise (once per run, in results.json `warnings` and the summary); `sends` were made for
     `routed` requests."""
-    from orchestrator.profile.layout import profile_layout
-
-    w, t, b = cfg.workload, cfg.transport, cfg.buffers
+    w, t = spec.load, spec.send
     if w.batch_size == 1:
         return []
     caps = []
@@ -300,21 +257,21 @@ def batch_caps(cfg: ReportSections, sends: Optional[int], routed: int) -> list[s
         caps.append(f"workload.batch_size={w.batch_size} is capped at {w.concurrency} requests per step "
                     f"by workload.concurrency={w.concurrency}: raise workload.concurrency (and buffers.size) "
                     f"to several times the batch")
-    per_request = len(profile_layout(b, cfg.layout)) * cfg.endpoints.decode_tp  # blocks of one request's write
+    per_request = spec.rows.blocks * spec.ranks.decode_tp  # blocks of one request's write
     window = t.max_inflight_blocks // per_request
     if not t.coalesce and window < w.batch_size:
         caps.append(f"workload.batch_size={w.batch_size} is capped at {max(1, window)} requests per step "
                     f"by transport.max_inflight_blocks={t.max_inflight_blocks} ({per_request} blocks per "
                     f"request): raise transport.max_inflight_blocks")
-    per_send = _per_send(cfg.endpoints.decode_tp, sends, routed)
+    per_send = _per_send(spec.ranks.decode_tp, sends, routed)
     if t.coalesce and per_send is not None and not caps and per_send < 0.5 * w.batch_size:
         caps.append(f"coalesced sends carried {per_send:.1f} requests each, workload.batch_size="
                     f"{w.batch_size}: a step takes what is ready; raise workload.concurrency={w.concurrency} "
-                    f"and buffers.size={b.size} (16x the batch fills most steps)")
+                    f"and buffers.size={spec.rows.slots} (16x the batch fills most steps)")
     return caps
 
 
-def _ceiling_warnings(w: WorkloadConfig, out: RunResult) -> list[str]:
+def _ceiling_warnings(w: ReportLoad, out: RunResult) -> list[str]:
     """workload.duration_s: the ranks that reached workload.requests before the clock."""
     early = sorted(name for name, r in out.ranks.items() if r.ended_by == "requests")
     if w.duration_s is None or not early:
@@ -338,7 +295,7 @@ def _open_loop_warnings(offered: Optional[float], achieved: Optional[float],
     return []
 
 
-def _tp(decode_tp: int, g: GateConfig, out: RunResult) -> Optional[TpSummary]:
+def _tp(decode_tp: int, g: ReportGate, out: RunResult) -> Optional[TpSummary]:
     """Decode TP groups (endpoints.decode_tp ranks each): where ranks disagreed before
     agreeing, what a decode without this tool's digest would have taken silently, what hung,
     and what the agreement cost."""
@@ -366,7 +323,7 @@ def _tp(decode_tp: int, g: GateConfig, out: RunResult) -> Optional[TpSummary]:
         {d.name: d.tp.get("allreduce_us") for d in ranks})
 
 
-def build_decode_side(cfg: ReportSections, plan: Plan, out: RunResult) -> DecodeSideResults:
+def build_decode_side(spec: ReportSpec, plan: Plan, out: RunResult) -> DecodeSideResults:
     """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
     outcomes: Counter[Outcome] = Counter()
     details: Counter[Detail] = Counter()
@@ -376,7 +333,7 @@ def build_decode_side(cfg: ReportSections, plan: Plan, out: RunResult) -> Decode
             details.update(d.details)
     transports = set(out.transports.values())
     effective = transports.pop() if len(transports) == 1 else None
-    tp = _tp(cfg.endpoints.decode_tp, cfg.gate, out)
+    tp = _tp(spec.ranks.decode_tp, spec.gate, out)
     return DecodeSideResults(
         out.bootstrap, out.prefills_seen, sum(outcomes.values()), outcomes[Outcome.verified],
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),

@@ -20,6 +20,9 @@ process runs these phases over the same bootstrapped pair:
 Rates are verified handoffs per second over each phase's own first arrival to last verdict;
 latencies are exact per request (one way: prefill's row ready -> decode's verdict, on the
 shared monotonic clock). Results: bench.json and bench.md in the run dir.
+
+The bench sees only its spec (BenchSpec: its sizes and the routes it measures), built once by
+its entry (orchestrator.bench) from the checked profile.
 """
 
 from __future__ import annotations
@@ -28,38 +31,17 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
 from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
 from orchestrator.handoff.transport.router import Send, Transfer
 from orchestrator.job import protocol
 from orchestrator.job.runner import run_handoffs
-from orchestrator.profile.config import (
-    CONF_DIR,
-    BenchConfig,
-    BenchPhases,
-    ConfigError,
-    EngineTransportSetting,
-    FillMode,
-    MemPoolType,
-    MpsMode,
-    OrchestratorConfig,
-    RouteSetting,
-    SetBufMode,
-    StatusMode,
-    register_configs,
-    validate,
-)
-from orchestrator.profile.plan import Device, Plan, Platform, Route
-from orchestrator.profile.platform import detect
-from orchestrator.profile.rules import check_profile
+from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode, StatusMode
+from orchestrator.profile.plan import Plan, Route
 from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
 from orchestrator.results.records import STAGES, RankResult
@@ -339,73 +321,45 @@ class BenchDriver:
 
 
 # ---- paths -------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class Path_:
+    """One route measured: its label, the job that runs it (its config, with the bench's
+    sizes: handed to the job layer, runner.run_handoffs, never read here) and that job's plan."""
+
     name: str
-    cfg: OrchestratorConfig
+    job: OrchestratorConfig
     plan: Plan
     only: Optional[tuple[str, ...]] = None  # BenchDriver.only
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What the bench reads, built once by its entry (orchestrator.bench) from the checked
+    profile: the profile's own plan, the bench's sizes (bench.*) and the routes it measures."""
+
+    plan: Plan  # the selected profile's (bench.json `profile`)
+    handoffs: int  # bench.handoffs: one-in-flight handoffs per path
+    requests: int  # bench.requests: per throughput row
+    batch_size: int  # bench.batch_size
+    iters: int  # bench.iters: send_aux vs raw batch writes, each, per engine path
+    bulk_mib: int  # bench.bulk_mib (0: no bulk point)
+    paths: tuple[Path_, ...]
 
 
 NO_MPS_PHASES = ("handoff 1-in-flight", "per-request")  # what a path's no-MPS twin runs
 
 
-def _label(p: Plan) -> str:
-    where = p.buffer_device.value
-    mps = (", MPS" if p.sharing.mps else ", no MPS") if p.sharing.shared else ""
-    if p.route is Route.tcp:
-        return f"tcp route (ZMQ), {where}->{where}{mps}"
-    assert p.engine_transport is not None  # (the engine route)
-    return f"engine {p.engine_transport.value}, {where}->{where}{mps}"
-
-
-def paths(cfg: OrchestratorConfig, platform: Platform) -> list[Path_]:
-    """The aux paths measured side by side, each a new config with the bench's sizes: the
-    profile's engine path, its engine over tcp, host buffers over the engine, the tcp route."""
-    b = cfg.bench
-    base = validate(replace(
-        cfg, buffers=replace(cfg.buffers, size=max(cfg.buffers.size, 4 * b.batch_size + b.batch_size)),
-        workload=replace(cfg.workload, requests=b.handoffs + 4 * b.requests),
-        transport=replace(cfg.transport, timeout_s=max(cfg.transport.timeout_s, 10.0))))
-    plan = check_profile(base, platform)
-    t = base.transport
-    engine_tcp = replace(t.mooncake, transport=EngineTransportSetting.tcp)
-    host = replace(base.mem_pool, type=MemPoolType.NONE)
-    todo: list[OrchestratorConfig] = []
-    if plan.route is Route.engine:
-        assert plan.engine_transport is not None  # (the engine route)
-        todo.append(base)
-        if plan.engine_transport.value != "tcp":
-            todo.append(replace(base, transport=replace(t, mooncake=engine_tcp)))
-        if plan.buffer_device is not Device.cpu:
-            todo.append(replace(base, mem_pool=host,
-                                transport=replace(t, route=RouteSetting.auto, mooncake=engine_tcp)))
-    todo.append(replace(base, mem_pool=host, transport=replace(t, route=RouteSetting.tcp)))
-    out: list[Path_] = []
-    for c in todo:
-        p = check_profile(c, platform)
-        out.append(Path_(_label(p), c, p))
-        if p.sharing.shared and p.sharing.mps:  # its twin without MPS: what time-slicing costs
-            twin = replace(c, endpoints=replace(c.endpoints, mps=MpsMode.off))
-            q = check_profile(twin, platform)
-            if not q.sharing.mps:
-                out.append(Path_(_label(q), twin, q, NO_MPS_PHASES))
-    return out
-
-
-def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
+def run_bench(spec: BenchSpec, run_dir: Path) -> BenchResults:
     configure(run_dir, "bench", keep_root_handlers=True)
-    platform = detect()
-    b = cfg.bench
-    results = BenchResults(check_profile(cfg, platform).as_dict(), b.batch_size)
-    todo = paths(cfg, platform)
+    results = BenchResults(spec.plan.as_dict(), spec.batch_size)
+    todo = spec.paths
     for k, ph in enumerate(todo, 1):
         progress = _BenchProgress(f"[{k}/{len(todo)}] {ph.name}")
-        report = _run_path(b, ph, run_dir, progress, results)
+        report = _run_path(spec, ph, run_dir, progress, results)
         if report is not None and not report.ok and results.interrupted is None:
             # one retry: a row that fails twice is a failure, a row that passes its retry says so
             progress.say(f"failed ({report.error}): retrying it once")
-            again = _run_path(b, ph, run_dir, progress, results, suffix="_retry")
+            again = _run_path(spec, ph, run_dir, progress, results, suffix="_retry")
             if again is not None:
                 again.retried, report = report.error, again
         if report is None:  # Ctrl-C / SIGTERM ends the bench, not only this path
@@ -426,16 +380,17 @@ def run_bench(cfg: OrchestratorConfig, run_dir: Path) -> BenchResults:
 EXIT_FAILED_ROW = 1  # a bench (or any aggregate) with a row that failed
 
 
-def _run_path(b: BenchConfig, ph: Path_, run_dir: Path, progress: "_BenchProgress", results: BenchResults,
+def _run_path(spec: BenchSpec, ph: Path_, run_dir: Path, progress: "_BenchProgress", results: BenchResults,
               suffix: str = "") -> Optional[PathReport]:
     """One route of the bench (its own run dir under the bench's; `suffix`: a retry's), or
     None when a signal ended it (results.interrupted set)."""
     phase_dir = run_dir / (re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_") + suffix)
     engine = ph.plan.route is Route.engine and ph.only is None
-    bulk = (b.bulk_mib << 20) if engine and b.bulk_mib else 0
-    driver = BenchDriver(ph.name, b.handoffs, b.requests, b.batch_size, b.iters, engine, bulk, ph.only)
+    bulk = (spec.bulk_mib << 20) if engine and spec.bulk_mib else 0
+    driver = BenchDriver(ph.name, spec.handoffs, spec.requests, spec.batch_size, spec.iters, engine, bulk,
+                         ph.only)
     progress.say("starting its processes")
-    out = run_handoffs(ph.cfg, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
+    out = run_handoffs(ph.job, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
     sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
     progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
                  f"ended: {out.error or out.lost or 'no result'}")
@@ -612,43 +567,3 @@ def markdown(results: BenchResults) -> str:
         + "handoff = row ready on the prefill -> verified on the decode", "", "Ratios:"]
     lines += [f"- {k}: {v}" for k, v in results.ratios.items()]
     return "\n".join(lines)
-
-
-register_configs()
-_STARTED: list[bool] = []
-
-
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _bench(cfg: DictConfig) -> None:
-    _STARTED.append(True)
-    try:  # checked before Hydra started (compose.precheck); a sweep's jobs are checked here
-        obj = validate(cfg)
-        check_profile(obj, detect())
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if obj.bench.phases is BenchPhases.ladder:  # the cost ladder (orchestrator.sweep.ladder)
-        from orchestrator.sweep.ladder import run_ladder
-
-        try:
-            run_ladder(obj, run_dir, list(HydraConfig.get().overrides.task))
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        return
-    run_bench(obj, run_dir)
-
-
-def main() -> None:
-    """`python -m orchestrator.bench [overrides]`: refused as the main command refuses (one
-    `error:` line, exit 2, no run dir), then Hydra runs the bench."""
-    from orchestrator.preflight.compose import hydra_command
-
-    # `phases=X` is short for bench.phases=X (phases=ladder: the cost ladder)
-    sys.argv[1:] = [f"bench.{a}" if a.startswith("phases=") else a for a in sys.argv[1:]]
-    hydra_command(_bench, sys.argv[1:], started=lambda: bool(_STARTED))
-
-
-if __name__ == "__main__":
-    main()

@@ -33,6 +33,9 @@ Device rows share a GPU: R0-R5 and the yardstick run under CUDA MPS where the pr
 endpoints.mps decides so (one daemon of the ladder's own per rung, orchestrator.job.mps);
 R6 and R7 start theirs as every run does.
 Output: the table on the console, ladder.md and ladder.json in the run dir.
+
+The ladder sees only its spec (LadderSpec: the pair's PairSpec, R6's job, the rounds), built
+once by its entry (orchestrator.bench) from the checked profile.
 """
 
 from __future__ import annotations
@@ -47,30 +50,27 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+from structlog.stdlib import BoundLogger
 
 from orchestrator.job.lifecycle import spawn
 from orchestrator.job.mps import mps_for
 from orchestrator.job.runner import run_handoffs
-from orchestrator.profile.config import (
-    BenchPhases,
-    ConfigError,
-    FillMode,
-    OrchestratorConfig,
-    validate,
-)
+from orchestrator.profile.config import ConfigError, OrchestratorConfig, RouteSetting
 from orchestrator.profile.plan import Device, Plan, Route
-from orchestrator.profile.platform import detect
-from orchestrator.profile.rules import check_profile
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import write_atomic, write_tables
 from orchestrator.results.schema import EXIT_SIGNAL
 from orchestrator.results.stats import percentile
+
+if TYPE_CHECKING:  # (the pair's module imports torch: the children's, imported where a pair starts)
+    from orchestrator.sweep.ladder_pair import PairSpec
 
 RUNGS: list[tuple[str, str]] = [
     ("R0", "yardstick loop, our pieces: engine batch write, 24 B status on PAIR, device digest, verdict"),
@@ -149,13 +149,25 @@ class LadderResults:
                 **({"interrupted": self.interrupted} if self.interrupted else {})}
 
 
-def ladder_config(cfg: OrchestratorConfig) -> OrchestratorConfig:
-    """The profile as every rung runs it: one in flight, rows filled ahead, ladder_handoffs
-    requests."""
-    b = cfg.bench
-    w = replace(cfg.workload, concurrency=1, batch_size=1, fill=FillMode.ahead, rate=None,
-                requests=b.ladder_handoffs, duration_s=None)
-    return validate(replace(cfg, workload=w))
+@dataclass(frozen=True)
+class LadderSpec:
+    """What the ladder reads, built once by its entry (orchestrator.bench) from the profile as
+    every rung runs it: one in flight, rows filled ahead, bench.ladder_handoffs requests."""
+
+    pair: PairSpec  # R0-R5: what the ladder's own pair reads (with the rungs' plan)
+    job: OrchestratorConfig  # R6: that profile as a job (handed to the job layer, never read here)
+    route: RouteSetting  # transport.route (the rungs need the engine route)
+    rounds: int  # bench.ladder_rounds
+    yardstick: Optional[str]  # bench.yardstick
+    overrides: tuple[str, ...]  # R7: the command line's overrides (the full run's)
+
+    @property
+    def plan(self) -> Plan:
+        return self.pair.plan
+
+    @property
+    def handoffs(self) -> int:
+        return self.pair.handoffs
 
 
 def _stats(samples: list[float]) -> tuple[Optional[float], Optional[float], Optional[float]]:
@@ -297,7 +309,7 @@ class PairLink:
                                  f"its last {last_log_line(self.rdir, side)}")
 
 
-def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s: float,
+def _pair(rung: int, spec: PairSpec, rdir: Path, timeout_s: float,
           corrupt: Optional[int] = None, hold_result: bool = False) -> RungRun:
     """Rung `rung` (0-5) on a fresh pair; `corrupt` (tests): ladder_pair.prefill_main's;
     `hold_result` (tests): the prefill sends its result only once the decode has ended and
@@ -308,15 +320,14 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
     secret = secrets.token_bytes(32)
     d_conn, d_child = ctx.Pipe()
     p_conn, p_child = ctx.Pipe()
-    dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, cfg, plan, str(rdir), secret, d_child),
+    dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, spec, str(rdir), secret, d_child),
                       name="ladder-decode", daemon=True)
     pre: Optional[BaseProcess] = None
     t0 = time.monotonic()
     try:
         spawn(dec)
         pre = ctx.Process(target=ladder_pair.prefill_main,
-                          args=(rung, cfg, plan, str(rdir), secret, cfg.bench.ladder_handoffs, p_child, corrupt,
-                                dec.pid if hold_result else None),
+                          args=(rung, spec, str(rdir), secret, p_child, corrupt, dec.pid if hold_result else None),
                           name="ladder-prefill", daemon=True)
         spawn(pre)
         for c in (d_child, p_child):
@@ -345,14 +356,14 @@ def _pair(rung: int, cfg: OrchestratorConfig, plan: Plan, rdir: Path, timeout_s:
 
 
 # ---- R6: the bench's harness -----------------------------------------------------------------
-def _bench_rung(cfg: OrchestratorConfig, plan: Plan, rdir: Path) -> RungRun:
+def _bench_rung(spec: LadderSpec, rdir: Path) -> RungRun:
     from orchestrator.sweep.bench import BenchDriver
 
     phase = "handoff 1-in-flight"
-    n = cfg.bench.ladder_handoffs
+    n = spec.handoffs
     t0 = time.monotonic()
     driver = BenchDriver("R6", n, 1, 1, 1, False, 0, (phase,))
-    out = run_handoffs(cfg, plan, rdir, driver=driver)
+    out = run_handoffs(spec.job, spec.plan, rdir, driver=driver)
     if out.interrupted:  # Ctrl-C reached the runner first: end the ladder as the bench does
         raise KeyboardInterrupt
     res = next(iter(out.paths.values()), None)
@@ -421,48 +432,25 @@ def _yardstick(path: Path, mode: str, n: int, rdir: Path, timeout_s: float) -> R
 
 
 # ---- the ladder ------------------------------------------------------------------------------
-def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> LadderResults:
+def run_ladder(spec: LadderSpec, run_dir: Path) -> LadderResults:
     log = configure(run_dir, "ladder", keep_root_handlers=True)
-    platform = detect()
-    lcfg = ladder_config(cfg)
-    plan = check_profile(lcfg, platform)
+    plan = spec.plan
     if plan.route is not Route.engine:
-        raise ConfigError("transport.route", lcfg.transport.route.value,
+        raise ConfigError("transport.route", spec.route.value,
                           "the engine route for bench.phases=ladder (its rungs are Mooncake writes)")
-    b = cfg.bench
-    n = b.ladder_handoffs
+    n = spec.handoffs
     timeout_s = 120.0 + n * 0.05  # a loaded box's start-up plus a slow handoff each
-    ypath = None if b.yardstick == "off" else find_yardstick(b.yardstick)
-    rows = [RungRow(r, label) for r, label in RUNGS]
-    yrow = None
-    if b.yardstick != "off":
-        yrow = RungRow(YARDSTICK, f"{b.yardstick or DEFAULT_YARDSTICKS[0]} "
-                       f"{'gpu' if plan.buffer_device is Device.cuda else 'cpu'} {n}"
-                       + (" YARDSTICK_ROOM=1" if os.environ.get("YARDSTICK_ROOM") else ""))
-        if ypath is None:
-            yrow.skipped = f"not found: {b.yardstick or ' nor '.join(DEFAULT_YARDSTICKS)}"
-        rows.append(yrow)
-    results = LadderResults(plan.as_dict(), n, b.ladder_rounds, rows)
-    mode = "gpu" if plan.buffer_device is Device.cuda else "cpu"
+    rows, ypath = _rows(spec)
+    results = LadderResults(plan.as_dict(), n, spec.rounds, rows)
     try:
-        for rnd in range(b.ladder_rounds):
+        for rnd in range(spec.rounds):
             for k, row in enumerate(rows):
                 if row.skipped:
                     continue
                 rdir = run_dir / f"round{rnd}" / row.rung
                 rdir.mkdir(parents=True, exist_ok=True)
-                _say(f"round {rnd + 1}/{b.ladder_rounds} {row.rung}: {row.label}")
-                if k <= 5:
-                    with mps_for(plan.sharing, rdir, log):
-                        run = _pair(k, lcfg, plan, rdir, timeout_s)
-                elif row.rung == "R6":
-                    run = _bench_rung(lcfg, plan, rdir)
-                elif row.rung == "R7":
-                    run = _full_run(overrides, n, rdir, timeout_s)
-                else:
-                    assert ypath is not None
-                    with mps_for(plan.sharing, rdir, log):
-                        run = _yardstick(ypath, mode, n, rdir, timeout_s)
+                _say(f"round {rnd + 1}/{spec.rounds} {row.rung}: {row.label}")
+                run = _rung(k, row.rung, spec, rdir, timeout_s, ypath, log)
                 run.round = rnd
                 row.runs.append(run)
                 _say(f"round {rnd + 1} {row.rung}: " + (f"p50 {run.p50_us} us, {run.verified}/{run.n} verified"
@@ -471,6 +459,45 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
     except KeyboardInterrupt:  # Ctrl-C: the rounds so far are written, exit 130
         results.interrupted = "SIGINT"
         _say("interrupted (SIGINT): the rounds so far are in the table")
+    return _end(results, run_dir)
+
+
+def _rows(spec: LadderSpec) -> tuple[list[RungRow], Optional[Path]]:
+    """The table's rows, R0..R7 then the yardstick's (unless bench.yardstick=off; skipped, saying
+    why, when it is not found), and the yardstick's path."""
+    ypath = None if spec.yardstick == "off" else find_yardstick(spec.yardstick)
+    rows = [RungRow(r, label) for r, label in RUNGS]
+    if spec.yardstick != "off":
+        yrow = RungRow(YARDSTICK, f"{spec.yardstick or DEFAULT_YARDSTICKS[0]} "
+                       f"{'gpu' if spec.plan.buffer_device is Device.cuda else 'cpu'} {spec.handoffs}"
+                       + (" YARDSTICK_ROOM=1" if os.environ.get("YARDSTICK_ROOM") else ""))
+        if ypath is None:
+            yrow.skipped = f"not found: {spec.yardstick or ' nor '.join(DEFAULT_YARDSTICKS)}"
+        rows.append(yrow)
+    return rows, ypath
+
+
+def _rung(k: int, rung: str, spec: LadderSpec, rdir: Path, timeout_s: float, ypath: Optional[Path],
+          log: BoundLogger) -> RungRun:
+    """Row `k` (rung `rung`) once, in `rdir`: R0-R5 and the yardstick under the rungs' own MPS
+    daemon where the plan shares GPUs under it."""
+    plan = spec.plan
+    if k <= 5:
+        with mps_for(plan.sharing, rdir, log):
+            return _pair(k, spec.pair, rdir, timeout_s)
+    if rung == "R6":
+        return _bench_rung(spec, rdir)
+    if rung == "R7":
+        return _full_run(list(spec.overrides), spec.handoffs, rdir, timeout_s)
+    assert ypath is not None
+    mode = "gpu" if plan.buffer_device is Device.cuda else "cpu"
+    with mps_for(plan.sharing, rdir, log):
+        return _yardstick(ypath, mode, spec.handoffs, rdir, timeout_s)
+
+
+def _end(results: LadderResults, run_dir: Path) -> LadderResults:
+    """The load average, the table written (ladder.md, ladder.json; the console), and the exit:
+    130 interrupted, 1 a rung FAILED."""
     try:
         results.load_avg = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -478,7 +505,7 @@ def run_ladder(cfg: OrchestratorConfig, run_dir: Path, overrides: list[str]) -> 
     write_tables(run_dir, "ladder", results.to_json(), markdown(results))
     if results.interrupted:
         raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
-    failed = [r.rung for r in rows if not r.ok]
+    failed = [r.rung for r in results.rows if not r.ok]
     if failed:
         print(f"ladder: rungs FAILED (not every handoff verified, or no result): {', '.join(failed)}",
               file=sys.stderr, flush=True)
@@ -547,7 +574,3 @@ def failed_cell(row: RungRow) -> str:
     if passed:
         cell += f"; median of the {passed} passed: {row.median_us}"
     return cell
-
-
-def wants_ladder(cfg: OrchestratorConfig) -> bool:
-    return cfg.bench.phases is BenchPhases.ladder

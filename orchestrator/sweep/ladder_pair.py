@@ -39,6 +39,7 @@ import struct
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional
@@ -49,7 +50,7 @@ import zmq
 
 from orchestrator.handoff.buffers import WARM_BYTES, MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import Keys, RowDigest
-from orchestrator.handoff.endpoints.common import SWITCH_INTERVAL_S, build_side, process_gpu, shapes
+from orchestrator.handoff.endpoints.common import SWITCH_INTERVAL_S, Side, build_side, process_gpu, shapes
 from orchestrator.handoff.endpoints.decode_state import Grant
 from orchestrator.handoff.endpoints.judge import Judge, Rows
 from orchestrator.handoff.endpoints.links import Link, Req
@@ -58,7 +59,17 @@ from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
 from orchestrator.handoff.transport.router import AuxRouter, Peer, Transfer
 from orchestrator.handoff.workload import RequestPool, room_of
-from orchestrator.profile.config import CompletionSetting, FillMode, OrchestratorConfig
+from orchestrator.profile.config import (
+    BuffersConfig,
+    CompletionSetting,
+    DigestKind,
+    FillMode,
+    GateConfig,
+    LayoutConfig,
+    PollMode,
+    TransportConfig,
+    WorkloadConfig,
+)
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import usable_cores
 from orchestrator.results.logs import configure
@@ -71,6 +82,24 @@ BYE = b"bye"
 WARM = 50  # untimed handoffs first, as the yardstick's
 
 
+@dataclass(frozen=True)
+class PairSpec:
+    """What the pair reads, built once by the ladder's entry (orchestrator.bench) from the
+    ladder's profile (one in flight, rows filled ahead): the plan and the config sections the
+    handoff pieces it composes take (buffers, layout, transport, workload, gate), and the
+    values it reads itself. It crosses into both processes of every pair."""
+
+    plan: Plan
+    buffers: BuffersConfig
+    layout: LayoutConfig
+    transport: TransportConfig  # the engine (build_side), host, timeout_s, the send path's sizes
+    workload: WorkloadConfig  # the synthetic rows and their rooms
+    gate: GateConfig  # the decode's readiness gate (R2+)
+    digest: DigestKind  # verify.digest
+    poll: PollMode  # endpoints.poll
+    handoffs: int  # bench.ladder_handoffs: timed, after WARM untimed
+
+
 def _sock(ctx: zmq.Context, kind: int, max_bytes: int) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -78,12 +107,12 @@ def _sock(ctx: zmq.Context, kind: int, max_bytes: int) -> zmq.Socket:
     return s
 
 
-def _setup(role: str, cfg: OrchestratorConfig, plan: Plan, run_dir: str) -> tuple[Any, MetadataBuffers]:
+def _setup(role: str, spec: PairSpec, run_dir: str) -> tuple[Side, MetadataBuffers]:
     torch.set_num_threads(1)  # as the endpoints (common.start_process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log = configure(Path(run_dir), role)
-    side = build_side(cfg.buffers, cfg.layout, cfg.transport, plan, role, Path(run_dir), log,
-                      process_gpu(plan, role, 0))
+    side = build_side(spec.buffers, spec.layout, spec.transport, spec.plan, role, Path(run_dir), log,
+                      process_gpu(spec.plan, role, 0))
     return side, side.buffers
 
 
@@ -121,22 +150,46 @@ def _flip(b: MetadataBuffers, slot: int) -> None:
 
 
 # ---- decode --------------------------------------------------------------------------------
-def decode_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes,
-                conn: Connection) -> None:
+def decode_main(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Connection) -> None:
     try:
-        res = _decode(rung, cfg, plan, run_dir, secret, conn)
+        d = _decode_setup(spec, run_dir, secret, conn)
+        conn.send(("ready", None))
+        res = _decode_raw(d) if rung == 0 else _decode_granted(d) if rung >= 5 else _decode_framed(rung, d)
         _log().info("ladder_decode_end", reason="bye", **res)
         conn.send(("result", res))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         _send_error("decode", conn, exc)
 
 
-def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes,
-            conn: Connection) -> dict[str, Any]:
-    side, b = _setup("decode", cfg, plan, run_dir)
-    spin = cfg.endpoints.poll.spins(usable_cores())
+@dataclass
+class _Decode:
+    """The decode's pieces, set up before it says it is ready; each rung's loop takes what it
+    composes (R0 the PAIR and the digest, R1+ the data socket and the session, R2+ the judge,
+    R3+ the rows and their gate, R5 the control channel and the slot grants)."""
+
+    side: Side  # its engine with the buffers registered: held for the pair's life
+    b: MetadataBuffers
+    spin: bool
+    keys: Keys
+    digest: RowDigest
+    session: Session
+    slots: SlotAllocator
+    rows: Rows
+    judge: Judge
+    pads: list[tuple[int, int]]  # R0/R1: tags taken per slot
+    pair: zmq.Socket
+    pull: zmq.Socket
+    ctl: zmq.Socket
+    poller: zmq.Poller  # R5 without spinning: the control channel and the data socket
+    zero_room_on_free: bool  # gate.zero_room_on_free (R2)
+
+
+def _decode_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection) -> _Decode:
+    """Buffers and engine up, sockets bound, infos swapped with the prefill, digest and gate built."""
+    side, b = _setup("decode", spec, run_dir)
+    spin = spec.poll.spins(usable_cores())
     ctx = zmq.Context()
-    host = cfg.transport.host
+    host = spec.transport.host
     limit = wire.max_frame_bytes(b.item_lens, b.size)
     pair = _sock(ctx, zmq.PAIR, limit)
     pull = _sock(ctx, zmq.PULL, limit)
@@ -151,65 +204,48 @@ def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret
                         "nonce": nonce, **addrs}))
     peer = conn.recv()
     keys = Keys(secret, peer["nonce"])
-    digest = RowDigest(b, keys, cfg.verify.digest)
+    digest = RowDigest(b, keys, spec.digest)
     b.warm()
     digest.warm()
     session = Authenticator(secret).session(0, peer["nonce"], nonce, "decode")
     slots = SlotAllocator(b.size)
-    rows = Rows(b, digest, slots, cfg.gate.read, cfg.gate.zero_room_on_free, True)
-    res = DecodeResult("decode")
-    judge = Judge(cfg.gate, cfg.transport.timeout_s, b, digest, res)
-    pads = [keys.pad(0, s) for s in range(b.size)]  # R0/R1: tags taken per slot
-    grants: dict[tuple[int, int], Grant] = {}
-    verified = bad = held = 0
-    last: Optional[int] = None  # R2: the previous slot, its room zeroed with this read
-    ident: Optional[bytes] = None  # R5: the prefill's ROUTER identity
+    rows = Rows(b, digest, slots, spec.gate.read, spec.gate.zero_room_on_free, True)
+    judge = Judge(spec.gate, spec.transport.timeout_s, b, digest, DecodeResult("decode"))
     poller = zmq.Poller()
     poller.register(ctl, zmq.POLLIN)
     poller.register(pull, zmq.POLLIN)
-    conn.send(("ready", None))
+    return _Decode(side, b, spin, keys, digest, session, slots, rows, judge, [keys.pad(0, s) for s in range(b.size)],
+                   pair, pull, ctl, poller, spec.gate.zero_room_on_free)
+
+
+def _decode_raw(d: _Decode) -> dict[str, Any]:
+    """R0: the raw status on the PAIR, the row's tag checked, the raw verdict back."""
+    pair, spin, digest, pads = d.pair, d.spin, d.digest, d.pads
+    verified = bad = 0
     while True:
-        if rung >= 5:  # the control channel first: an arrival to grant, or the end
-            if not spin:
-                poller.poll(1000)
-            while True:
-                try:
-                    ident, raw = ctl.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                body = session.unseal(raw)
-                if body is None:
-                    raise RuntimeError("control message with a bad MAC")
-                msg = wire.decode(body)
-                if isinstance(msg, wire.ByeMsg):
-                    return {"verified": verified, "bad": bad, "held": held}
-                assert isinstance(msg, wire.ArriveMsg)
-                out = []
-                for rid, room in msg.reqs:
-                    slot = slots.alloc()
-                    assert slot is not None, "one in flight: a slot is always free"
-                    grants[(0, rid)] = Grant(0, rid, room, slot, keys.pad(0, rid), time.monotonic())
-                    out.append([rid, slot])
-                ctl.send_multipart([ident, session.seal(wire.encode(wire.UpdateMsg(grants=out, v=[])))])
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-        elif rung == 0:
-            m = _recv(pair, spin)
-            if m == BYE:
-                return {"verified": verified, "bad": bad, "held": held}
-            slot, room, tag = RAW_STATUS.unpack(m)
-            r = digest.read([slot], [(0, slot)])[0]
-            ok = digest.expected_tag(r, pads[slot]) == tag
-            verified += ok
-            bad += not ok
-            pair.send(RAW_VERDICT.pack(slot, ok))
-            continue
-        else:
-            frames = _recv(pull, spin, multipart=True)
-            if frames == [BYE]:
-                return {"verified": verified, "bad": bad, "held": held}
+        m = _recv(pair, spin)
+        if m == BYE:
+            return {"verified": verified, "bad": bad, "held": 0}
+        slot, room, tag = RAW_STATUS.unpack(m)
+        r = digest.read([slot], [(0, slot)])[0]
+        ok = digest.expected_tag(r, pads[slot]) == tag
+        verified += ok
+        bad += not ok
+        pair.send(RAW_VERDICT.pack(slot, ok))
+
+
+def _decode_framed(rung: int, d: _Decode) -> dict[str, Any]:
+    """R1-R4: authenticated statuses on the data socket, sealed verdicts back on the PAIR;
+    R1 checks the tag, R2 judges (room and tag, the previous slot's room zeroed in the same
+    read), R3+ read through the readiness gate as configured."""
+    b, spin, keys, digest, session, pads = d.b, d.spin, d.keys, d.digest, d.session, d.pads
+    pull, pair, slots, rows, judge, zero_on_free = d.pull, d.pair, d.slots, d.rows, d.judge, d.zero_room_on_free
+    verified = bad = held = 0
+    last: Optional[int] = None  # R2: the previous slot, its room zeroed with this read
+    while True:
+        frames = _recv(pull, spin, multipart=True)
+        if frames == [BYE]:
+            return {"verified": verified, "bad": bad, "held": held}
         t_status = time.monotonic()
         body_frames = session.open(frames)
         if body_frames is None:
@@ -222,22 +258,16 @@ def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret
             outcome = Outcome.verified if ok else Outcome.corrupted
             detail = Detail.none if ok else Detail.checksum_mismatch
         elif rung == 2:
-            clear = [last] if last is not None and last != st.slot and cfg.gate.zero_room_on_free else []
+            clear = [last] if last is not None and last != st.slot and zero_on_free else []
             r = digest.read([st.slot], [(0, st.rid)], clear=clear)[0]
             last = st.slot
             g = Grant(0, st.rid, st.room, st.slot, keys.pad(0, st.rid), t_status, int(KVPoll.Success),
                       tag=st.tag, t_status=t_status)
             outcome, detail = judge.judge(g, r)
         else:  # R3+: the readiness gate as configured, through Rows and Judge
-            if rung >= 5:
-                g = grants.pop((0, st.rid))
-                if g.slot != st.slot or g.room != st.room:
-                    raise RuntimeError(f"status for request {st.rid} names slot {st.slot}, granted {g.slot}")
-                g.status, g.tag, g.t_status = int(KVPoll.Success), st.tag, t_status
-            else:
-                slots.take(st.slot)
-                g = Grant(0, st.rid, st.room, st.slot, keys.pad(0, st.rid), t_status, int(KVPoll.Success),
-                          tag=st.tag, t_status=t_status)
+            slots.take(st.slot)
+            g = Grant(0, st.rid, st.room, st.slot, keys.pad(0, st.rid), t_status, int(KVPoll.Success),
+                      tag=st.tag, t_status=t_status)
             while True:
                 checks, _, _, _ = rows.read_pass([g], time.perf_counter())
                 now = time.monotonic()
@@ -254,25 +284,93 @@ def _decode(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret
         verified += ok
         bad += not ok
         t_ns = time.monotonic_ns()
-        update = wire.encode(wire.UpdateMsg(grants=[], v=[[st.rid, outcome.code, detail.code, t_ns,
-                                                           int(t_status * 1e9), t_ns]]))
-        if rung >= 5:
-            assert ident is not None
-            ctl.send_multipart([ident, session.seal(update)])
-        else:
-            pair.send(session.seal(update))
+        pair.send(session.seal(wire.encode(wire.UpdateMsg(grants=[], v=[[st.rid, outcome.code, detail.code, t_ns,
+                                                                         int(t_status * 1e9), t_ns]]))))
+
+
+def _decode_granted(d: _Decode) -> dict[str, Any]:
+    """R5: R4's judging, each request first announced on the control channel and granted a
+    slot (SlotAllocator, the Grant table looked up per status); the verdict on the control
+    channel. The control channel is read first: an arrival to grant, or the end."""
+    b, spin, session, pull, ctl, poller, rows, judge = d.b, d.spin, d.session, d.pull, d.ctl, d.poller, d.rows, d.judge
+    grants: dict[tuple[int, int], Grant] = {}
+    verified = bad = held = 0
+    ident: Optional[bytes] = None  # the prefill's ROUTER identity
+    while True:
+        if not spin:
+            poller.poll(1000)
+        while True:
+            try:
+                ident, raw = ctl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if _control(d, grants, ident, raw):  # the prefill's bye
+                return {"verified": verified, "bad": bad, "held": held}
+        try:
+            frames = pull.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        t_status = time.monotonic()
+        body_frames = session.open(frames)
+        if body_frames is None:
+            raise RuntimeError("status with a bad MAC")
+        st = wire.parse(body_frames, b.item_lens, b.size)
+        assert isinstance(st, wire.Status) and st.rid is not None and st.slot is not None
+        g = grants.pop((0, st.rid))
+        if g.slot != st.slot or g.room != st.room:
+            raise RuntimeError(f"status for request {st.rid} names slot {st.slot}, granted {g.slot}")
+        g.status, g.tag, g.t_status = int(KVPoll.Success), st.tag, t_status
+        while True:
+            checks, _, _, _ = rows.read_pass([g], time.perf_counter())
+            now = time.monotonic()
+            polled = judge.poll(g, checks[0], now)
+            if polled != KVPoll.Transferring:
+                break
+            held += 1
+        v = judge.verdict(g, checks[0], polled, now)
+        assert v is not None, "Success or Failed has a verdict"
+        outcome, detail = v
+        rows.free(g.slot)
+        rows.zero_freed()
+        ok = outcome is Outcome.verified
+        verified += ok
+        bad += not ok
+        t_ns = time.monotonic_ns()
+        assert ident is not None
+        ctl.send_multipart([ident, session.seal(wire.encode(wire.UpdateMsg(
+            grants=[], v=[[st.rid, outcome.code, detail.code, t_ns, int(t_status * 1e9), t_ns]])))])
+
+
+def _control(d: _Decode, grants: dict[tuple[int, int], Grant], ident: bytes, raw: bytes) -> bool:
+    """R5: one control message: the prefill's bye (True), or requests announced, each granted
+    a slot (the prefill waits for the grant before its row is ready: outside the timed span)."""
+    body = d.session.unseal(raw)
+    if body is None:
+        raise RuntimeError("control message with a bad MAC")
+    msg = wire.decode(body)
+    if isinstance(msg, wire.ByeMsg):
+        return True
+    assert isinstance(msg, wire.ArriveMsg)
+    out = []
+    for rid, room in msg.reqs:
+        slot = d.slots.alloc()
+        assert slot is not None, "one in flight: a slot is always free"
+        grants[(0, rid)] = Grant(0, rid, room, slot, d.keys.pad(0, rid), time.monotonic())
+        out.append([rid, slot])
+    d.ctl.send_multipart([ident, d.session.seal(wire.encode(wire.UpdateMsg(grants=out, v=[])))])
+    return False
 
 
 # ---- prefill -------------------------------------------------------------------------------
-def prefill_main(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, n: int,
-                 conn: Connection, corrupt: Optional[int] = None, hold_for: Optional[int] = None) -> None:
+def prefill_main(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Connection,
+                 corrupt: Optional[int] = None, hold_for: Optional[int] = None) -> None:
     """`corrupt` (tests): the timed handoff of this index has one byte of its source row changed
     after its seal and before its write (restored after its verdict): the decode must not
     verify it. `hold_for` (tests): the decode's pid; the result is sent only once that process
     is gone (ended and reaped by the parent), the order in which the parent must still take
     it."""
     try:
-        res = _prefill(rung, cfg, plan, run_dir, secret, n, conn, corrupt)
+        res = _prefill(rung, spec, run_dir, secret, conn, corrupt)
         _log().info("ladder_prefill_end", n=res["n"], verified=res["verified"])
         if hold_for is not None:
             _wait_gone(hold_for)
@@ -300,83 +398,140 @@ def _verdict_ok(session: Session, raw: bytes, rid: int) -> bool:
     return bool(Outcome.of(msg.v[0][1]) is Outcome.verified)
 
 
-def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, n: int,
-             conn: Connection, corrupt: Optional[int]) -> dict[str, Any]:
-    side, b = _setup("prefill", cfg, plan, run_dir)
+@dataclass
+class _Prefill:
+    """The prefill's pieces, set up before the pair's go: rows filled ahead and their digest
+    frozen, the engine warmed up on the decode's scratch, the sockets connected, and what R0/R1
+    send per slot (blocks, tags and rooms taken ahead)."""
+
+    side: Side
+    b: MetadataBuffers
+    engine: Any  # the side's MooncakeEngine (the ladder runs on the engine route)
+    spin: bool
+    keys: Keys
+    digest: RowDigest
+    session: Session
+    ctx: zmq.Context
+    pair: zmq.Socket
+    push: zmq.Socket
+    ctl: zmq.Socket
+    peer: dict[str, Any]  # the decode's info
+    blocks: list[tuple[list[int], list[int], list[int]]]  # R0/R1: each slot's batch write
+    tags: list[int]  # R0/R1: each slot's tag
+    rooms: list[int]  # R0/R1: each slot's room, frozen
+    orders_writes: bool  # the engine's writes follow the default stream's (no sync before them)
+    workload: WorkloadConfig
+
+
+def _prefill(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Connection,
+             corrupt: Optional[int]) -> dict[str, Any]:
+    """Set up, wait for the go, move spec.handoffs rows (after WARM untimed) rung `rung`'s way,
+    say bye."""
+    p = _prefill_setup(spec, run_dir, secret, conn)
+    path = _send_path(spec, p) if rung >= 4 else None
+    src = SlotAllocator(p.b.size)
+    while conn.recv() != "go":
+        pass
+    n = spec.handoffs
+    if path is None:
+        hand, verified = _prefill_direct(rung, p, n, corrupt)
+    else:
+        hand, verified = _prefill_sent(rung, p, path, src, n, corrupt)
+        path.sender.submit(None)
+        path.sender.join(10)
+    if rung >= 5:
+        p.ctl.send(p.session.seal(wire.encode(wire.ByeMsg())))
+    elif rung >= 1:
+        p.push.send_multipart([BYE])
+    else:
+        p.pair.send(BYE)
+    p.ctx.destroy(linger=5000)  # the bye out before the sockets close (the decode is waiting for it)
+    b = p.b
+    return {"handoff_us": hand, "verified": verified, "n": n, "transport": p.side.transport,
+            "device": str(b.device), "row_bytes": b.row_bytes}
+
+
+def _prefill_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection) -> _Prefill:
+    side, b = _setup("prefill", spec, run_dir)
     engine = side.engine
     assert engine is not None, "the ladder runs on the engine route"
-    spin = cfg.endpoints.poll.spins(usable_cores())
+    spin = spec.poll.spins(usable_cores())
     nonce = new_nonce()
     keys = Keys(secret, nonce)
-    digest = RowDigest(b, keys, cfg.verify.digest)
+    digest = RowDigest(b, keys, spec.digest)
     device_rows = b.device.type == "cuda"
     b.warm()
     digest.warm_seal(1)
-    w = cfg.workload
-    pool = RequestPool(w, shapes(cfg.buffers, b))
+    w = spec.workload
+    pool = RequestPool(w, shapes(spec.buffers, b))
     for slot in range(b.size):  # fill=ahead as the run's SourceRows.fill_ahead
         b.set_buf(pool.get(slot, slot))
     b.sync()
-    assert w.fill is FillMode.ahead, "the ladder fills ahead (ladder.ladder_config)"
+    assert w.fill is FillMode.ahead, "the ladder fills ahead (its entry: orchestrator.bench)"
     digest.freeze()
-    engine_orders_writes = bool(device_rows and side.transport == "mooncake-nvlink_intra"
-                                and torch.cuda.current_stream(b.device).cuda_stream == 0)
+    orders_writes = bool(device_rows and side.transport == "mooncake-nvlink_intra"
+                         and torch.cuda.current_stream(b.device).cuda_stream == 0)
     conn.send(("info", {"nonce": nonce}))
-    peer_info = conn.recv()
-    session = Authenticator(secret).session(0, nonce, peer_info["nonce"], "prefill")
+    peer = conn.recv()
+    session = Authenticator(secret).session(0, nonce, peer["nonce"], "prefill")
     ctx = zmq.Context()
     limit = wire.max_frame_bytes(b.item_lens, b.size)
     pair = _sock(ctx, zmq.PAIR, limit)
-    pair.connect(peer_info["pair"])
+    pair.connect(peer["pair"])
     push = _sock(ctx, zmq.PUSH, limit)
-    push.connect(peer_info["pull"])
+    push.connect(peer["pull"])
     ctl = _sock(ctx, zmq.DEALER, limit)
-    ctl.connect(peer_info["ctl"])
-    dst_session = peer_info["session_id"]
+    ctl.connect(peer["ctl"])
     src_ptrs, _, lens = b.get_buf_infos()
     blocks = [([p + k * s for p, k in zip(src_ptrs, lens)],
-               [p + k * s for p, k in zip(peer_info["aux_ptrs"], lens)], list(lens)) for s in range(b.size)]
-    engine.batch_write(dst_session, [b.scratch_ptr], [peer_info["scratch_ptr"]], [WARM_BYTES])  # warm-up
+               [p + k * s for p, k in zip(peer["aux_ptrs"], lens)], list(lens)) for s in range(b.size)]
+    engine.batch_write(peer["session_id"], [b.scratch_ptr], [peer["scratch_ptr"]], [WARM_BYTES])  # warm-up
     tags = digest.sign(list(range(b.size)), [(0, s) for s in range(b.size)])[0]  # R0/R1: per slot, ahead
-    frozen_rooms = [b.room(s) for s in range(b.size)]
-    router: Optional[AuxRouter] = None
-    sender: Optional[Sender] = None
-    link: Optional[Link] = None
-    if rung >= 4:
-        router = AuxRouter(plan, b, session, 0, engine, push,
-                           max_blocks_per_batch=cfg.transport.mooncake.max_blocks_per_batch)
-        router.connect(Peer(dst_session, peer_info["aux_ptrs"], peer_info["item_lens"], peer_info["slots"],
-                            scratch_ptr=peer_info["scratch_ptr"], auth=session))
-        link = Link(0, 0, push, router, "decode")
-        wake = _sock(ctx, zmq.PAIR, 64)
-        wake_addr = f"inproc://ladder-wake-{id(wake)}"
-        wake.bind(wake_addr)
-        nap_s = cfg.transport.mooncake.nap_us / 1e6 if plan.completion is CompletionSetting.nap else 0.0
-        sender = Sender(ctx, wake_addr, lambda step: None, nap_s, cfg.transport.max_inflight_sends,
-                        b.device, spin)
-        sender.start()
-    src = SlotAllocator(b.size)
-    while conn.recv() != "go":
-        pass
+    rooms = [b.room(s) for s in range(b.size)]
+    return _Prefill(side, b, engine, spin, keys, digest, session, ctx, pair, push, ctl, peer, blocks, tags, rooms,
+                    orders_writes, w)
+
+
+@dataclass
+class _SendPath:
+    """R4+: the run's send path to the decode (AuxRouter behind a Link) and its transfer thread."""
+
+    router: AuxRouter
+    link: Link
+    sender: Sender
+    wake: zmq.Socket  # the sender's wake-up socket's bound end (kept open while it runs)
+
+
+def _send_path(spec: PairSpec, p: _Prefill) -> _SendPath:
+    peer, t, plan = p.peer, spec.transport, spec.plan
+    router = AuxRouter(plan, p.b, p.session, 0, p.engine, p.push,
+                       max_blocks_per_batch=t.mooncake.max_blocks_per_batch)
+    router.connect(Peer(peer["session_id"], peer["aux_ptrs"], peer["item_lens"], peer["slots"],
+                        scratch_ptr=peer["scratch_ptr"], auth=p.session))
+    link = Link(0, 0, p.push, router, "decode")
+    wake = _sock(p.ctx, zmq.PAIR, 64)
+    wake_addr = f"inproc://ladder-wake-{id(wake)}"
+    wake.bind(wake_addr)
+    nap_s = t.mooncake.nap_us / 1e6 if plan.completion is CompletionSetting.nap else 0.0
+    sender = Sender(p.ctx, wake_addr, lambda step: None, nap_s, t.max_inflight_sends, p.b.device, p.spin)
+    sender.start()
+    return _SendPath(router, link, sender, wake)
+
+
+def _prefill_direct(rung: int, p: _Prefill, n: int, corrupt: Optional[int]) -> tuple[list[float], int]:
+    """R0-R3, timed from row ready to verdict received: R0 the batch write and the raw status on
+    the PAIR; R1 the status as authenticated frames; R2/R3 the seal per request first (the
+    decode's side differs between R2 and R3)."""
+    b, engine, spin, keys, digest, session = p.b, p.engine, p.spin, p.keys, p.digest, p.session
+    pair, push, blocks, tags, frozen_rooms, w = p.pair, p.push, p.blocks, p.tags, p.rooms, p.workload
+    dst_session, engine_orders_writes = p.peer["session_id"], p.orders_writes
     hand: list[float] = []
     verified = 0
     pc = time.perf_counter
     for i in range(n + WARM):
         rid = i + 1
         k = i % b.size
-        dst = k
         room = room_of(w, rid) or 1
-        if rung >= 5:  # announce, take the grant (before the row is ready, as in the run)
-            ctl.send(session.seal(wire.encode(wire.ArriveMsg(reqs=[[rid, room]], contiguous=False))))
-            body = session.unseal(_recv(ctl, spin))
-            if body is None:
-                raise RuntimeError("grant with a bad MAC")
-            msg = wire.decode(body)
-            assert isinstance(msg, wire.UpdateMsg) and msg.grants and msg.grants[0][0] == rid, msg
-            dst = msg.grants[0][1]
-            got = src.alloc()
-            assert got is not None, "one in flight: a source slot is always free"
-            k = got
         flip = corrupt is not None and i == WARM + corrupt
         t0 = pc()
         if flip and rung <= 1:
@@ -391,7 +546,7 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             push.send_multipart(session.sign(wire.encode_status(frozen_rooms[k], KVPoll.Success, 0, rid, k,
                                                                 tags[k])), copy=False)
             good = _verdict_ok(session, _recv(pair, spin), rid)
-        elif rung <= 3:
+        else:
             pad = keys.pad(0, rid)
             sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
             if not engine_orders_writes:
@@ -402,47 +557,77 @@ def _prefill(rung: int, cfg: OrchestratorConfig, plan: Plan, run_dir: str, secre
             engine.batch_write(dst_session, *blocks[k])
             push.send_multipart(session.sign(wire.encode_status(room, KVPoll.Success, 0, rid, k, tag)), copy=False)
             good = _verdict_ok(session, _recv(pair, spin), rid)
-        else:  # R4+: the step handed to the transfer thread, as the run's loop does
-            assert router is not None and sender is not None and link is not None
-            pad = keys.pad(0, rid)
-            sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
-            if not engine_orders_writes:
-                b.sync()
-            if flip:
-                _flip(b, k)
-            transfers = [Transfer(rid, room, k, dst)]
-            step = ForwardStep([Req(rid, room, 0, 0.0, pad, dst, k)],
-                               [(link, transfers, router.sends(transfers))], sealed=sealed)
-            if sealed.ready:
-                step.take_seal()
-            if step.sealed is None and router.starts_in_caller:
-                for send in step.work[0][2]:
-                    router.start(send)
-                step.started = True
-            sender.submit(step)
-            good = _verdict_ok(session, _recv(ctl if rung >= 5 else pair, spin), rid)
-            while not sender.done:  # the step is finished before its verdict can come
-                if sender.error:
-                    raise RuntimeError(sender.error)
-                time.sleep(0)
-            sender.done.popleft()
-            if rung >= 5:
-                src.free(k)
         t1 = pc()
         if flip:
             _flip(b, k)  # restored: the slot's later handoffs carry its sealed bytes again
         if i >= WARM:
             hand.append((t1 - t0) * 1e6)
             verified += good
-    if sender is not None:
-        sender.submit(None)
-        sender.join(10)
-    if rung >= 5:
-        ctl.send(session.seal(wire.encode(wire.ByeMsg())))
-    elif rung >= 1:
-        push.send_multipart([BYE])
-    else:
-        pair.send(BYE)
-    ctx.destroy(linger=5000)  # the bye out before the sockets close (the decode is waiting for it)
-    return {"handoff_us": hand, "verified": verified, "n": n, "transport": side.transport,
-            "device": str(b.device), "row_bytes": b.row_bytes}
+    return hand, verified
+
+
+def _announce(p: _Prefill, src: SlotAllocator, rid: int, room: int) -> tuple[int, int]:
+    """R5: request `rid` announced on the control channel, its grant taken: (its source slot,
+    the decode slot granted). Before the row is ready: outside the timed span."""
+    ctl, session = p.ctl, p.session
+    ctl.send(session.seal(wire.encode(wire.ArriveMsg(reqs=[[rid, room]], contiguous=False))))
+    body = session.unseal(_recv(ctl, p.spin))
+    if body is None:
+        raise RuntimeError("grant with a bad MAC")
+    msg = wire.decode(body)
+    assert isinstance(msg, wire.UpdateMsg) and msg.grants and msg.grants[0][0] == rid, msg
+    got = src.alloc()
+    assert got is not None, "one in flight: a source slot is always free"
+    return got, msg.grants[0][1]
+
+
+def _prefill_sent(rung: int, p: _Prefill, path: _SendPath, src: SlotAllocator, n: int,
+                  corrupt: Optional[int]) -> tuple[list[float], int]:
+    """R4+: the step handed to the transfer thread, as the run's loop does; R5 announces each
+    request and takes its grant first (before the row is ready, outside the timed span, as in
+    the run), and has the verdict on the control channel."""
+    b, spin, keys, digest, session, ctl, pair = p.b, p.spin, p.keys, p.digest, p.session, p.ctl, p.pair
+    w, engine_orders_writes, router, link, sender = p.workload, p.orders_writes, path.router, path.link, path.sender
+    hand: list[float] = []
+    verified = 0
+    pc = time.perf_counter
+    for i in range(n + WARM):
+        rid = i + 1
+        k = i % b.size
+        dst = k
+        room = room_of(w, rid) or 1
+        if rung >= 5:  # announce, take the grant (before the row is ready, as in the run)
+            k, dst = _announce(p, src, rid, room)
+        flip = corrupt is not None and i == WARM + corrupt
+        t0 = pc()
+        pad = keys.pad(0, rid)
+        sealed = digest.seal([k], [room], [pad], [(0, rid)], ahead=True)
+        if not engine_orders_writes:
+            b.sync()
+        if flip:
+            _flip(b, k)
+        transfers = [Transfer(rid, room, k, dst)]
+        step = ForwardStep([Req(rid, room, 0, 0.0, pad, dst, k)],
+                           [(link, transfers, router.sends(transfers))], sealed=sealed)
+        if sealed.ready:
+            step.take_seal()
+        if step.sealed is None and router.starts_in_caller:
+            for send in step.work[0][2]:
+                router.start(send)
+            step.started = True
+        sender.submit(step)
+        good = _verdict_ok(session, _recv(ctl if rung >= 5 else pair, spin), rid)
+        while not sender.done:  # the step is finished before its verdict can come
+            if sender.error:
+                raise RuntimeError(sender.error)
+            time.sleep(0)
+        sender.done.popleft()
+        if rung >= 5:
+            src.free(k)
+        t1 = pc()
+        if flip:
+            _flip(b, k)  # restored: the slot's later handoffs carry its sealed bytes again
+        if i >= WARM:
+            hand.append((t1 - t0) * 1e6)
+            verified += good
+    return hand, verified
