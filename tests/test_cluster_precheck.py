@@ -9,7 +9,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator.handoff.transport.engine import _metadata_failure
+from orchestrator.handoff.backends.mooncake.engine import _metadata_failure
 from orchestrator.sweep import slurm
 
 SINFO = "pdnode1|debug*|2|2048\npdnode2|debug*|2|2048\nbig1|gpu|64|515000\n"

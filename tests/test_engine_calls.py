@@ -5,7 +5,7 @@ engine in tests/test_transports.py; this only checks which binding call gets wha
 
 import numpy as np
 
-from orchestrator.handoff.transport.engine import MooncakeEngine
+from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 
 
 class _Wheel:

@@ -84,7 +84,7 @@ def test_coalesced_steps_with_the_digest_in_kv_checksum_over_nvlink(run_job, tmp
 
 def _trap(conn):
     """nvlink_intra protocol WITHOUT MC_INTRANODE_NVLINK: Mooncake silently runs TCP."""
-    from orchestrator.handoff.transport.engine import MooncakeEngine
+    from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 
     try:
         eng = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "nvlink_intra",

@@ -124,7 +124,7 @@ def test_staged_set_buf_lands_the_bytes_sglang_set_buf_does():
 
 
 def _decode_side(conn):
-    from orchestrator.handoff.transport.engine import MooncakeEngine
+    from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 
     torch.cuda.set_device(0)
     eng = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "nvlink_intra", env={"MC_INTRANODE_NVLINK": "1"})
@@ -139,7 +139,7 @@ def _decode_side(conn):
 def test_the_engine_never_reads_a_row_before_the_steps_writes_landed():
     """The prefill's row writes are queued behind ~50 ms of device work and the NVLink write
     is submitted with no wait of ours (engine_orders_writes): what lands is the new row."""
-    from orchestrator.handoff.transport.engine import MooncakeEngine
+    from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
+from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 from orchestrator.handoff.digest import SIGNATURE, Keys, RowDigest
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator
-from orchestrator.handoff.transport.engine import MooncakeEngine
 from orchestrator.profile.config import ConfigError
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import read_records

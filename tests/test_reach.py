@@ -4,6 +4,7 @@ the unreachable case across network namespaces: tests/test_address_netns.py)."""
 
 from __future__ import annotations
 
+from orchestrator.handoff.backends.mooncake.probe import mooncake_probe
 from orchestrator.handoff.transport import reach
 from orchestrator.handoff.transport.auth import Authenticator
 
@@ -37,11 +38,11 @@ def test_an_address_of_another_host_cannot_be_listened_on_and_says_so():
 
 
 def test_mooncake_probe_is_feature_detected():
-    assert reach.mooncake_probe(object(), "127.0.0.1", 1, 0.1) is None
+    assert mooncake_probe(object(), "127.0.0.1", 1, 0.1) is None
 
     class Engine:
         def send_probe(self, session):
             return -102
 
-    assert reach.mooncake_probe(Engine(), "127.0.0.1", 15000, 1.0) == \
+    assert mooncake_probe(Engine(), "127.0.0.1", 15000, 1.0) == \
         "Mooncake send_probe to 127.0.0.1:15000 returned -102"

@@ -7,9 +7,9 @@ import threading
 
 import zmq
 
+from orchestrator.handoff.backends.base import Send, Transfer
 from orchestrator.handoff.endpoints.links import Link
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
-from orchestrator.handoff.transport.router import Send, Transfer
 
 
 class _Router:

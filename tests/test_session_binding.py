@@ -17,9 +17,9 @@ import torch
 import zmq
 
 from orchestrator import MetadataBuffers
+from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Replayed, new_nonce
-from orchestrator.handoff.transport.engine import MooncakeEngine
 from orchestrator.job import protocol
 from orchestrator.profile.layout import describe
 from orchestrator.profile.plan import Platform

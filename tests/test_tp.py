@@ -58,8 +58,8 @@ def test_status_first_holds_the_aux_until_its_verdict():
     import threading
     from types import SimpleNamespace
 
+    from orchestrator.handoff.backends.base import Send, Transfer
     from orchestrator.handoff.faults import FaultyRouter
-    from orchestrator.handoff.transport.router import Send, Transfer
     from orchestrator.profile.config import FaultKind, FaultsConfig, StatusMode
 
     class Inner:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from orchestrator.handoff.backends.mooncake.engine import EngineError, MooncakeEngine
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
 from orchestrator.job.report_spec import report_spec
 from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.plan import Platform

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "orchestrator"
 DOC = ROOT / "CONTRIBUTING.md"
 NAME = "layout"
-ORDER = ["", "profile", "handoff", "handoff/transport", "handoff/endpoints", "results", "preflight", "sweep"]
+ORDER = ["", "profile", "handoff", "handoff/transport", "handoff/backends", "handoff/backends/mooncake",
+         "handoff/backends/zmq", "handoff/endpoints", "results", "preflight", "sweep"]
 
 
 def _summary(init: Path) -> str:

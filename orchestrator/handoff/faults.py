@@ -3,7 +3,7 @@ dies, stalls, lies or corrupts. FAULTS is the one table of what each kind is: wh
 whether it is keyed to request ids, which route and roles it may run with, whom a process
 fault strikes and how. Every consumer (the rule book, the endpoints, the runner) reads it.
 
-Faults wrap the send path (FaultyRouter has AuxRouter's interface) or act through hook
+Faults wrap the send path (FaultyRouter is a SendPath around the backend's) or act through hook
 objects built here: the prefill's loop asks a LoopFaults (the record's fault name, the
 checkpoint of a process fault), the decode's set-up asks decode_setup and silent_session, the
 runner asks divert_control and strike. Without a fault each hook answers as a no-op, so the
@@ -20,9 +20,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import zmq
 
+from orchestrator.handoff.backends.base import Peer, Send, SendPath, Transfer
+from orchestrator.handoff.backends.common import AuxRouter
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.fault_kinds import divert_control, silent_listener, strike
-from orchestrator.handoff.transport.router import AuxRouter, Blocks, Peer, Router, Send, Transfer
 from orchestrator.profile.config import FaultsConfig
 from orchestrator.profile.fault_table import FAULTS, Site, Traits, acts_at
 from orchestrator.profile.kinds import FaultKind, StatusMode
@@ -65,8 +66,6 @@ class _Delayer(threading.Thread):
         self.q: queue.Queue = queue.Queue()
 
     def run(self) -> None:
-        import zmq
-
         push = None
         while True:
             due, send, held = self.q.get()
@@ -80,9 +79,10 @@ class _Delayer(threading.Thread):
             held.done.set()
 
 
-class FaultyRouter:
-    """AuxRouter's interface, with per-request faults applied to the requests they hit:
-    each hit request travels in a send of its own, altered at start()."""
+class FaultyRouter(SendPath):
+    """A backend's send path (orchestrator.handoff.backends.common.AuxRouter) with per-request
+    faults applied to the requests they hit: each hit request travels in a send of its own,
+    altered at start()."""
 
     def __init__(self, inner: AuxRouter, faults: FaultsConfig):
         self.inner, self.cfg = inner, faults
@@ -96,28 +96,15 @@ class FaultyRouter:
 
     # ---- what the fault leaves to the real router --------------------------------------
     @property
-    def item_lens(self) -> list[int]:
+    def item_lens(self) -> list[int]:  # type: ignore[override]  # read-only here: the inner path's
         return self.inner.item_lens
 
     @property
-    def peer(self) -> Optional[Peer]:
-        return self.inner.peer
-
-    @property
-    def starts_in_caller(self) -> bool:
+    def starts_in_caller(self) -> bool:  # type: ignore[override]  # read-only here: always False
         return False  # a fault may sleep or alter the send: the transfer thread does it
 
     def connect(self, peer: Peer) -> None:
         self.inner.connect(peer)
-
-    def peer_session(self) -> str:
-        return self.inner.peer_session()
-
-    def warm(self) -> float:
-        return self.inner.warm()
-
-    def blocks(self, send: Send) -> Blocks:
-        return self.inner.blocks(send)
 
     # ---- the faults ---------------------------------------------------------------------
     def _targeted(self) -> bool:
@@ -141,8 +128,7 @@ class FaultyRouter:
             out.append(send)
         return out
 
-    def start(self, send: Send, session: Optional[str] = None, blocks: Optional[Blocks] = None,
-              push: Optional[zmq.Socket] = None) -> None:
+    def start(self, send: Send) -> None:
         inner, kind = self.inner, send.fault
         if kind is None:
             return inner.start(send)
@@ -218,11 +204,12 @@ class FaultyRouter:
             self.inner.after_step(transfers, per_step)
 
 
-def wrap(router: AuxRouter, faults: FaultsConfig) -> Router:
-    """The router itself, or the router behind the configured send-path fault."""
+def wrap(path: SendPath, faults: FaultsConfig) -> SendPath:
+    """The backend's send path itself, or the path behind the configured send-path fault."""
     if acts_at(faults.kind, Site.send):
-        return FaultyRouter(router, faults)
-    return router
+        assert isinstance(path, AuxRouter), "a backend's send path"
+        return FaultyRouter(path, faults)
+    return path
 
 
 class LoopFaults:

@@ -8,7 +8,7 @@ CUDA stays correct: the forkserver is a fresh interpreter (fork+exec of this Pyt
 fork of the parent, which may have asked torch about its GPUs), imports torch without
 initialising CUDA, and every child creates its own CUDA context after the fork, as a spawned
 child did. Mooncake's engine is imported in the child, after its MC_* environment is in
-place (transport.engine), as before.
+place (backends.mooncake.engine), as before.
 
 A forked child inherits the forkserver's environment, not the parent's at the time it is
 started: `child_main` puts the parent's environment (as it was at `Process.start`) in place

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from orchestrator.handoff.backends.base import Send, Transfer
 from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
-from orchestrator.handoff.transport.router import Send, Transfer
 from orchestrator.job import protocol
 from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode, StatusMode
@@ -241,7 +241,7 @@ class BenchDriver:
     only: Optional[tuple[str, ...]] = None  # run only these phases (a path's no-MPS twin)
 
     def __call__(self, ep: PrefillEndpoint, conn: protocol.Channel) -> PathResult:
-        out = PathResult(self.name, ep.side.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
+        out = PathResult(self.name, ep.backend.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
         base = 0
         B, n = self.batch, self.requests
         plan = [
@@ -268,13 +268,11 @@ class BenchDriver:
         return out
 
     def _raw(self, ep: PrefillEndpoint, out: PathResult) -> None:
-        """Our send vs the raw call on the same blocks, then raw rates and the bulk point
-        (after the handoff phases: these writes leave rows in decode slots)."""
-        router = ep.instances[0].links[0].router
-        engine = ep.side.engine
-        assert engine is not None  # raw writes run on the engine route only
-        raw = engine.raw
-        session = router.peer_session()
+        """Our send vs the backend's raw call on the same blocks, then raw rates and the bulk
+        point (after the handoff phases: these writes leave rows in decode slots)."""
+        raw = ep.backend.raw()
+        assert raw is not None  # raw writes run on the engine route only
+        path, session = raw.path, raw.session
         size = ep.buffers.size
         pc = time.perf_counter
         for start in range(0, self.iters, CHUNK):
@@ -282,24 +280,24 @@ class BenchDriver:
             for i in range(start, start + k):
                 send = Send([Transfer(i, 0, i % size, i % size)])
                 t0 = pc()
-                router.start(send)
-                router.finish(send)
+                path.start(send)
+                path.finish(send)
                 out.ours_us.append((pc() - t0) * 1e6)
                 if send.error:
                     raise RuntimeError(f"send_aux failed: {send.error}")
             for i in range(start, start + k):
-                srcs, dsts, lens = router.blocks(Send([Transfer(i, 0, i % size, i % size)]))
+                srcs, dsts, lens = raw.blocks(Send([Transfer(i, 0, i % size, i % size)]))
                 t0 = pc()
-                rc = raw.batch_transfer_sync_write(session, srcs, dsts, lens)
+                rc = raw.write(session, srcs, dsts, lens)
                 out.raw_us.append((pc() - t0) * 1e6)
                 if rc != 0:
                     raise RuntimeError(f"raw batch write returned {rc}")
         B = min(self.batch, size)
         for i in range(max(1, self.iters // B)):
             first = (i * B) % (size - B + 1)
-            srcs, dsts, lens = router.blocks(Send([Transfer(j, 0, first + j, first + j) for j in range(B)]))
+            srcs, dsts, lens = raw.blocks(Send([Transfer(j, 0, first + j, first + j) for j in range(B)]))
             t0 = pc()
-            rc = raw.batch_transfer_sync_write(session, srcs, dsts, lens)
+            rc = raw.write(session, srcs, dsts, lens)
             out.raw_run_us.append((pc() - t0) * 1e6)
             if rc != 0:
                 raise RuntimeError(f"raw run write returned {rc}")
@@ -307,12 +305,12 @@ class BenchDriver:
             import torch
 
             src = torch.ones(self.bulk_bytes, dtype=torch.uint8, device=ep.buffers.device)
-            engine.register(src.data_ptr(), self.bulk_bytes)
-            raw.transfer_sync_write(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)  # warm-up
+            raw.register(src.data_ptr(), self.bulk_bytes)
+            raw.bulk(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)  # warm-up
             times = []
             for _ in range(20):
                 t0 = pc()
-                rc = raw.transfer_sync_write(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)
+                rc = raw.bulk(session, src.data_ptr(), ep.bulk_ptr, self.bulk_bytes)
                 times.append(pc() - t0)
                 if rc != 0:
                     raise RuntimeError(f"bulk write returned {rc}")

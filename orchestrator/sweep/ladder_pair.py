@@ -48,6 +48,9 @@ import structlog
 import torch
 import zmq
 
+from orchestrator.handoff.backends.base import Peer, SendPath, Transfer
+from orchestrator.handoff.backends.mooncake.backend import MooncakeBackend
+from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 from orchestrator.handoff.buffers import WARM_BYTES, MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import SWITCH_INTERVAL_S, Side, build_side, process_gpu, shapes
@@ -57,7 +60,6 @@ from orchestrator.handoff.endpoints.links import Link, Req
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
-from orchestrator.handoff.transport.router import AuxRouter, Peer, Transfer
 from orchestrator.handoff.workload import RequestPool, room_of
 from orchestrator.profile.config import (
     BuffersConfig,
@@ -198,8 +200,7 @@ def _decode_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection)
              for name, s in (("pair", pair), ("pull", pull), ("ctl", ctl))}
     nonce = new_nonce()
     ptrs, _, lens = b.get_buf_infos()
-    engine = side.engine
-    conn.send(("info", {"session_id": engine.session_id if engine else None, "aux_ptrs": ptrs,
+    conn.send(("info", {"session_id": side.backend.session_id, "aux_ptrs": ptrs,
                         "item_lens": lens, "slots": b.size, "scratch_ptr": b.scratch_ptr,
                         "nonce": nonce, **addrs}))
     peer = conn.recv()
@@ -406,7 +407,7 @@ class _Prefill:
 
     side: Side
     b: MetadataBuffers
-    engine: Any  # the side's MooncakeEngine (the ladder runs on the engine route)
+    engine: MooncakeEngine  # the side's (the ladder runs on the engine route)
     spin: bool
     keys: Keys
     digest: RowDigest
@@ -453,8 +454,9 @@ def _prefill(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Conne
 
 def _prefill_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection) -> _Prefill:
     side, b = _setup("prefill", spec, run_dir)
-    engine = side.engine
-    assert engine is not None, "the ladder runs on the engine route"
+    backend = side.backend
+    assert isinstance(backend, MooncakeBackend), "the ladder runs on the engine route"
+    engine = backend.engine
     spin = spec.poll.spins(usable_cores())
     nonce = new_nonce()
     keys = Keys(secret, nonce)
@@ -494,9 +496,10 @@ def _prefill_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection
 
 @dataclass
 class _SendPath:
-    """R4+: the run's send path to the decode (AuxRouter behind a Link) and its transfer thread."""
+    """R4+: the run's send path to the decode (the backend's AuxRouter behind a Link) and its
+    transfer thread."""
 
-    router: AuxRouter
+    router: SendPath
     link: Link
     sender: Sender
     wake: zmq.Socket  # the sender's wake-up socket's bound end (kept open while it runs)
@@ -504,8 +507,7 @@ class _SendPath:
 
 def _send_path(spec: PairSpec, p: _Prefill) -> _SendPath:
     peer, t, plan = p.peer, spec.transport, spec.plan
-    router = AuxRouter(plan, p.b, p.session, 0, p.engine, p.push,
-                       max_blocks_per_batch=t.mooncake.max_blocks_per_batch)
+    router = p.side.backend.router(p.push, p.session, 0)  # transport.mooncake.max_blocks_per_batch a batch
     router.connect(Peer(peer["session_id"], peer["aux_ptrs"], peer["item_lens"], peer["slots"],
                         scratch_ptr=peer["scratch_ptr"], auth=p.session))
     link = Link(0, 0, p.push, router, "decode")

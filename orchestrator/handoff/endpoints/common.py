@@ -1,6 +1,5 @@
 """What every endpoint process does before the first request: signals, logging, device,
-buffers, engine, and the check that the transport Mooncake brought up is the one the plan
-declared."""
+buffers and the backend over them (orchestrator.handoff.backends)."""
 
 from __future__ import annotations
 
@@ -15,14 +14,15 @@ import structlog
 import torch
 import zmq
 
+from orchestrator.handoff.backends.base import Backend
+from orchestrator.handoff.backends.factory import open_backend
+from orchestrator.handoff.backends.mooncake.backend import EngineSpec
 from orchestrator.handoff.buffers import MetadataBuffers
-from orchestrator.handoff.transport.engine import MooncakeEngine, exposed, listening_sockets
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
 from orchestrator.handoff.workload import Shapes
 from orchestrator.job import warmstart
 from orchestrator.profile.config import BuffersConfig, LayoutConfig, TransportConfig
-from orchestrator.profile.kinds import FallbackPolicy, is_loopback
-from orchestrator.profile.plan import Device, Plan, Route
+from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import RunFiles, open_regular
 
@@ -30,10 +30,6 @@ from orchestrator.results.rundir import RunFiles, open_regular
 # Mooncake write needing the GIL back: at Python's default 5 ms it would wait behind the
 # scheduler thread for that long; 0.2 ms lets it in within a fraction of a write.
 SWITCH_INTERVAL_S = 0.0002
-
-
-class TransportMismatch(RuntimeError):
-    """The engine came up on another transport than declared (and fallback is strict)."""
 
 
 class Shutdown:
@@ -44,10 +40,16 @@ class Shutdown:
 
 @dataclass
 class Side:
+    """A process's buffers and the backend that carries their rows."""
+
     buffers: MetadataBuffers
-    engine: Optional[MooncakeEngine]
-    transport: str  # effective: "zmq-tcp" or "mooncake-<transport>"
+    backend: Backend
     log: structlog.stdlib.BoundLogger
+
+    @property
+    def transport(self) -> str:
+        """Effective: "zmq-tcp" or "mooncake-<transport>"."""
+        return self.backend.transport
 
 
 def start_process(role: str, run_dir: Path, console: bool = False) -> structlog.stdlib.BoundLogger:
@@ -103,8 +105,9 @@ def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
 
 def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan: Plan, role: str,
                run_dir: Path, log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
-    """A process's buffers on its device and, on the engine route, its engine with the
-    buffers registered and the transport it came up on checked against the plan's."""
+    """A process's buffers on its device and the plan's backend over them (the engine route:
+    its engine with the buffers registered and the transport it came up on checked against
+    the plan's, orchestrator.handoff.backends.mooncake)."""
     if plan.buffer_device is Device.cuda:
         torch.cuda.set_device(gpu)
         device = torch.device("cuda") if gpu is None else torch.device("cuda", gpu)
@@ -112,34 +115,12 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
         device = torch.device("cpu")
     buffers = make_buffers(b, layout, device)
     warmstart.mark("buffers")
-    engine = None
-    transport = "zmq-tcp"
-    if plan.route is Route.engine:
-        mc = t.mooncake
-        assert plan.protocol is not None, "the engine route has a protocol"
-        engine = MooncakeEngine(t.host, mc.metadata_server, plan.protocol,
-                                mc.device_name, env=plan.mc_env,
-                                log_path=str(RunFiles(run_dir).mooncake_log(role)))
-        engine.register(buffers.arena_ptr, buffers.arena_bytes)
-        warmstart.mark("engine")
-        effective = engine.effective_transport
-        transport = f"mooncake-{effective.value if effective else 'unknown'}"
-        listeners = listening_sockets()
-        log.info("engine_up", session_id=engine.session_id, protocol=plan.protocol,
-                 declared=plan.declared_transport, effective=transport, listeners=listeners)
-        if exposed(listeners) and is_loopback(t.host):
-            log.info("engine_listens_beyond_loopback", listeners=exposed(listeners),
-                     detail="Mooncake binds its handshake and TCP listeners on all "
-                            "interfaces; firewall them or run in a network namespace")
-        if transport != plan.declared_transport:
-            msg = (f"{role}: Mooncake came up on {transport}, declared {plan.declared_transport} "
-                   f"(MC env {engine.applied_env})")
-            if plan.fallback is FallbackPolicy.strict:
-                raise TransportMismatch(msg + "; set transport.fallback=degrade to run anyway")
-            log.warning("fallback", reason="effective_transport_differs", detail=msg)
+    mc = t.mooncake
+    engine = EngineSpec(t.host, mc.metadata_server, mc.device_name, mc.max_blocks_per_batch)
+    backend = open_backend(buffers, plan, engine, role, run_dir, log, warmstart.mark)
     log.info("buffers_ready", device=str(device), slots=b.size, row_bytes=buffers.row_bytes,
              item_lens=buffers.item_lens, layout=layout.name)
-    return Side(buffers, engine, transport, log)
+    return Side(buffers, backend, log)
 
 
 def heartbeat_s(timeout_s: float) -> float:

@@ -68,7 +68,6 @@ from orchestrator.handoff.endpoints.load import ForwardLoop
 from orchestrator.handoff.endpoints.tp import Group, TorchGroup, single
 from orchestrator.handoff.faults import decode_setup, silent_session
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.engine import exposed, listening_sockets
 from orchestrator.job import protocol, warmstart
 from orchestrator.profile.config import (
     BuffersConfig,
@@ -204,7 +203,7 @@ class DecodeEndpoint:
         """The engine session advertised at bootstrap (silent_peer: a port that never answers)."""
         if self.net.silent is not None:
             return "%s:%d" % self.net.silent.getsockname()
-        return self.side.engine.session_id if self.side.engine else None
+        return self.side.backend.session_id
 
     def serve(self, chan: protocol.Channel) -> None:
         """Take messages and step until the runner says stop (a TP group: until any rank
@@ -338,12 +337,11 @@ def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes
             "data_endpoint": endpoint.net.data_endpoint,
             "transport": endpoint.side.transport,
             "session_id": endpoint.session_id,
-            "engine_exposed": exposed(listening_sockets()) if endpoint.side.engine else [],
+            "engine_exposed": endpoint.side.backend.exposed(),
         }
-        if bulk_bytes and endpoint.side.engine is not None:
-            bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device=endpoint.buffers.device)
-            endpoint.side.engine.register(bulk.data_ptr(), bulk_bytes)
-            info["bulk_ptr"] = bulk.data_ptr()
+        bulk_ptr = endpoint.side.backend.bulk_target(bulk_bytes) if bulk_bytes else None
+        if bulk_ptr is not None:
+            info["bulk_ptr"] = bulk_ptr
         chan.send(protocol.Ready(info))
         endpoint.serve(chan)
         chan.send(protocol.Stats(endpoint.res))

@@ -1,27 +1,25 @@
 """The hello/bootstrap exchange, the prefill's end: a hello to every decode rank, its answer
 checked (layout, process space, the answer is to this hello), the session opened, the
-router connected, the engine's handshake and first write run on a watchdog; and the
+backend's send path connected and its first contact made (the engine route: Mooncake's
+handshake and first write on a watchdog, orchestrator.handoff.backends.mooncake); and the
 decode's end: the hello checked, the rank bound to its connection, the session opened, the
 answer (Offer) sent."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import structlog
-import torch
 import zmq
 
+from orchestrator.handoff.backends.base import LayoutMismatch, Peer, SendPath
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import Side, new_socket
 from orchestrator.handoff.endpoints.decode_state import Drops, Notices, Peers, PrefillSession, Replies
 from orchestrator.handoff.endpoints.links import Instance, Link, Links
 from orchestrator.handoff.faults import wrap
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.engine import EngineError, MooncakeEngine
-from orchestrator.handoff.transport.router import AuxRouter, LayoutMismatch, Peer, Router
 from orchestrator.handoff.transport.wire import Layout
 from orchestrator.profile.config import FaultsConfig
 from orchestrator.profile.kinds import AddressCheck
@@ -32,28 +30,20 @@ from orchestrator.profile.platform import pid_namespace
 from orchestrator.results.rundir import proc_name
 
 
-@dataclass
-class _Probe:
-    """What the watchdog's thread found: the engine's handshake (and its probe of the address
-    the decode's host would advertise), then the warm-up write."""
-
-    ok: bool = False
-    advertised_ok: bool = False
-    warm_s: float = 0.0
-    warm_error: Optional[str] = None
-
-
 class PrefillHandshake:
     """Bootstraps one prefill rank with every decode rank it was given. `stuck`: a Mooncake
-    handshake never returned (the process must exit hard)."""
+    handshake never returned (the process must exit hard: the backend says so)."""
 
     def __init__(self, links: Links, side: Side, plan: Plan, rank: int, faults: FaultsConfig,
-                 max_blocks_per_batch: int, tag_in_status: bool, address_check: AddressCheck):
+                 tag_in_status: bool, address_check: AddressCheck):
         self.links, self.side, self.plan, self.rank, self.faults = links, side, plan, rank, faults
-        self.max_blocks_per_batch, self.tag_in_status = max_blocks_per_batch, tag_in_status
+        self.tag_in_status = tag_in_status
         self.address_check = address_check  # transport.address_check
         self.layout = describe(side.buffers.specs)
-        self.stuck = False
+
+    @property
+    def stuck(self) -> bool:
+        return self.side.backend.stuck
 
     @property
     def timeout_s(self) -> float:
@@ -72,21 +62,20 @@ class PrefillHandshake:
                 ctl.connect(info["control_endpoint"])
                 push = new_socket(links.ctx, zmq.PUSH, self.timeout_s)
                 push.connect(info["data_endpoint"])
-                router = AuxRouter(self.plan, self.side.buffers, links.me.auth, self.rank, self.side.engine, push,
-                                   max_blocks_per_batch=self.max_blocks_per_batch,
-                                   tag_in_status=self.tag_in_status)
+                path = self.side.backend.router(push, links.me.auth, self.rank, self.tag_in_status)
                 name = proc_name("decode", i, len(decodes), t, len(ranks))
                 if inst is None:
                     inst = Instance(i, ctl)
-                inst.links.append(Link(i, t, push, wrap(router, self.faults), name))
-                self.hello(inst, inst.links[-1], ctl, info.get("advertised"))
+                inst.links.append(Link(i, t, push, wrap(path, self.faults), name))
+                self.hello(inst, inst.links[-1], path, ctl, info.get("advertised"))
                 if t > 0:
                     ctl.close(0)
             assert inst is not None, "an instance has at least one rank"
             links.add(inst)  # bootstrapped on every rank
 
-    def hello(self, inst: Instance, link: Link, ctl: zmq.Socket,
+    def hello(self, inst: Instance, link: Link, path: SendPath, ctl: zmq.Socket,
               advertised: Optional[dict[str, Any]] = None) -> None:
+        """`path`: the backend's send path of `link` (its router, less any fault around it)."""
         me = self.links.me
         ctl.send(me.auth.seal(wire.encode(wire.HelloMsg(
             rank=self.rank, layout=self.layout, fingerprint=fingerprint(self.layout), nonce=me.nonce,
@@ -113,8 +102,8 @@ class PrefillHandshake:
             inst.slots = peer.slots
             inst.auth = session
         inst.same_clock = inst.same_clock and bool(me.boot_id) and peer.boot_id == me.boot_id
-        engine = self.side.engine
-        warm_s = self.probe_bounded(engine, link.router, advertised) if engine is not None else 0.0
+        warm_s = self.side.backend.first_contact(path, advertised, self.timeout_s, self.address_check,
+                                                 self.links.log)
         self.links.log.info("bootstrapped", decode=link.name, peer_session=peer.session_id,
                             peer_pid_ns=msg.pid_ns or "", pid_ns=pid_namespace(),
                             slots=peer.slots, same_clock=inst.same_clock, first_write_us=round(warm_s * 1e6, 1))
@@ -135,61 +124,6 @@ class PrefillHandshake:
                 continue
             if msg is not None:
                 return msg
-
-    def probe_bounded(self, engine: MooncakeEngine, router: Router,
-                      advertised: Optional[dict[str, Any]] = None) -> float:
-        """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
-        ignores its timeout variables: run it on a watchdog of transport.timeout_s. Then the
-        router's warm-up write, on the same watchdog; returns its seconds. `advertised`: the
-        address SGLang would advertise on the decode's host (a split run's bootstrap, once its
-        ZMQ probe answered): Mooncake's send_probe towards the same handshake port there."""
-        result = _Probe()
-        session = router.peer_session()
-        device = self.side.buffers.device
-        host, _, port = session.rpartition(":")
-        elsewhere = (advertised is not None and advertised.get("address") not in (None, "", host)
-                     and engine.can_probe)
-
-        def probe() -> None:
-            result.ok = engine.probe(session)
-            if not result.ok:
-                return
-            if elsewhere:
-                assert advertised is not None
-                result.advertised_ok = engine.probe(f"{advertised['address']}:{port}")
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-            try:
-                result.warm_s = router.warm()
-            except EngineError as exc:
-                result.warm_error = str(exc)
-
-        t = threading.Thread(target=probe, daemon=True)
-        t.start()
-        t.join(self.timeout_s)
-        if t.is_alive():
-            self.stuck = True
-            raise TimeoutError(f"Mooncake handshake with decode session {session} did not finish "
-                               f"within transport.timeout_s={self.timeout_s:g}: its engine listener "
-                               f"{session} stalled (Mooncake serves handshakes one at a time, and "
-                               "idle connections to that port from anyone hold it)")
-        if not result.ok:
-            raise RuntimeError(f"Mooncake probe of decode session {session} failed")
-        if elsewhere and not result.advertised_ok:
-            from orchestrator.handoff.transport.reach import unreachable
-
-            assert advertised is not None
-            line = unreachable("decode", advertised, f"Mooncake send_probe to {advertised['address']}:{port} "
-                                                     "failed (its ZMQ probe had answered)")
-            if self.address_check is AddressCheck.fail:
-                raise RuntimeError(line)
-            self.links.log.warning("peer_address_unreachable", detail=line)
-        elif elsewhere and advertised is not None:
-            self.links.log.info("peer_address_mooncake_probe", session=f"{advertised['address']}:{port}", ok=True)
-        if result.warm_error is not None:
-            raise RuntimeError(f"the warm-up write to decode session {session} failed: "
-                               f"{result.warm_error}")
-        return result.warm_s
 
 
 @dataclass(frozen=True)

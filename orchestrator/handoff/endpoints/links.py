@@ -12,10 +12,10 @@ from typing import Optional
 import structlog
 import zmq
 
+from orchestrator.handoff.backends.base import SendPath
 from orchestrator.handoff.digest import Keys
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Replayed, Session
-from orchestrator.handoff.transport.router import Router
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
 
@@ -53,7 +53,7 @@ class Link:
     inst: int
     tp_rank: int
     push: zmq.Socket
-    router: Router  # AuxRouter, or a FaultyRouter around it
+    router: SendPath  # the backend's send path to it, or a FaultyRouter around that
     name: str = ""
 
 

@@ -11,7 +11,7 @@ at a time by a forward step, which
      and writes each tag into the row's kv_checksum field where the layout has one,
   3. hands the step to the transfer thread and goes on with the next step.
 
-The transfer thread runs the sends (orchestrator.handoff.transport.router: one batch write per request, or per
+The transfer thread runs the sends (orchestrator.handoff.backends: one batch write per request, or per
 run of consecutive slots) and the status messages, overlapping with the next step's fill as
 SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
 instance silent for `transport.timeout_s` while it owes us something is declared lost; its
@@ -40,6 +40,7 @@ import structlog
 import torch
 import zmq
 
+from orchestrator.handoff.backends.base import Backend
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import (
@@ -147,6 +148,12 @@ class PrefillEndpoint:
         return self.side.buffers
 
     @property
+    def backend(self) -> Backend:
+        """What carries this rank's rows (orchestrator.handoff.backends): the bench asks it
+        for its raw calls."""
+        return self.side.backend
+
+    @property
     def staged(self) -> Optional[StagedRows]:
         """Pinned host rows for buffers.set_buf=staged (device rows only)."""
         return self.rows.staged
@@ -167,8 +174,7 @@ class PrefillEndpoint:
         start the transfer thread."""
         c = self.config
         self.bulk_ptr = decodes[0][0].get("bulk_ptr")
-        handshake = PrefillHandshake(self.links, self.side, self.plan, self.rank, c.faults,
-                                     c.transport.mooncake.max_blocks_per_batch, self.TAG_IN_STATUS,
+        handshake = PrefillHandshake(self.links, self.side, self.plan, self.rank, c.faults, self.TAG_IN_STATUS,
                                      c.transport.address_check)
         try:
             handshake.connect(decodes)

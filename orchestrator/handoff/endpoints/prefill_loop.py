@@ -15,6 +15,7 @@ from typing import Optional, cast
 import structlog
 import zmq
 
+from orchestrator.handoff.backends.base import Transfer
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints.common import Shutdown, heartbeat_s, rss_kb
@@ -22,7 +23,6 @@ from orchestrator.handoff.endpoints.links import Instance, Link, Links, Req
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.router import Transfer
 from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
 from orchestrator.job import protocol
 from orchestrator.profile.config import TransportConfig, WorkloadConfig

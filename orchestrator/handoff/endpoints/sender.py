@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import torch
 import zmq
 
+from orchestrator.handoff.backends.base import Send, Transfer
 from orchestrator.handoff.digest import Sealed
 from orchestrator.handoff.endpoints.links import Link, Req
-from orchestrator.handoff.transport.router import Send, Transfer
 
 Pending = collections.deque[tuple["ForwardStep", Link, list[Transfer], Send]]
 

@@ -5,9 +5,10 @@ would advertise on its host (orchestrator.profile.address: SGLANG_HOST_IP / HOST
 SGLANG_LOCAL_IP_NIC, the default route, the hostname), listens on it (:class:`Echo`, a ZMQ
 ROUTER on a port of its own that answers a sealed nonce with the same nonce sealed back),
 and sends both at bootstrap (:func:`advertisement`). The peer then probes it before any
-handoff (:func:`probe`: a ZMQ connect, and Mooncake's ``send_probe`` towards the Mooncake
-handshake port on that address, when the installed wheel has it). A failure names the
-interface, the step of the rule that chose it, and the variable to set (:func:`unreachable`).
+handoff (:func:`probe`: a ZMQ connect; on the engine route, the first contact adds Mooncake's
+``send_probe`` towards the Mooncake handshake port on that address:
+orchestrator.handoff.backends.mooncake). A failure names the interface, the step of the rule
+that chose it, and the variable to set (:func:`unreachable`).
 This tool's own planes keep the declared transport.host: the probe says what SGLang would meet.
 """
 
@@ -119,22 +120,6 @@ def probe(adv: Mapping[str, Any], auth: Authenticator, timeout_s: float) -> Opti
     finally:
         sock.close(0)
         ctx.term()
-
-
-def mooncake_probe(engine: Any, address: str, rpc_port: int, timeout_s: float) -> Optional[str]:
-    """Mooncake's send_probe towards `address`:`rpc_port` (the peer's handshake port, which
-    Mooncake binds on every interface), on a watchdog; None when it answered or when the
-    installed wheel has no send_probe (feature-detected: `engine` is a TransferEngine)."""
-    if not hasattr(engine, "send_probe"):
-        return None
-    result: dict[str, int] = {}
-    session = f"{address}:{rpc_port}"
-    t = threading.Thread(target=lambda: result.setdefault("rc", engine.send_probe(session)), daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if "rc" not in result:
-        return f"Mooncake send_probe to {session} did not answer within {timeout_s:g} s"
-    return None if result["rc"] == 0 else f"Mooncake send_probe to {session} returned {result['rc']}"
 
 
 def unreachable(side: str, adv: Mapping[str, Any], why: str) -> str:

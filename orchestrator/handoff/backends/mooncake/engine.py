@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from orchestrator.handoff.backends.mooncake.probe import send_probe
 from orchestrator.handoff.transport.ports import any_free_port
 from orchestrator.profile.kinds import is_loopback
 from orchestrator.profile.plan import EngineTransport
@@ -248,12 +249,9 @@ class MooncakeEngine:
             raise EngineError("register_memory", rc, ptr=hex(ptr), nbytes=nbytes)
 
     def probe(self, session: str) -> bool:
-        return self._engine.send_probe(session) == 0
-
-    @property
-    def can_probe(self) -> bool:
-        """Whether the installed wheel has send_probe (feature-detected)."""
-        return hasattr(self._engine, "send_probe")
+        """Whether the peer's handshake port `session` answered Mooncake's send_probe (False
+        where the installed wheel has none)."""
+        return send_probe(self._engine, session) == 0
 
     def submit(self, session: str, srcs: Addresses, dsts: Addresses, lengths: Addresses) -> int:
         """Start one batch write; returns its batch id (wait() for it)."""
