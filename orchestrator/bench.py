@@ -87,6 +87,7 @@ def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence
     """The cost ladder's spec: the profile as every rung runs it (one in flight, rows filled
     ahead, bench.ladder_handoffs requests), checked on `platform`; `overrides`: the command
     line's (R7 runs the main command with them)."""
+    from orchestrator.job.specs import gate_spec, side_spec, workload_spec
     from orchestrator.sweep.ladder import LadderSpec
     from orchestrator.sweep.ladder_pair import PairSpec
 
@@ -95,8 +96,9 @@ def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence
                 requests=b.ladder_handoffs, duration_s=None)
     job = validate(replace(cfg, workload=w))
     plan = check_profile(job, platform)
-    pair = PairSpec(plan, job.buffers, job.layout, job.transport, job.workload, job.gate, job.verify.digest,
-                    job.endpoints.poll, b.ladder_handoffs)
+    pair = PairSpec(plan, side_spec(job.buffers, job.layout, job.transport), job.transport,
+                    workload_spec(job.workload), gate_spec(job.gate), job.verify.digest, job.endpoints.poll,
+                    b.ladder_handoffs)
     return LadderSpec(pair, job, job.transport.route, b.ladder_rounds, b.yardstick, tuple(overrides))
 
 

@@ -129,8 +129,9 @@ class DecodeProcess:
     def __init__(self, cfg, run_dir, secret=b"test-secret", platform=None):
         import multiprocessing as mp
 
-        from orchestrator.handoff.endpoints.decode import decode_main
         from orchestrator.job import protocol
+        from orchestrator.job.children import decode_main
+        from orchestrator.job.specs import endpoint_specs
         from orchestrator.profile.plan import Platform
 
         self.plan = plan_of(cfg, platform or Platform())
@@ -138,7 +139,8 @@ class DecodeProcess:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         self.conn = protocol.Channel(conn)
-        self.proc = ctx.Process(target=decode_main, args=(cfg, self.plan, str(run_dir), secret, child),
+        self.proc = ctx.Process(target=decode_main, args=(endpoint_specs(cfg, self.plan).decode, str(run_dir),
+                                                          secret, child),
                                 daemon=True)
         self.proc.start()
         assert self.conn.poll(60), "decode did not start"

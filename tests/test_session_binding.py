@@ -175,7 +175,8 @@ def test_replays_inside_a_run_are_counted_and_change_nothing(tmp_path):
 def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     """A decode side played by the test (tcp route): a real prefill process bootstraps with
     it; `on_arrive(rid, slot)` returns the extra updates to send right after the grant."""
-    from orchestrator.handoff.endpoints.prefill import prefill_main
+    from orchestrator.job.children import prefill_main
+    from orchestrator.job.specs import endpoint_specs
 
     b = cfg.buffers
     bufs = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
@@ -191,8 +192,8 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     plan = plan_of(cfg, Platform())
     conn, child = mp.get_context("spawn").Pipe()
     conn = protocol.Channel(conn)
-    proc = mp.get_context("spawn").Process(target=prefill_main, args=(cfg, plan, str(tmp_path), secret, child),
-                                           daemon=True)
+    proc = mp.get_context("spawn").Process(target=prefill_main, args=(endpoint_specs(cfg, plan).prefill, str(tmp_path),
+                                                                      secret, child), daemon=True)
     proc.start()
     result, sess, ident, free = None, None, None, list(range(b.size))
     granted: dict[int, tuple[int, int]] = {}
@@ -530,7 +531,8 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     transport.timeout_s and its one line names the listener."""
     import socket
 
-    from orchestrator.handoff.endpoints.prefill import prefill_main
+    from orchestrator.job.children import prefill_main
+    from orchestrator.job.specs import endpoint_specs
 
     cfg = typed_cfg("mem_pool=NONE", "transport.timeout_s=3")
     decode = DecodeProcess(cfg, tmp_path, secret=SECRET)
@@ -539,7 +541,8 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     conn = protocol.Channel(conn)
-    proc = ctx.Process(target=prefill_main, args=(cfg, decode.plan, str(tmp_path), SECRET, child), daemon=True)
+    proc = ctx.Process(target=prefill_main, args=(endpoint_specs(cfg, decode.plan).prefill, str(tmp_path), SECRET,
+                                                  child), daemon=True)
     proc.start()
     try:
         assert conn.poll(60) and isinstance(conn.recv(), protocol.Up)

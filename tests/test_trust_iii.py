@@ -391,7 +391,7 @@ def test_results_agree_with_the_decode_after_a_decode_stopped_for_good(tmp_path)
 
 
 # ---- 8. the dead decode is named -------------------------------------------------------------
-def _decode_killed_after_ready(cfg, plan, run_dir, secret, conn, *args) -> None:
+def _decode_killed_after_ready(spec, run_dir, secret, conn, *args) -> None:
     """A decode that reports ready (a control listener that takes the prefill's hello and
     never answers) and is SIGKILLed at once: the window of issue 31's case 10."""
     import zmq

@@ -22,9 +22,8 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from orchestrator.profile.config import LayoutConfig
 from orchestrator.profile.kinds import HiddenStatesDtype, MemPoolType
-from orchestrator.profile.layout import FieldSpec, Sizes, field_specs, get_buf_names, load_layout
+from orchestrator.profile.layout import Declaration, FieldSpec, Sizes, field_specs, get_buf_names, load_layout
 from orchestrator.profile.plan import Device, Platform, buffer_device
 
 _ALIGN = 256
@@ -37,7 +36,7 @@ TORCH_DTYPES = {
     HiddenStatesDtype.bfloat16: torch.bfloat16,
     HiddenStatesDtype.float16: torch.float16,
 }
-_DEFAULT_LAYOUT: Optional[LayoutConfig] = None
+_DEFAULT_LAYOUT: Optional[Declaration] = None
 
 
 def _to_torch_dtype(dtype: Any) -> torch.dtype:
@@ -133,7 +132,7 @@ class MetadataBuffers:
         *,
         kv_checksum_enabled: bool = False,
         enable_sampling_mask: Optional[bool] = None,
-        layout: Optional[LayoutConfig] = None,
+        layout: Optional[Declaration] = None,
         mem_pool: Optional[MemPoolType] = None,
         device: Optional[torch.device | str] = None,
         pin_memory: bool = False,

@@ -11,7 +11,6 @@ import socket
 import threading
 from typing import Optional
 
-from orchestrator.profile.config import FaultsConfig
 from orchestrator.profile.fault_table import FAULTS, Site, acts_at
 from orchestrator.profile.kinds import FaultKind
 
@@ -32,16 +31,16 @@ def silent_listener(host: str) -> socket.socket:
     return sock
 
 
-def divert_control(faults: FaultsConfig, host: str,
+def divert_control(kind: FaultKind, host: str,
                    infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
-    """silent_control: decode instance 0's control endpoint, as handed to the prefills,
-    replaced (in `infos`) by a listener that never answers. Returns the listener and the
-    faults applied (none without the fault)."""
-    if not acts_at(faults.kind, Site.control):
+    """silent_control (faults.kind): decode instance 0's control endpoint, as handed to the
+    prefills, replaced (in `infos`) by a listener that never answers. Returns the listener and
+    the faults applied (none without the fault)."""
+    if not acts_at(kind, Site.control):
         return None, []
     silent = silent_listener(host)
     infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-    return silent, [{"fault": faults.kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
+    return silent, [{"fault": kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
 
 
 def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:

@@ -24,7 +24,7 @@ from orchestrator.handoff.backends.base import Peer, Send, SendPath, Transfer
 from orchestrator.handoff.backends.common import AuxRouter
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.fault_kinds import divert_control, silent_listener, strike
-from orchestrator.profile.config import FaultsConfig
+from orchestrator.handoff.specs import FaultSpec
 from orchestrator.profile.fault_table import FAULTS, Site, Traits, acts_at
 from orchestrator.profile.kinds import FaultKind, StatusMode
 
@@ -37,7 +37,7 @@ STALE_ROOM = 0x5717E  # what a previous tenant left in every slot (faults=stale_
 
 
 class Injector:
-    def __init__(self, faults: FaultsConfig):
+    def __init__(self, faults: FaultSpec):
         self.at, self.every = faults.at_request, faults.every
 
     def hits(self, rid: int) -> bool:
@@ -84,7 +84,7 @@ class FaultyRouter(SendPath):
     faults applied to the requests they hit: each hit request travels in a send of its own,
     altered at start()."""
 
-    def __init__(self, inner: AuxRouter, faults: FaultsConfig):
+    def __init__(self, inner: AuxRouter, faults: FaultSpec):
         self.inner, self.cfg = inner, faults
         self.kind = faults.kind
         self.inj = Injector(faults)
@@ -204,7 +204,7 @@ class FaultyRouter(SendPath):
             self.inner.after_step(transfers, per_step)
 
 
-def wrap(path: SendPath, faults: FaultsConfig) -> SendPath:
+def wrap(path: SendPath, faults: FaultSpec) -> SendPath:
     """The backend's send path itself, or the path behind the configured send-path fault."""
     if acts_at(faults.kind, Site.send):
         assert isinstance(path, AuxRouter), "a backend's send path"
@@ -221,7 +221,7 @@ class LoopFaults:
     `progress` asks the runner to act and returns when it has; until then `holds` stops the
     announcements of a decode fault's requests from `at_request` on."""
 
-    def __init__(self, faults: FaultsConfig, rank: int, ask: Optional[Callable[[str], None]] = None):
+    def __init__(self, faults: FaultSpec, rank: int, ask: Optional[Callable[[str], None]] = None):
         traits = FAULTS[faults.kind]
         self._label = faults.kind.value if traits.per_request else None
         self._inj = Injector(faults)
@@ -252,7 +252,7 @@ class LoopFaults:
             self.ask(self.kind.value)
 
 
-def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: bool) -> bool:
+def decode_setup(buffers: MetadataBuffers, faults: FaultSpec, zero_on_free: bool) -> bool:
     """Decode-side part of a fault at start-up; returns whether freed rooms are zeroed.
     stale_room: as if every slot had a previous tenant whose room was never cleared."""
     if acts_at(faults.kind, Site.decode_rows):  # stale_room
@@ -261,6 +261,6 @@ def decode_setup(buffers: MetadataBuffers, faults: FaultsConfig, zero_on_free: b
     return zero_on_free
 
 
-def silent_session(faults: FaultsConfig, host: str) -> Optional[socket.socket]:
+def silent_session(faults: FaultSpec, host: str) -> Optional[socket.socket]:
     """silent_peer: the listener whose address the decode advertises as its engine session."""
     return silent_listener(host) if acts_at(faults.kind, Site.session) else None

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
 
-from orchestrator.profile.config import WorkloadConfig
+from orchestrator.handoff.specs import WorkloadSpec
 
 _ROOM_MASK = (1 << 63) - 1
 VOCAB = 152_000
@@ -29,7 +29,18 @@ def room_for(seed: int, group: int) -> int:
     return (int.from_bytes(raw, "little") & _ROOM_MASK) or 1
 
 
-def seed_of(w: WorkloadConfig) -> int:
+class Rooms(Protocol):
+    """What a request's room is drawn from: workload.seed and workload.duplicate_rooms (a
+    WorkloadSpec; the job's recovery reads them off its config)."""
+
+    @property
+    def seed(self) -> Optional[int]: ...
+
+    @property
+    def duplicate_rooms(self) -> int: ...
+
+
+def seed_of(w: Rooms) -> int:
     """The workload's seed. A run resolves a null one first (runner.run_handoffs draws it);
     a library caller outside any run gets 0."""
     return 0 if w.seed is None else w.seed
@@ -41,7 +52,7 @@ def decode_of(rid: int, n: int) -> int:
     return rid % n
 
 
-def room_of(w: WorkloadConfig, rid: int) -> int:
+def room_of(w: Rooms, rid: int) -> int:
     """Request `rid`'s room: `duplicate_rooms` consecutive requests share one (retries, n>1)."""
     return request_room(seed_of(w), w.duplicate_rooms, rid)
 
@@ -112,7 +123,7 @@ class Shapes:
     device: str = "cpu"
 
 
-def make_request(w: WorkloadConfig, index: int, shapes: Shapes) -> AuxRequest:
+def make_request(w: WorkloadSpec, index: int, shapes: Shapes) -> AuxRequest:
     g = torch.Generator().manual_seed((seed_of(w) * 1_000_003 + index) % (1 << 63))
     prompt = int(torch.randint(16, 8192, (1,), generator=g).item())
     cached = int(torch.randint(0, prompt, (1,), generator=g).item())
@@ -157,7 +168,7 @@ class RequestPool:
     """Distinct synthetic requests made before the timed phase; request `rid` fills its row
     from entry rid % len(pool), with its own room and slot. Generation is never timed."""
 
-    def __init__(self, w: WorkloadConfig, shapes: Shapes, size: int = POOL):
+    def __init__(self, w: WorkloadSpec, shapes: Shapes, size: int = POOL):
         self.w = w
         self.entries = [make_request(w, i, shapes) for i in range(size)]
 

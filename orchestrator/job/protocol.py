@@ -7,6 +7,11 @@ message is trusted, but it is still typed: a receiver matches on the class (`mat
 case Ready(info=info): ...`), and anything else arriving is a `ProtocolError`, never a
 silently ignored tuple.
 
+The messages an endpoint sends or matches inside its own loop are the handoff's words
+(orchestrator.handoff.endpoints.control: Started, Progress, Phase, FaultReached, Bye, Refused,
+PrefillLost; Rendezvous, Stop, FaultDone, DecodeGone, PrefillGone); this module adds those of
+the child's entry (orchestrator.job.children) and of the runner, the unions and the Channel.
+
 Child -> runner: Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error,
 Bye, Refused, PrefillLost.  Runner -> child: Rendezvous, Decodes, Stop, FaultDone,
 DecodeGone, PrefillGone.
@@ -18,21 +23,23 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Optional, Union
 
+from orchestrator.handoff.endpoints.control import (
+    Bye,
+    DecodeGone,
+    FaultDone,
+    FaultReached,
+    Phase,
+    PrefillGone,
+    PrefillLost,
+    Progress,
+    ProtocolError,
+    Refused,
+    Rendezvous,
+    Started,
+    Stop,
+)
 
-class ProtocolError(RuntimeError):
-    """Something that is not a pipe message came through the pipe."""
-
-
-# ---- child -> runner -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Started:
-    """A child finished start-up phase `phase` at `at` (time.monotonic(), one clock for every
-    process of the machine): progress, and its phase times (orchestrator.job.warmstart)."""
-
-    phase: str
-    at: float
+# ---- child -> runner (the entry's own) ---------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -52,29 +59,6 @@ class Ready:
 @dataclass(frozen=True)
 class Running:
     """A prefill reached its handoff phase (from here on it may hold records)."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A prefill's count of finished requests, and of those verified (the rest failed or
-    were corrupted): counters its loop keeps anyway."""
-
-    finished: int
-    verified: int = 0
-
-
-@dataclass(frozen=True)
-class Phase:
-    """A driver with several phases (the bench) began one; `label` is its progress line."""
-
-    label: str
-
-
-@dataclass(frozen=True)
-class FaultReached:
-    """A prefill reached the checkpoint of the process fault `kind`; it waits for FaultDone."""
-
-    kind: str
 
 
 @dataclass(frozen=True)
@@ -98,38 +82,7 @@ class Error:
     line: str
 
 
-@dataclass(frozen=True)
-class Bye:
-    """A decode leader: prefill rank `rank` said bye."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A decode leader refused prefill rank `rank` at hello, and why."""
-
-    rank: int
-    why: str
-
-
-@dataclass(frozen=True)
-class PrefillLost:
-    """A decode leader (role=decode) saw prefill rank `rank` go silent, and why."""
-
-    rank: int
-    why: str
-
-
-# ---- runner -> child -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """A decode TP group's torch.distributed rendezvous."""
-
-    init_method: str
-    backend: str
+# ---- runner -> child (the runner's own) --------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -137,31 +90,6 @@ class Decodes:
     """Every decode instance's endpoints, per instance a list per TP rank."""
 
     infos: list
-
-
-@dataclass(frozen=True)
-class Stop:
-    """End the handoffs and send the result."""
-
-
-@dataclass(frozen=True)
-class FaultDone:
-    """The runner carried out the process fault a prefill waited at."""
-
-
-@dataclass(frozen=True)
-class DecodeGone:
-    """Decode instance `index` is gone (the runner saw it exit), and why."""
-
-    index: int
-    why: str
-
-
-@dataclass(frozen=True)
-class PrefillGone:
-    """Prefill rank `rank`'s process is gone."""
-
-    rank: int
 
 
 ToRunner = Union[Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,

@@ -35,6 +35,7 @@ from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
 from orchestrator.job.report_spec import report_spec
+from orchestrator.job.specs import endpoint_specs
 from orchestrator.profile.config import OrchestratorConfig, with_seed
 from orchestrator.profile.kinds import MpsMode, Role
 from orchestrator.profile.plan import Device, Plan
@@ -49,22 +50,23 @@ if TYPE_CHECKING:
 
 
 def decode_main(*args: Any, **kwargs: Any) -> None:
-    """The decode endpoint's entry. A child is started with its name (`entry`) and imports it
-    there (warmstart.child_main): the parent needs neither torch nor Mooncake to run a job."""
-    from orchestrator.handoff.endpoints.decode import decode_main as main
+    """The decode endpoint's entry (orchestrator.job.children). A child is started with its
+    name (`entry`) and imports it there (warmstart.child_main): the parent needs neither torch
+    nor Mooncake to run a job."""
+    from orchestrator.job.children import decode_main as main
 
     main(*args, **kwargs)
 
 
 def prefill_main(*args: Any, **kwargs: Any) -> None:
     """The prefill endpoint's entry (as decode_main)."""
-    from orchestrator.handoff.endpoints.prefill import prefill_main as main
+    from orchestrator.job.children import prefill_main as main
 
     main(*args, **kwargs)
 
 
-setattr(decode_main, "entry", "orchestrator.handoff.endpoints.decode:decode_main")  # noqa: B010
-setattr(prefill_main, "entry", "orchestrator.handoff.endpoints.prefill:prefill_main")  # noqa: B010
+setattr(decode_main, "entry", "orchestrator.job.children:decode_main")  # noqa: B010
+setattr(prefill_main, "entry", "orchestrator.job.children:prefill_main")  # noqa: B010
 
 
 def _entry(fn: Callable[..., None]) -> str:
@@ -172,6 +174,7 @@ class Job:
         if cfg.workload.seed is None:  # callers other than the CLI (which draws and records it): in a copy
             cfg = dataclasses.replace(cfg, workload=with_seed(cfg.workload))
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.specs = endpoint_specs(cfg, plan)  # what crosses into the children, built once
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,7 +249,7 @@ class Job:
         if role is Role.prefill:
             infos = lookup(cfg.transport, cfg.endpoints, cfg.layout.name, cfg.peer, self.secret, self.signals,
                            out, self.log)
-        self.silent, applied = divert_control(cfg.faults, cfg.transport.host, infos)
+        self.silent, applied = divert_control(cfg.faults.kind, cfg.transport.host, infos)
         out.faults_applied.extend(applied)
         for p in self.prefills:
             p.conn.send(protocol.Decodes(infos=infos))
@@ -275,13 +278,14 @@ class Job:
     # ---- start ---------------------------------------------------------------------------
     def _start(self, name: str, kind: str, index: int, tp_rank: int, target: Callable[..., None],
                args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> _Proc:
-        """A child running `target` (imported there by name: _entry), forked warm (warmstart)
-        with this process's environment as it is now."""
+        """A child running `target` (imported there by name: _entry) on its kind's spec, forked
+        warm (warmstart) with this process's environment as it is now."""
         ctx = warmstart.context()
         conn, child = ctx.Pipe()
+        spec = self.specs.prefill if kind == "prefill" else self.specs.decode
         proc = ctx.Process(target=warmstart.child_main, name=name, daemon=True, kwargs=kwargs or {},
-                           args=(_entry(target), dict(os.environ), self.cfg, self.plan, str(self.run_dir), self.secret,
-                                 child, *args))
+                           args=(_entry(target), dict(os.environ), spec, str(self.run_dir), self.secret, child,
+                                 *args))
         t_start = _clock()
         try:
             spawn(proc)

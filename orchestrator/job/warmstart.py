@@ -16,7 +16,8 @@ before anything of the endpoint runs, as spawn's exec did. SIGINT and SIGTERM ar
 the forkserver and so in each child until the child installs its own handlers
 (endpoints.common.start_process), as lifecycle.spawn arranges for spawned ones.
 
-Each child reports its start-up phases through its pipe (protocol.Started, `mark`):
+Each child reports its start-up phases through its pipe (protocol.Started, sent by the
+handoff's control.mark, which child_main points at the pipe):
 interpreter (start to its first line of ours: with the forkserver, also the wait for its
 imports while they are not done), imports (the endpoint module; 0 when preloaded), buffers,
 engine (Mooncake up and the buffers registered), warm-up (the device's first-use costs),
@@ -40,13 +41,12 @@ from typing import Any, Optional
 
 # What the forkserver imports once for every child (each of these pulls in torch, zmq, numpy)
 PRELOAD = ["orchestrator.job.forkserver_unblock",  # first: the mask start_early set, lifted
-           "orchestrator.handoff.endpoints.prefill", "orchestrator.handoff.endpoints.decode",
+           "orchestrator.job.children",  # the endpoints' entries (they import both endpoints)
            "orchestrator.job.runner", "orchestrator.job.app", "hydra",
            "orchestrator.job.forkserver_ready"]  # last: says the imports are done
 METHOD_ENV = "ORCHESTRATOR_START_METHOD"
 READY_ENV = "ORCHESTRATOR_FORKSERVER_READY"
 
-_chan: Optional[Any] = None  # this child's protocol.Channel to the runner (child_main)
 _lock = threading.Lock()
 _ready: Optional[str] = None  # the file the forkserver creates when its imports are done
 _ready_seen = False
@@ -176,30 +176,18 @@ def _alive(pid: int) -> bool:
 
 def child_main(target: str, env: dict[str, str], *args: Any, **kwargs: Any) -> None:
     """A child's entry: the parent's environment, then the endpoint `target`
-    ("module:function") called with `args` (cfg, plan, run_dir, secret, conn, ...)."""
+    ("module:function") called with `args` (spec, run_dir, secret, conn, ...). The child's
+    start-up marks (control.mark) go to its pipe from here on."""
+    from orchestrator.handoff.endpoints import control
     from orchestrator.job import protocol
 
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
-    global _chan
-    conn: Connection = args[4]
-    _chan = protocol.Channel(conn)
-    mark("interpreter")
+    conn: Connection = args[3]
+    control.marks_to(protocol.Channel(conn))
+    control.mark("interpreter")
     module, _, func = target.partition(":")
     fn = getattr(importlib.import_module(module), func)
-    mark("imports")
+    control.mark("imports")
     fn(*args, **kwargs)
-
-
-def mark(phase: str) -> None:
-    """This child reached the end of start-up phase `phase` (sent to the runner; nothing
-    outside a child started by child_main)."""
-    if _chan is None:
-        return
-    from orchestrator.job import protocol
-
-    try:
-        _chan.send(protocol.Started(phase=phase, at=time.monotonic()))
-    except (BrokenPipeError, OSError):
-        pass

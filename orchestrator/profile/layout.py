@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 import yaml
 
@@ -45,6 +45,43 @@ def __getattr__(name: str) -> Any:
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
     """float32 for torch.float32 or "float32" (no torch import)."""
     return str(dtype).removeprefix("torch.")
+
+
+class FieldDeclaration(Protocol):
+    """One declared field, as the functions below read it: a FieldConfig, or the frozen copy
+    an endpoint's spec holds (orchestrator.handoff.specs.LayoutField)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def width(self) -> str: ...
+
+    @property
+    def present(self) -> str: ...
+
+    @property
+    def fill(self) -> int: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def get_buf(self) -> bool: ...
+
+
+class Declaration(Protocol):
+    """A layout declaration: a LayoutConfig, or the frozen copy an endpoint's spec holds
+    (orchestrator.handoff.specs.LayoutSpec)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fields(self) -> Sequence[FieldDeclaration]: ...
 
 
 @dataclass(frozen=True)
@@ -96,7 +133,7 @@ def _field(raw: dict[str, Any]) -> FieldConfig:
     return FieldConfig(**kwargs)
 
 
-def field_rows(layout: LayoutConfig, sizes: Sizes) -> list[tuple[FieldConfig, int, str]]:
+def field_rows(layout: Declaration, sizes: Sizes) -> list[tuple[FieldDeclaration, int, str]]:
     """The PRESENT fields, in declaration order (= get_buf_infos order): the declaration, its
     row width and its dtype name (without torch)."""
     out = []
@@ -110,12 +147,12 @@ def field_rows(layout: LayoutConfig, sizes: Sizes) -> list[tuple[FieldConfig, in
     return out
 
 
-def row_bytes(layout: LayoutConfig, sizes: Sizes) -> list[int]:
+def row_bytes(layout: Declaration, sizes: Sizes) -> list[int]:
     """Each present field's row length in bytes (field_rows' order), without torch."""
     return [width * ITEMSIZE[name] for _f, width, name in field_rows(layout, sizes)]
 
 
-def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
+def field_specs(layout: Declaration, sizes: Sizes) -> list[FieldSpec]:
     """The PRESENT fields, in declaration order (= get_buf_infos order), with torch's dtypes."""
     import torch
 
@@ -123,7 +160,7 @@ def field_specs(layout: LayoutConfig, sizes: Sizes) -> list[FieldSpec]:
             for f, width, name in field_rows(layout, sizes)]
 
 
-def get_buf_names(layout: LayoutConfig) -> list[str]:
+def get_buf_names(layout: Declaration) -> list[str]:
     """The fields get_buf() returns, present or not (None for an absent one)."""
     return [f.name for f in layout.fields if f.get_buf]
 

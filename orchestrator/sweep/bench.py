@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from orchestrator.handoff.backends.base import Send, Transfer
+from orchestrator.handoff.endpoints import control
 from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
-from orchestrator.job import protocol
 from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from orchestrator.profile.plan import Plan, Route
@@ -240,7 +240,7 @@ class BenchDriver:
     bulk_bytes: int
     only: Optional[tuple[str, ...]] = None  # run only these phases (a path's no-MPS twin)
 
-    def __call__(self, ep: PrefillEndpoint, conn: protocol.Channel) -> PathResult:
+    def __call__(self, ep: PrefillEndpoint, conn: control.Pipe) -> PathResult:
         out = PathResult(self.name, ep.backend.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
         base = 0
         B, n = self.batch, self.requests
@@ -258,7 +258,7 @@ class BenchDriver:
             if self.only is not None and name not in self.only:
                 continue
             # the bench's progress line
-            conn.send(protocol.Phase(label=f"{name} ({phase.requests} requests)"))
+            conn.send(control.Phase(label=f"{name} ({phase.requests} requests)"))
             phase.rid_base = base
             base += phase.requests
             res = ep.run(phase, conn)

@@ -58,19 +58,16 @@ from orchestrator.handoff.endpoints.decode_state import Grant
 from orchestrator.handoff.endpoints.judge import Judge, Rows
 from orchestrator.handoff.endpoints.links import Link, Req
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
+from orchestrator.handoff.specs import GateSpec, SideSpec, WorkloadSpec
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
 from orchestrator.handoff.workload import RequestPool, room_of
 from orchestrator.profile.config import (
-    BuffersConfig,
     CompletionSetting,
     DigestKind,
     FillMode,
-    GateConfig,
-    LayoutConfig,
     PollMode,
     TransportConfig,
-    WorkloadConfig,
 )
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import usable_cores
@@ -87,16 +84,15 @@ WARM = 50  # untimed handoffs first, as the yardstick's
 @dataclass(frozen=True)
 class PairSpec:
     """What the pair reads, built once by the ladder's entry (orchestrator.bench) from the
-    ladder's profile (one in flight, rows filled ahead): the plan and the config sections the
-    handoff pieces it composes take (buffers, layout, transport, workload, gate), and the
+    ladder's profile (one in flight, rows filled ahead): the plan, the handoff pieces' specs it
+    composes (side: buffers, layout and engine; workload; gate), the transport section and the
     values it reads itself. It crosses into both processes of every pair."""
 
     plan: Plan
-    buffers: BuffersConfig
-    layout: LayoutConfig
-    transport: TransportConfig  # the engine (build_side), host, timeout_s, the send path's sizes
-    workload: WorkloadConfig  # the synthetic rows and their rooms
-    gate: GateConfig  # the decode's readiness gate (R2+)
+    side: SideSpec  # the buffers, their layout and the engine (build_side)
+    transport: TransportConfig  # host, timeout_s, the send path's sizes
+    workload: WorkloadSpec  # the synthetic rows and their rooms
+    gate: GateSpec  # the decode's readiness gate (R2+)
     digest: DigestKind  # verify.digest
     poll: PollMode  # endpoints.poll
     handoffs: int  # bench.ladder_handoffs: timed, after WARM untimed
@@ -113,7 +109,7 @@ def _setup(role: str, spec: PairSpec, run_dir: str) -> tuple[Side, MetadataBuffe
     torch.set_num_threads(1)  # as the endpoints (common.start_process)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log = configure(Path(run_dir), role)
-    side = build_side(spec.buffers, spec.layout, spec.transport, spec.plan, role, Path(run_dir), log,
+    side = build_side(spec.side, spec.plan, role, Path(run_dir), log,
                       process_gpu(spec.plan, role, 0))
     return side, side.buffers
 
@@ -421,7 +417,7 @@ class _Prefill:
     tags: list[int]  # R0/R1: each slot's tag
     rooms: list[int]  # R0/R1: each slot's room, frozen
     orders_writes: bool  # the engine's writes follow the default stream's (no sync before them)
-    workload: WorkloadConfig
+    workload: WorkloadSpec
 
 
 def _prefill(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Connection,
@@ -465,7 +461,7 @@ def _prefill_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection
     b.warm()
     digest.warm_seal(1)
     w = spec.workload
-    pool = RequestPool(w, shapes(spec.buffers, b))
+    pool = RequestPool(w, shapes(spec.side.buffers, b))
     for slot in range(b.size):  # fill=ahead as the run's SourceRows.fill_ahead
         b.set_buf(pool.get(slot, slot))
     b.sync()

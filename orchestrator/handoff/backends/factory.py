@@ -9,9 +9,10 @@ from typing import Callable
 import structlog
 
 from orchestrator.handoff.backends.base import Backend
-from orchestrator.handoff.backends.mooncake.backend import EngineSpec, MooncakeBackend
+from orchestrator.handoff.backends.mooncake.backend import MooncakeBackend
 from orchestrator.handoff.backends.zmq.backend import ZmqBackend
 from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.specs import EngineSpec
 from orchestrator.profile.plan import Plan, Route
 
 

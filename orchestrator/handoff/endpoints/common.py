@@ -16,12 +16,11 @@ import zmq
 
 from orchestrator.handoff.backends.base import Backend
 from orchestrator.handoff.backends.factory import open_backend
-from orchestrator.handoff.backends.mooncake.backend import EngineSpec
 from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.endpoints import control
+from orchestrator.handoff.specs import BufferSpec, LayoutSpec, SideSpec
 from orchestrator.handoff.transport.wire import CONTROL_FRAME_BYTES
 from orchestrator.handoff.workload import Shapes
-from orchestrator.job import warmstart
-from orchestrator.profile.config import BuffersConfig, LayoutConfig, TransportConfig
 from orchestrator.profile.plan import Device, Plan
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import RunFiles, open_regular
@@ -88,8 +87,8 @@ def process_gpu(plan: Plan, kind: str, index: int) -> Optional[int]:
     return gpus[index] if gpus else None
 
 
-def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -> MetadataBuffers:
-    """A process's MetadataBuffers, shaped by the buffers and layout sections."""
+def make_buffers(b: BufferSpec, layout: LayoutSpec, device: torch.device) -> MetadataBuffers:
+    """A process's MetadataBuffers, shaped by its buffers' spec and layout."""
     return MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
                            b.max_top_logprobs_num, None, b.output_dsa_topk_indices_dim,
                            kv_checksum_enabled=b.kv_checksum_enabled,
@@ -97,14 +96,14 @@ def make_buffers(b: BuffersConfig, layout: LayoutConfig, device: torch.device) -
                            device=device)
 
 
-def shapes(b: BuffersConfig, buffers: MetadataBuffers) -> Shapes:
-    """The synthetic requests' shapes for these buffers (their buffers section)."""
+def shapes(b: BufferSpec, buffers: MetadataBuffers) -> Shapes:
+    """The synthetic requests' shapes for these buffers (their spec)."""
     return Shapes(b.hidden_size, getattr(torch, b.hidden_states_dtype.value),  # what the buffers hold
                   b.output_dsa_topk_indices_dim, b.max_sampling_mask_tokens, str(buffers.device))
 
 
-def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan: Plan, role: str,
-               run_dir: Path, log: structlog.stdlib.BoundLogger, gpu: Optional[int] = None) -> Side:
+def build_side(spec: SideSpec, plan: Plan, role: str, run_dir: Path, log: structlog.stdlib.BoundLogger,
+               gpu: Optional[int] = None) -> Side:
     """A process's buffers on its device and the plan's backend over them (the engine route:
     its engine with the buffers registered and the transport it came up on checked against
     the plan's, orchestrator.handoff.backends.mooncake)."""
@@ -113,11 +112,10 @@ def build_side(b: BuffersConfig, layout: LayoutConfig, t: TransportConfig, plan:
         device = torch.device("cuda") if gpu is None else torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
+    b, layout = spec.buffers, spec.layout
     buffers = make_buffers(b, layout, device)
-    warmstart.mark("buffers")
-    mc = t.mooncake
-    engine = EngineSpec(t.host, mc.metadata_server, mc.device_name, mc.max_blocks_per_batch)
-    backend = open_backend(buffers, plan, engine, role, run_dir, log, warmstart.mark)
+    control.mark("buffers")
+    backend = open_backend(buffers, plan, spec.engine, role, run_dir, log, control.mark)
     log.info("buffers_ready", device=str(device), slots=b.size, row_bytes=buffers.row_bytes,
              item_lens=buffers.item_lens, layout=layout.name)
     return Side(buffers, backend, log)

@@ -31,13 +31,13 @@ requests wait behind a stalled sibling's never takes this decode for lost.
 Where the parts live: the hello in endpoints.handshake, the control plane in
 endpoints.decode_control, the data plane in endpoints.decode_data, slots and updates in
 endpoints.grants, the step in endpoints.decode_step, reading and judging rows in
-endpoints.judge, what the process keeps in endpoints.decode_state; this module builds them.
+endpoints.judge, what the process keeps in endpoints.decode_state; this module builds them
+from the process's spec (orchestrator.handoff.specs.DecodeSpec). The process's entry, which
+speaks the runner's pipe around it, is orchestrator.job.children.decode_main.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -47,16 +47,8 @@ import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowDigest
-from orchestrator.handoff.endpoints.common import (
-    Shutdown,
-    bind_random,
-    build_side,
-    new_socket,
-    process_gpu,
-    report_failure,
-    rss_kb,
-    start_process,
-)
+from orchestrator.handoff.endpoints import control
+from orchestrator.handoff.endpoints.common import Shutdown, bind_random, build_side, new_socket, process_gpu, rss_kb
 from orchestrator.handoff.endpoints.decode_control import Control
 from orchestrator.handoff.endpoints.decode_data import DataPlane
 from orchestrator.handoff.endpoints.decode_state import Drops, Ledger, Notices, Peers, Replies
@@ -67,47 +59,20 @@ from orchestrator.handoff.endpoints.judge import Judge, Rows
 from orchestrator.handoff.endpoints.load import ForwardLoop
 from orchestrator.handoff.endpoints.tp import Group, TorchGroup, single
 from orchestrator.handoff.faults import decode_setup, silent_session
+from orchestrator.handoff.specs import DecodeSpec, FaultSpec
 from orchestrator.handoff.transport import wire
-from orchestrator.job import protocol, warmstart
-from orchestrator.profile.config import (
-    BuffersConfig,
-    EndpointsConfig,
-    FaultsConfig,
-    GateConfig,
-    LayoutConfig,
-    OrchestratorConfig,
-    TransportConfig,
-    VerifyConfig,
-)
-from orchestrator.profile.kinds import Role
 from orchestrator.profile.layout import describe
-from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.profile.platform import usable_cores
 from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile, RunFiles, proc_name
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """The config sections a decode process reads (decode_main picks them out)."""
-
-    buffers: BuffersConfig
-    layout: LayoutConfig
-    transport: TransportConfig
-    endpoints: EndpointsConfig
-    verify: VerifyConfig
-    gate: GateConfig
-    faults: FaultsConfig
-    role: Role
-
-
 class Sockets:
     """The control (ROUTER) and data (PULL) sockets, on random ports of transport.host, and
     the silent_peer fault's listener (the engine session advertised instead of the real one)."""
 
-    def __init__(self, t: TransportConfig, faults: FaultsConfig, max_frame_bytes: int):
-        host, timeout_s = t.host, t.timeout_s
+    def __init__(self, host: str, timeout_s: float, faults: FaultSpec, max_frame_bytes: int):
         self.silent = silent_session(faults, host)
         self.ctx = zmq.Context()
         self.control = new_socket(self.ctx, zmq.ROUTER, timeout_s)
@@ -123,28 +88,27 @@ class Sockets:
         self.ctx.term()
 
 
-def _forward_loop(c: DecodeConfig, buffers: MetadataBuffers, host_rows: bool, index: int,
+def _forward_loop(spec: DecodeSpec, buffers: MetadataBuffers, host_rows: bool, index: int,
                   log: structlog.stdlib.BoundLogger) -> Optional[ForwardLoop]:
     """endpoints.decode_load: the forward loop on the decode GPU (None when off, or with no
     CUDA device: then with a warning). `index`: this process among the decode processes."""
-    e = c.endpoints
-    if e.decode_load.step_ms <= 0:
+    d = spec.load
+    if d.step_ms <= 0:
         return None
     # the decode GPU decodes whatever the aux rows' device: host rows (the gate reads
     # host memory) against CUDA rows (it reads behind the queued forward)
     gpu = buffers.device if not host_rows else (
-        torch.device("cuda", (e.decode_gpus or [0])[index % len(e.decode_gpus or [0])])
-        if torch.cuda.is_available() else None)
+        torch.device("cuda", d.gpus[index % len(d.gpus)]) if torch.cuda.is_available() else None)
     if gpu is None:
         log.warning("decode_load_off", detail="endpoints.decode_load needs a CUDA device: "
                     "none here, running without a forward loop")
         return None
     torch.cuda.set_device(gpu)  # host rows: this process's only CUDA work
     with torch.cuda.device(gpu):
-        load = ForwardLoop(gpu, e.decode_load.step_ms)
-        load.measure_idle(e.decode_load.idle_s)  # before serving: no handoffs
-    log.info("decode_load", step_ms=e.decode_load.step_ms, device=str(gpu),
-             matmuls_per_step=load.matmuls, gate_read=c.gate.read.value,
+        load = ForwardLoop(gpu, d.step_ms)
+        load.measure_idle(d.idle_s)  # before serving: no handoffs
+    log.info("decode_load", step_ms=d.step_ms, device=str(gpu),
+             matmuls_per_step=load.matmuls, gate_read=spec.gate.read.value,
              forward_steps_per_s_idle=load.idle_per_s)
     return load
 
@@ -153,46 +117,62 @@ class DecodeEndpoint:
     """One decode process: its buffers and engine, and the parts that serve them (the
     control and data planes, the grants, the step), wired here; serve() is its loop."""
 
-    def __init__(self, c: DecodeConfig, plan: Plan, run_dir: Path, log: structlog.stdlib.BoundLogger,
-                 secret: bytes, instance: int = 0, tp_rank: int = 0, group: Optional[Group] = None):
-        self.config, self.plan, self.log = c, plan, log
-        e = c.endpoints
-        self.name = proc_name("decode", instance, e.decode_ranks, tp_rank, e.decode_tp)
+    def __init__(self, spec: DecodeSpec, run_dir: Path, log: structlog.stdlib.BoundLogger, secret: bytes,
+                 instance: int = 0, tp_rank: int = 0, group: Optional[Group] = None):
+        plan = self.plan = spec.plan
+        self.spec, self.log = spec, log
+        self.name = proc_name("decode", instance, spec.ranks, tp_rank, spec.tp)
         self.tp_rank = tp_rank
-        self.side = build_side(c.buffers, c.layout, c.transport, plan, self.name, run_dir, log,
-                               process_gpu(plan, "decode", instance * e.decode_tp + tp_rank))
+        self.side = build_side(spec.side, plan, self.name, run_dir, log,
+                               process_gpu(plan, "decode", instance * spec.tp + tp_rank))
         self.buffers = buffers = self.side.buffers
         layout = describe(buffers.specs)
         ptrs, _, item_lens = buffers.get_buf_infos()
-        slots = SlotAllocator(c.buffers.size)
-        self.peers = Peers(secret, c.transport.timeout_s)
-        digest = RowDigest(buffers, self.peers.keys, c.verify.digest)
+        size = spec.side.buffers.size
+        slots = SlotAllocator(size)
+        self.peers = Peers(secret, spec.timeout_s)
+        digest = RowDigest(buffers, self.peers.keys, spec.digest)
         buffers.warm()  # start-up pays the device's first-use costs, not request 1
         digest.warm()
-        warmstart.mark("warm-up")
-        self.timeout_s = c.transport.timeout_s
+        control.mark("warm-up")
+        self.timeout_s = spec.timeout_s
         self.group = group or single()
-        self.ledger = ledger = Ledger(c.buffers.size)
+        self.ledger = ledger = Ledger(size)
         self.notices = Notices()
         self.res = DecodeResult(self.name, tp_rank=self.tp_rank)
-        judge = Judge(c.gate, c.transport.timeout_s, buffers, digest, self.res)
+        judge = Judge(spec.gate, spec.timeout_s, buffers, digest, self.res)
         self.records = RunFile(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)  # NoSpace names it
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
-        rows = Rows(buffers, digest, slots, c.gate.read,
-                    decode_setup(buffers, c.faults, c.gate.zero_room_on_free), self.group.size == 1)
-        self.load = _forward_loop(c, buffers, rows.host_rows, instance * e.decode_tp + tp_rank, log)
-        self.net = Sockets(c.transport, c.faults, wire.max_frame_bytes(item_lens, c.buffers.size))
+        rows = Rows(buffers, digest, slots, spec.gate.read,
+                    decode_setup(buffers, spec.faults, spec.gate.zero_room_on_free), self.group.size == 1)
+        self.load = _forward_loop(spec, buffers, rows.host_rows, instance * spec.tp + tp_rank, log)
+        self.net = Sockets(spec.host, spec.timeout_s, spec.faults, wire.max_frame_bytes(item_lens, size))
         drop = Drops(self.res, log)
         replies = Replies(self.net.control, self.peers, log)
         self.grants = Grants(ledger, slots, rows, self.peers, self.res, replies, drop, log,
                              self.group.size, self.leader)
-        offer = Offer(self.session_id, ptrs, item_lens, c.buffers.size, layout, tp_rank, buffers.scratch_ptr)
+        offer = Offer(self.session_id, ptrs, item_lens, size, layout, tp_rank, buffers.scratch_ptr)
         handshake = DecodeHandshake(offer, self.peers, replies, drop, digest, self.notices, plan, log, self.leader)
         self.control = Control(self.peers, handshake, self.grants, self.notices, drop, self.leader)
-        self.data = DataPlane(ledger, self.peers, drop, ptrs, item_lens, c.buffers.size,
+        self.data = DataPlane(ledger, self.peers, drop, ptrs, item_lens, size,
                               plan.route.value == "tcp" and rows.host_rows)
-        self.stepper = Stepper(ledger, rows, judge, self.group, self.grants, self.res, self.records, log,
-                               c.buffers.size)
+        self.stepper = Stepper(ledger, rows, judge, self.group, self.grants, self.res, self.records, log, size)
+
+    def advert(self, bulk_bytes: int = 0) -> dict[str, object]:
+        """What this process tells the runner once it is up (its Ready): its endpoints, its
+        transport and engine session. `bulk_bytes` > 0 also asks the backend for a bulk target
+        region of that size on the buffers' device (the benchmark's bandwidth point)."""
+        info: dict[str, object] = {
+            "control_endpoint": self.net.control_endpoint,
+            "data_endpoint": self.net.data_endpoint,
+            "transport": self.side.transport,
+            "session_id": self.session_id,
+            "engine_exposed": self.side.backend.exposed(),
+        }
+        bulk_ptr = self.side.backend.bulk_target(bulk_bytes) if bulk_bytes else None
+        if bulk_ptr is not None:
+            info["bulk_ptr"] = bulk_ptr
+        return info
 
     @property
     def leader(self) -> bool:
@@ -205,7 +185,7 @@ class DecodeEndpoint:
             return "%s:%d" % self.net.silent.getsockname()
         return self.side.backend.session_id
 
-    def serve(self, chan: protocol.Channel) -> None:
+    def serve(self, chan: control.Pipe) -> None:
         """Take messages and step until the runner says stop (a TP group: until any rank
         was told to, all together)."""
         poller = zmq.Poller()
@@ -213,8 +193,8 @@ class DecodeEndpoint:
         poller.register(self.net.data, zmq.POLLIN)
         poller.register(chan.fileno(), zmq.POLLIN)
         lockstep = self.group.size > 1
-        spin = self.config.endpoints.poll.spins(usable_cores())
-        watch = self.config.role is Role.decode and self.leader  # role=both: the runner watches them
+        spin = self.spec.poll.spins(usable_cores())
+        watch = self.spec.watch_prefills and self.leader  # role=both: the runner watches them
         self.log.info("decode_loop", poll="spin" if spin else "block")
         load = self.load
         if load is not None:
@@ -239,7 +219,7 @@ class DecodeEndpoint:
             if stop:
                 self.res.memory["rss_kb_end"] = rss_kb()
                 if load is not None:
-                    self.res.load = load.summary(self.config.endpoints.decode_load.step_ms)
+                    self.res.load = load.summary(self.spec.load.step_ms)
                 if lockstep:
                     assert isinstance(self.group, TorchGroup)  # (size > 1)
                     self.res.tp = self.group.summary()
@@ -258,13 +238,13 @@ class DecodeEndpoint:
     def on_pipe(self, msg: object) -> bool:
         """A message from the runner; True for Stop."""
         match msg:
-            case protocol.Stop():
+            case control.Stop():
                 return True
-            case protocol.PrefillGone(rank=rank):
+            case control.PrefillGone(rank=rank):
                 self.grants.release(rank, "prefill process gone")
                 return False
             case _:
-                raise protocol.ProtocolError(f"a decode does not take {type(msg).__name__}")
+                raise control.ProtocolError(f"a decode does not take {type(msg).__name__}")
 
     def watch_prefills(self) -> None:
         """role=decode: a prefill rank whose loop runs (or that holds granted slots) and has
@@ -283,7 +263,7 @@ class DecodeEndpoint:
             if prank in peers.done:
                 continue
             limit, what = ((self.timeout_s, "transport.timeout_s") if prank in running else
-                           (self.config.endpoints.startup_timeout_s, "endpoints.startup_timeout_s"))
+                           (self.spec.startup_timeout_s, "endpoints.startup_timeout_s"))
             if now - last > limit:
                 why = (f"prefill rank {prank} silent for {what}={limit:g}" if prank in running else
                        f"prefill rank {prank} bound at hello, its loop not started within {what}={limit:g}")
@@ -296,61 +276,3 @@ class DecodeEndpoint:
         self.group.close()
         self.records.close()
         self.net.close()
-
-
-def _join(c: DecodeConfig, plan: Plan, chan: protocol.Channel, run_path: Path, name: str,
-          instance: int, tp_rank: int) -> Optional[Group]:
-    """A decode TP rank joins its instance's group at the rendezvous the runner sends
-    (endpoints.decode_tp=1: no group)."""
-    e = c.endpoints
-    if e.decode_tp == 1:
-        return None
-    from orchestrator.handoff.endpoints.tp import join
-
-    match chan.recv():
-        case protocol.Rendezvous() as rendezvous:
-            pass
-        case other:
-            raise protocol.ProtocolError(f"a decode TP rank waits for Rendezvous, not {type(other).__name__}")
-    return join(rendezvous, tp_rank, e.decode_tp, c.transport.timeout_s,
-                process_gpu(plan, "decode", instance * e.decode_tp + tp_rank), run_path / f"tp-{name}.jsonl")
-
-
-def decode_main(cfg: OrchestratorConfig, plan: Plan, run_dir: str, secret: bytes, conn: Connection,
-                instance: int = 0, tp_rank: int = 0, bulk_bytes: int = 0) -> None:
-    """Process entry (multiprocessing spawn) of one decode process; `conn` is its end of the
-    runner's pipe (orchestrator.job.protocol). `bulk_bytes` > 0 also registers a bulk target
-    region of that size on the buffers' device (the benchmark's bandwidth point)."""
-    run_path = Path(run_dir)
-    e = cfg.endpoints
-    chan = protocol.Channel(conn)
-    name = proc_name("decode", instance, e.decode_ranks, tp_rank, e.decode_tp)
-    log = start_process(name, run_path, cfg.logging.console)
-    sections = DecodeConfig(cfg.buffers, cfg.layout, cfg.transport, cfg.endpoints, cfg.verify, cfg.gate,
-                            cfg.faults, cfg.role)
-    endpoint = None
-    try:
-        group = _join(sections, plan, chan, run_path, name, instance, tp_rank)
-        endpoint = DecodeEndpoint(sections, plan, run_path, log, secret, instance, tp_rank, group)
-        info: dict[str, Any] = {
-            "control_endpoint": endpoint.net.control_endpoint,
-            "data_endpoint": endpoint.net.data_endpoint,
-            "transport": endpoint.side.transport,
-            "session_id": endpoint.session_id,
-            "engine_exposed": endpoint.side.backend.exposed(),
-        }
-        bulk_ptr = endpoint.side.backend.bulk_target(bulk_bytes) if bulk_bytes else None
-        if bulk_ptr is not None:
-            info["bulk_ptr"] = bulk_ptr
-        chan.send(protocol.Ready(info))
-        endpoint.serve(chan)
-        chan.send(protocol.Stats(endpoint.res))
-    except Exception as exc:  # reported to the runner, which owns the user-facing message
-        line = report_failure(log, "decode_failed", exc)
-        try:
-            chan.send(protocol.Error(line))
-        except (BrokenPipeError, OSError):
-            pass
-    finally:
-        if endpoint is not None:
-            endpoint.close()

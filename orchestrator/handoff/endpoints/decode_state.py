@@ -13,9 +13,9 @@ import structlog
 import zmq
 
 from orchestrator.handoff.digest import Keys
+from orchestrator.handoff.endpoints import control
 from orchestrator.handoff.endpoints.common import heartbeat_s
 from orchestrator.handoff.transport.auth import Authenticator, Session, new_nonce
-from orchestrator.job import protocol
 from orchestrator.profile.platform import boot_id, pid_namespace
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
@@ -137,13 +137,13 @@ class Notices:
         self.refused: list[tuple[int, str]] = []
         self.lost: list[tuple[int, str]] = []
 
-    def send(self, chan: protocol.Channel) -> None:
+    def send(self, chan: control.Pipe) -> None:
         while self.byes:
-            chan.send(protocol.Bye(self.byes.pop()))
+            chan.send(control.Bye(self.byes.pop()))
         while self.refused:
-            chan.send(protocol.Refused(*self.refused.pop()))
+            chan.send(control.Refused(*self.refused.pop()))
         while self.lost:
-            chan.send(protocol.PrefillLost(*self.lost.pop()))
+            chan.send(control.PrefillLost(*self.lost.pop()))
 
 
 

@@ -19,9 +19,9 @@ from orchestrator.handoff.endpoints.common import Side, new_socket
 from orchestrator.handoff.endpoints.decode_state import Drops, Notices, Peers, PrefillSession, Replies
 from orchestrator.handoff.endpoints.links import Instance, Link, Links
 from orchestrator.handoff.faults import wrap
+from orchestrator.handoff.specs import FaultSpec
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.wire import Layout
-from orchestrator.profile.config import FaultsConfig
 from orchestrator.profile.kinds import AddressCheck
 from orchestrator.profile.layout import describe, fingerprint, first_difference
 from orchestrator.profile.plan import Plan, same_process_space_rule
@@ -34,7 +34,7 @@ class PrefillHandshake:
     """Bootstraps one prefill rank with every decode rank it was given. `stuck`: a Mooncake
     handshake never returned (the process must exit hard: the backend says so)."""
 
-    def __init__(self, links: Links, side: Side, plan: Plan, rank: int, faults: FaultsConfig,
+    def __init__(self, links: Links, side: Side, plan: Plan, rank: int, faults: FaultSpec,
                  tag_in_status: bool, address_check: AddressCheck):
         self.links, self.side, self.plan, self.rank, self.faults = links, side, plan, rank, faults
         self.tag_in_status = tag_in_status

@@ -12,7 +12,7 @@ import torch
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowCheck, RowDigest
 from orchestrator.handoff.endpoints.decode_state import Grant
-from orchestrator.profile.config import GateConfig
+from orchestrator.handoff.specs import GateSpec
 from orchestrator.profile.kinds import GateRead
 from orchestrator.profile.plan import Device
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
@@ -117,7 +117,7 @@ class Judge:
     """The judging rules, on one rank's row of a request; a TP group's ranks each judge their
     own and agree (orchestrator.handoff.endpoints.tp)."""
 
-    def __init__(self, gate: GateConfig, timeout_s: float, buffers: MetadataBuffers, digest: RowDigest,
+    def __init__(self, gate: GateSpec, timeout_s: float, buffers: MetadataBuffers, digest: RowDigest,
                  res: DecodeResult):
         self.buffers, self.digest, self.res = buffers, digest, res
         self.timeout_s = timeout_s  # transport.timeout_s

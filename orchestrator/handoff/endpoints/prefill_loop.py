@@ -18,14 +18,14 @@ import zmq
 from orchestrator.handoff.backends.base import Transfer
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
+from orchestrator.handoff.endpoints import control
 from orchestrator.handoff.endpoints.common import Shutdown, heartbeat_s, rss_kb
 from orchestrator.handoff.endpoints.links import Instance, Link, Links, Req
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
+from orchestrator.handoff.specs import PrefillSpec, WorkloadSpec
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
-from orchestrator.job import protocol
-from orchestrator.profile.config import TransportConfig, WorkloadConfig
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
@@ -52,10 +52,11 @@ class PhaseSpec:
     burstiness: float = 1.0  # open loop: the gamma shape of the gaps (1: Poisson)
 
     @classmethod
-    def of(cls, w: WorkloadConfig, t: TransportConfig, set_buf: SetBufMode, rank: int) -> "PhaseSpec":
-        """The configured workload (its workload and transport sections, buffers.set_buf)."""
-        return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, t.coalesce, t.status,
-                   rid_base=rank * w.requests, set_buf=set_buf, duration_s=w.duration_s,
+    def of(cls, spec: PrefillSpec, rank: int) -> "PhaseSpec":
+        """The configured workload (workload.*, transport.coalesce and .status, buffers.set_buf)."""
+        w = spec.workload
+        return cls(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, spec.coalesce, spec.status,
+                   rid_base=rank * w.requests, set_buf=spec.set_buf, duration_s=w.duration_s,
                    burstiness=w.burstiness)
 
 
@@ -83,12 +84,12 @@ class SourceRows:
 
 @dataclass
 class LoopSettings:
-    """What a phase's loop knows of its rank: the rank, its workload section (rooms, seed),
+    """What a phase's loop knows of its rank: the rank, its workload (rooms, seed),
     the route's name for its records, transport.max_inflight_blocks, its records file, the
     memory figures it adds to, its log."""
 
     rank: int
-    workload: WorkloadConfig
+    workload: WorkloadSpec
     route: str
     max_inflight_blocks: int
     records_path: Path
@@ -100,7 +101,7 @@ class PrefillLoop:
     """The main loop of one phase (kept apart so the endpoint's set-up is reusable)."""
 
     def __init__(self, links: Links, rows: SourceRows, sender: Sender, settings: LoopSettings,
-                 phase: PhaseSpec, conn: Optional[protocol.Channel], faults: LoopFaults):
+                 phase: PhaseSpec, conn: Optional[control.Pipe], faults: LoopFaults):
         self.links, self.rows, self.sender, self.settings = links, rows, sender, settings
         self.phase, self.conn, self.faults = phase, conn, faults
         w = settings.workload
@@ -397,7 +398,7 @@ class PrefillLoop:
                 self.flush_records()  # before a process fault may strike at this count
                 self.faults.progress(self.finished, len(self.outstanding))
                 if self.conn is not None and now - last_progress >= 0.25:
-                    self.conn.send(protocol.Progress(finished=self.finished, verified=self.res.verified))
+                    self.conn.send(control.Progress(finished=self.finished, verified=self.res.verified))
                     last_progress = now
         finally:
             self.flush_records()
@@ -409,9 +410,9 @@ class PrefillLoop:
         """A message from the runner: stop, or a decode instance is gone (it saw it exit)."""
         assert self.conn is not None, "a runner to hear from"
         match self.conn.recv():
-            case protocol.Stop():
+            case control.Stop():
                 self.stop(Detail.interrupted)
-            case protocol.DecodeGone(index=index, why=why):
+            case control.DecodeGone(index=index, why=why):
                 inst = self.links.instances[index]
                 if not inst.lost:
                     self.lose(inst, Detail.decode_lost, why)

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from orchestrator.job.protocol import Rendezvous
+from orchestrator.handoff.endpoints.control import Rendezvous
 from orchestrator.results.outcomes import KVPoll
 from orchestrator.results.rundir import RunFile
 from orchestrator.results.stats import LatencyHistogram

@@ -19,22 +19,12 @@ from orchestrator.handoff.backends.mooncake.engine import EngineError, MooncakeE
 from orchestrator.handoff.backends.mooncake.probe import bounded
 from orchestrator.handoff.backends.mooncake.router import EngineRouter
 from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.specs import EngineSpec
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.handoff.transport.reach import unreachable
 from orchestrator.profile.kinds import AddressCheck, FallbackPolicy, is_loopback
 from orchestrator.profile.plan import Plan
 from orchestrator.results.rundir import RunFiles
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine route's backend reads of the transport section: transport.host and
-    transport.mooncake's metadata_server, device_name and max_blocks_per_batch."""
-
-    host: str
-    metadata_server: str
-    device_name: str
-    max_blocks_per_batch: int
 
 
 class TransportMismatch(RuntimeError):
