@@ -174,6 +174,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def driver_main(target: str, env: dict[str, str], *args: Any) -> None:
+    """A warm child for a driver that owns its pipe and its messages (the cost ladder's pairs):
+    the parent's environment, then `target` ("module:function") called with `args`; no
+    start-up marks."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    module, _, func = target.partition(":")
+    getattr(importlib.import_module(module), func)(*args)
+
+
 def child_main(target: str, env: dict[str, str], *args: Any, **kwargs: Any) -> None:
     """A child's entry: the parent's environment, then the endpoint `target`
     ("module:function") called with `args` (spec, run_dir, secret, conn, ...). The child's

@@ -41,7 +41,6 @@ once by its entry (orchestrator.bench) from the checked profile.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import re
 import secrets
@@ -59,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from structlog.stdlib import BoundLogger
 
+from orchestrator.job import warmstart
 from orchestrator.job.lifecycle import spawn
 from orchestrator.job.mps import mps_for
 from orchestrator.job.runner import run_handoffs
@@ -316,25 +316,27 @@ def _pair(rung: int, spec: PairSpec, rdir: Path, timeout_s: float,
     this process has reaped it (the order that failed rungs on a GPU host)."""
     from orchestrator.sweep import ladder_pair
 
-    ctx = mp.get_context("spawn")
+    ctx = warmstart.context()  # forked warm, as the run's endpoints are
     secret = secrets.token_bytes(32)
     d_conn, d_child = ctx.Pipe()
     p_conn, p_child = ctx.Pipe()
-    dec = ctx.Process(target=ladder_pair.decode_main, args=(rung, spec, str(rdir), secret, d_child),
-                      name="ladder-decode", daemon=True)
+    env = dict(os.environ)
+    dec = ctx.Process(target=warmstart.driver_main, name="ladder-decode", daemon=True,
+                      args=(f"{ladder_pair.__name__}:decode_main", env, rung, spec, str(rdir), secret, d_child))
     pre: Optional[BaseProcess] = None
     t0 = time.monotonic()
     try:
+        warmstart.wait_ready(timeout_s)
         spawn(dec)
-        pre = ctx.Process(target=ladder_pair.prefill_main,
-                          args=(rung, spec, str(rdir), secret, p_child, corrupt, dec.pid if hold_result else None),
-                          name="ladder-prefill", daemon=True)
+        pre = ctx.Process(target=warmstart.driver_main, name="ladder-prefill", daemon=True,
+                          args=(f"{ladder_pair.__name__}:prefill_main", env, rung, spec, str(rdir), secret, p_child,
+                                corrupt, dec.pid if hold_result else None))
         spawn(pre)
         for c in (d_child, p_child):
             c.close()  # the children's ends: a child's end closes its pipe
         link = PairLink({"decode": dec, "prefill": pre}, {"decode": d_conn, "prefill": p_conn}, rdir, timeout_s)
         res, dres = link.exchange()
-    except (PairFailed, OSError) as exc:
+    except (PairFailed, OSError, warmstart.NotReady) as exc:
         failed = exc if isinstance(exc, PairFailed) else PairFailed(f"the pair did not start: {exc}")
         write_atomic(rdir / "error.txt", failed.detail + "\n")
         return RungRun(0, error=str(failed).splitlines()[0])

@@ -1,6 +1,6 @@
 """The cost ladder's own prefill/decode pair (rungs R0-R5 of orchestrator.sweep.ladder).
 
-One pair of processes (spawned, as the run's endpoints are) moves N rows one in flight with
+One pair of processes (forked warm, as the run's endpoints are: job.warmstart) moves N rows one in flight with
 this project's own pieces, each rung adding one component to the one below:
 
   R0  the yardstick's loop (../shared/tools/handoff_yardstick.py) from our pieces: our
