@@ -1,6 +1,6 @@
 # Two entry points for a bare machine:
 #   make run    set up, then run the embedded default job (python -m orchestrator)
-#   make test   set up, then run the linter and type checker (make lint), then the test suite
+#   make test   set up, then run the test suite and, beside it, the linter and type checker (make lint)
 #               (JOBS=3 parallel workers; JOBS=0 for one process)
 # Set-up: a venv in .venv, libibverbs1 (the Mooncake wheels link it) when missing, torch
 # (CPU boxes: torch==2.13.0, the CPU build on disk), and this package with the Mooncake
@@ -65,8 +65,12 @@ lint: setup
 # runs on one worker, its fixture built once. 3 on the 2-core CI box: most tests wait on
 # processes and timeouts, not on a core. JOBS=0: one process, as plain pytest.
 JOBS ?= 3
-test: setup lint
-	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup) $(ARGS)
+# make lint runs beside the suite (its output is printed after the suite's); either failing fails
+test: setup
+	@lintlog=$$(mktemp); $(MAKE) --no-print-directory lint > $$lintlog 2>&1 & lintpid=$$!; \
+	PYTHONDONTWRITEBYTECODE=1 $(PY) -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup) $(ARGS); \
+	rc=$$?; wait $$lintpid; lintrc=$$?; cat $$lintlog; rm -f $$lintlog; \
+	[ $$lintrc = 0 ] || echo "make lint failed (exit $$lintrc)"; [ $$rc = 0 ] && [ $$lintrc = 0 ]
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache
