@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from orchestrator.job import failure
 from orchestrator.profile.config import (
     CONF_DIR,
     BenchPhases,
@@ -103,18 +104,14 @@ def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence
 
 
 register_configs()
-_STARTED: list[bool] = []
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _bench(cfg: DictConfig) -> None:
-    _STARTED.append(True)
     try:  # checked before Hydra started (compose.precheck); a sweep's jobs are checked here
         obj = validate(cfg)
         check_profile(obj, detect())
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        failure.leave(exc)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if obj.bench.phases is BenchPhases.ladder:  # the cost ladder (orchestrator.sweep.ladder)
         from orchestrator.sweep.ladder import run_ladder
@@ -122,10 +119,20 @@ def _bench(cfg: DictConfig) -> None:
         try:
             run_ladder(ladder_spec(obj, detect(), list(HydraConfig.get().overrides.task)), run_dir)
         except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            failure.leave(exc)
         return
     run_bench(bench_spec(obj, detect()), run_dir)
+
+
+def _app(started: list[bool]) -> Callable[[], Any]:
+    """Hydra's task function for this command: `started` says Hydra called it."""
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+    def bench(cfg: DictConfig) -> None:
+        started.append(True)
+        _bench(cfg)
+
+    return bench
 
 
 def main() -> None:
@@ -135,8 +142,8 @@ def main() -> None:
 
     # `phases=X` is short for bench.phases=X (phases=ladder: the cost ladder)
     sys.argv[1:] = [f"bench.{a}" if a.startswith("phases=") else a for a in sys.argv[1:]]
-    hydra_command(_bench, sys.argv[1:], started=lambda: bool(_STARTED))
-
+    started: list[bool] = []
+    hydra_command(_app(started), sys.argv[1:], started=lambda: bool(started))
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,7 @@ from typing import Any, Optional, TypeVar
 from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
-from orchestrator.job import warmstart
+from orchestrator.job import failure, warmstart
 from orchestrator.job.lifecycle import Signals
 from orchestrator.job.report_spec import report_spec
 from orchestrator.profile.config import (
@@ -32,6 +32,7 @@ from orchestrator.results.progress import ProgressMeter, mode_for
 from orchestrator.results.report_spec import ReportSpec
 from orchestrator.results.rundir import (
     NoSpace,
+    RunDirBusy,
     RunFiles,
     claim_run_dir,
     lock_run_dir,
@@ -262,20 +263,27 @@ def _latency_png(spec: ReportSpec, run_dir: Path, results: JobResults) -> None:
         raise
 
 
-def refused(run_dir: Path, exc: ConfigError, announce: bool = True, line: Optional[str] = None) -> NotRun:
-    """A profile refused before start: the run dir keeps the one line in results.json (`line`,
-    else the error's own), and the line goes to stderr."""
-    line = line or str(exc)
-    results = NotRun(reporting.EXIT_REFUSED, line, refused=line, key=exc.key)
+def ended(run_dir: Path, exc: Exception, text: Optional[str] = None) -> NotRun:
+    """A job that raised, as its results; its code and its line are the failure table's
+    (job.failure). A refusal keeps its line (`text`, else the error's own) in results.json; a
+    busy run dir is refused untouched (nothing written there); a full disk writes results.json
+    where it still fits; anything else (a sweep's job) is a failed row."""
+    if isinstance(exc, NoSpace):
+        return _no_space(run_dir, NotRun(failure.ending(exc).code, str(exc)), exc)
+    if isinstance(exc, RunDirBusy):
+        end = failure.ending(exc)
+        failure.say(end)
+        return NotRun(end.code, str(exc))  # not written
+    if isinstance(exc, ConfigError):
+        line = text or str(exc)
+        end = failure.ending(exc, line)
+        results = NotRun(end.code, line, refused=line, key=exc.key)
+    else:
+        end = failure.ending(exc)
+        results = NotRun(end.code, f"{type(exc).__name__}: {exc}", routes={})
     reporting.write(run_dir, results)
-    if announce:
-        print(f"error: {line}", file=sys.stderr, flush=True)
+    failure.say(end)
     return results
-
-
-def no_space(run_dir: Path, exc: NoSpace) -> NotRun:
-    """The disk filled after start: one line, exit 3, and results.json when it still fits."""
-    return _no_space(run_dir, NotRun(reporting.EXIT_LOST, str(exc)), exc)
 
 
 def _no_space(run_dir: Path, results: R, exc: NoSpace) -> R:
@@ -285,13 +293,7 @@ def _no_space(run_dir: Path, results: R, exc: NoSpace) -> R:
             reporting.write(run_dir, results)
         except OSError:
             pass
-    print(f"error: no space left writing {reporting.rel(exc.path)}", file=sys.stderr, flush=True)
+    failure.say(failure.ending(exc, f"no space left writing {reporting.rel(exc.path)}"))
     return results
 
 
-def failed_job(run_dir: Path, error: str) -> NotRun:
-    """results.json for a sweep job that raised (the sweep records it as a failed row)."""
-    results = NotRun(reporting.EXIT_LOST, error, routes={})
-    reporting.write(run_dir, results)
-    print(f"job failed: {error}", file=sys.stderr, flush=True)
-    return results

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from orchestrator.job import failure
 from orchestrator.profile.config import CONF_DIR, ConfigError, OrchestratorConfig, register_configs, validate
 
 
@@ -219,8 +220,8 @@ def overrides_dict(overrides: Sequence[str]) -> dict[str, Optional[str]]:
 
 
 def error_exit(message: str) -> NoReturn:
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    """Refused: `message` on one line (`error: ...`), exit 2 (job.failure's table)."""
+    failure.leave(failure.Refusal(" ".join(message.split())))
 
 
 # ---- the main command line's overrides, checked before Hydra runs anything -------------------
@@ -647,6 +648,7 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
             from orchestrator.profile.keys import help_text, keys
 
             print("\n" + help_text(keys(load_profile([]))), flush=True)
-        if exc.code == 1 and not started():
-            raise SystemExit(2) from None
+        mapped = failure.hydra_exit(exc, started())
+        if mapped is not exc:
+            raise mapped from None
         raise

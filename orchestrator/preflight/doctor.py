@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.handoff.transport.ports import port_is_free, rpc_port_range
+from orchestrator.job import failure
 from orchestrator.preflight.compose import (
     ProfileError,
     error_exit,
@@ -695,8 +696,8 @@ def run_implied(readings: Sequence[Reading], extra: Sequence[str]) -> int:
     print(f"$ python -m orchestrator {shlex.join(profile)}", flush=True)
     try:
         return subprocess.run([sys.executable, "-m", "orchestrator", *profile], env=child).returncode
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return failure.ending(exc).code
 
 
 def env_main(args: argparse.Namespace) -> int:

@@ -8,12 +8,13 @@ a choice not swept), still refuses the whole sweep before start (compose.prechec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
 
+from orchestrator.job import failure
+from orchestrator.job.failure import RefusedJob
 from orchestrator.preflight.compose import (
     ProfileError,
     cli_overrides,
@@ -25,21 +26,6 @@ from orchestrator.preflight.compose import (
 from orchestrator.results import reporting
 from orchestrator.results.rundir import write_atomic
 from orchestrator.results.schema import NotRun
-
-
-@dataclass(frozen=True)
-class RefusedJob:
-    """One job of a sweep that picked a config-dir file that cannot be composed."""
-
-    num: int
-    """Its job number: after the jobs Hydra runs (their numbers come first)."""
-    overrides: tuple[str, ...]
-    """The job's overrides, as Hydra would have given them (.hydra/overrides.yaml)."""
-    error: str
-    """One line naming the file and what is wrong in it."""
-
-
-REFUSED: list[RefusedJob] = []  # set by split_sweep's caller; written when the multirun starts
 
 
 def _choice_files(dirs: Sequence[Path], key: str, value: str) -> list[Path]:
@@ -118,4 +104,5 @@ def write_refused(sweep_dir: Path, jobs: Sequence[RefusedJob]) -> None:
         job_dir = Path(sweep_dir) / str(job.num)
         (job_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         write_atomic(job_dir / ".hydra" / "overrides.yaml", yaml.safe_dump(list(job.overrides)))
-        reporting.write(job_dir, NotRun(reporting.EXIT_REFUSED, job.error, refused=job.error))
+        code = failure.ending(failure.Refusal(job.error)).code
+        reporting.write(job_dir, NotRun(code, job.error, refused=job.error))

@@ -39,6 +39,7 @@ from orchestrator.handoff.backends.base import Send, Transfer
 from orchestrator.handoff.endpoints import control
 from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
+from orchestrator.job import failure
 from orchestrator.job.runner import run_handoffs
 from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode, StatusMode
 from orchestrator.profile.plan import Plan, Route
@@ -46,7 +47,7 @@ from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
 from orchestrator.results.records import STAGES, RankResult
 from orchestrator.results.rundir import write_tables
-from orchestrator.results.schema import EXIT_SIGNAL, Percentiles, each, read_section
+from orchestrator.results.schema import Percentiles, each, read_section
 from orchestrator.results.stats import percentile
 
 CHUNK = 100
@@ -366,16 +367,12 @@ def run_bench(spec: BenchSpec, run_dir: Path) -> BenchResults:
     results.ratios = ratios(results.paths)
     write_tables(run_dir, "bench", results.to_json(), markdown(results))
     if results.interrupted:
-        raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
+        failure.leave(failure.Stopped(results.interrupted))
     failed = [p.path for p in results.paths if not p.ok]
     if failed:  # an aggregate with a failed row does not exit 0
-        print(f"bench: {len(failed)} of {len(results.paths)} rows FAILED (each after one retry): "
-              f"{'; '.join(failed)}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_FAILED_ROW)
+        failure.leave(failure.RowsFailed(f"bench: {len(failed)} of {len(results.paths)} rows FAILED (each "
+                                         f"after one retry): {'; '.join(failed)}"))
     return results
-
-
-EXIT_FAILED_ROW = 1  # a bench (or any aggregate) with a row that failed
 
 
 def _run_path(spec: BenchSpec, ph: Path_, run_dir: Path, progress: "_BenchProgress", results: BenchResults,

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from structlog.stdlib import BoundLogger
 
-from orchestrator.job import warmstart
+from orchestrator.job import failure, warmstart
 from orchestrator.job.lifecycle import spawn
 from orchestrator.job.mps import mps_for
 from orchestrator.job.runner import run_handoffs
@@ -66,7 +66,6 @@ from orchestrator.profile.config import ConfigError, OrchestratorConfig, RouteSe
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import write_atomic, write_tables
-from orchestrator.results.schema import EXIT_SIGNAL
 from orchestrator.results.stats import percentile
 
 if TYPE_CHECKING:  # (the pair's module imports torch: the children's, imported where a pair starts)
@@ -506,12 +505,11 @@ def _end(results: LadderResults, run_dir: Path) -> LadderResults:
         pass
     write_tables(run_dir, "ladder", results.to_json(), markdown(results))
     if results.interrupted:
-        raise SystemExit(EXIT_SIGNAL.get(results.interrupted, 130))
+        failure.leave(failure.Stopped(results.interrupted))
     failed = [r.rung for r in results.rows if not r.ok]
     if failed:
-        print(f"ladder: rungs FAILED (not every handoff verified, or no result): {', '.join(failed)}",
-              file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        failure.leave(failure.RowsFailed("ladder: rungs FAILED (not every handoff verified, or no result): "
+                                         + ", ".join(failed)))
     return results
 
 

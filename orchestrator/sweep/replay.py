@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator.job import failure
 from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.records import read_jsonl
 from orchestrator.results.rundir import RunFiles, write_atomic
@@ -238,24 +239,20 @@ def main(argv: list[str] | None = None) -> int:
         if not list(run_dir.glob(f"{pattern}*.jsonl")):
             missing.append(f"{pattern}.jsonl")
     if missing:
-        print(f"error: {run_dir} is not a complete run dir (missing {', '.join(missing)})",
-              file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(f"{run_dir} is not a complete run dir (missing {', '.join(missing)})"))
     try:
         task = task_config(run_dir)
         seeds = json.loads((run_dir / "fingerprint.json").read_text()).get("seeds", {})
     except NotReplayable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(str(exc)))
     except (OSError, ValueError, AttributeError) as exc:
-        print(f"error: {run_dir / 'fingerprint.json'}: not a readable fingerprint ({exc})", file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(f"{run_dir / 'fingerprint.json'}: not a readable fingerprint "
+                                            f"({exc})"))
     out = (args.out or run_dir / "replays" / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     drawn = seeds.get("workload.seed") if isinstance(seeds, dict) and seeds.get("drawn") else None
     if drawn is not None and (isinstance(drawn, bool) or not isinstance(drawn, int)):
-        print(f"error: {run_dir / 'fingerprint.json'}: seeds.workload.seed={drawn!r} is not a whole number",
-              file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(f"{run_dir / 'fingerprint.json'}: seeds.workload.seed={drawn!r} "
+                                            "is not a whole number"))
     with tempfile.TemporaryDirectory(prefix="replay-config-") as conf:
         # the task config only, re-written from the data checked above: Hydra sees one file in a
         # fresh dir (no config group of the run dir, no hydra.yaml, no overrides.yaml)
@@ -268,14 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append(f"workload.seed={drawn}")
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if not RunFiles(out).results.exists():
-        print(f"error: the replay did not produce results (exit {proc.returncode}):\n"
-              f"{proc.stderr[-2000:]}", file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(f"the replay did not produce results (exit {proc.returncode}):\n"
+                                            f"{proc.stderr[-2000:]}"))
     try:
         rep = compare(run_dir, out)
     except NotReplayable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return failure.tell(failure.Refusal(str(exc)))
     write_atomic(out / "replay.json", json.dumps(rep, indent=2) + "\n")
     print(render(rep))
     codes = rep.get("exit_codes") or {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from orchestrator.job import failure
 from orchestrator.preflight.compose import OneLineParser
 from orchestrator.results.reporting import merge, rel
 from orchestrator.results.schema import Results
@@ -37,18 +38,15 @@ def main(argv: list[str] | None = None) -> int:
             a, b = (Results.read(d) for d in args.dirs)
             text, ok = merge(a, b)
         except (OSError, ValueError, KeyError) as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            return 2
+            return failure.tell(failure.Refusal(str(exc)))
         print(text, flush=True)
         return 0 if ok else 1
     if len(args.dirs) != 1:
-        print("error: one sweep dir, or two run dirs", file=sys.stderr, flush=True)
-        return 2
+        return failure.tell(failure.Refusal("one sweep dir, or two run dirs"))
     try:
         paths = summarize(args.dirs[0])
     except SweepError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return failure.tell(failure.Refusal(str(exc)))
     for path in paths:
         print(rel(path), flush=True)
     print(sweep_status(args.dirs[0]), file=sys.stderr, flush=True)  # (stdout: the files)

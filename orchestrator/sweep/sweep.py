@@ -29,6 +29,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from orchestrator.job import failure
 from orchestrator.results.plots import layout_label, log_ticks, pyplot, short_dir
 from orchestrator.results.rundir import (
     SWEEP_ID_NAME,
@@ -599,14 +600,11 @@ def not_ok(sweep_dir: Path) -> list[int]:
     return [int(row["job"]) for row in collect(sweep_dir)[1] if row["status"] is not RunStatus.ok]
 
 
-SWEEP_EXIT: list[int] = []  # set when a multirun ends: the worst job's exit code
-
-
 class SweepSummary(Callback):
     """Writes the sweep summary when a multirun ends (config.yaml registers it for every run)
-    and keeps the worst job's exit code for the command (jobs may have run in other
-    processes or on other hosts, through a launcher). Before a Slurm launcher submits, its
-    request is checked against sinfo (orchestrator.sweep.slurm)."""
+    and adds the worst job's exit code to the command's (failure.current(): jobs may have run
+    in other processes or on other hosts, through a launcher). Before a Slurm launcher submits,
+    its request is checked against sinfo (orchestrator.sweep.slurm)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from orchestrator.sweep import bad_files, slurm
@@ -619,16 +617,16 @@ class SweepSummary(Callback):
             try:
                 warning = slurm.precheck(launcher)
             except slurm.LauncherRequestError as exc:  # nothing submitted: one line, exit 2
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-                raise SystemExit(2) from None
+                failure.leave(failure.Refusal(str(exc)))
             if warning:
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
         sweep = self._own(sweep_dir)
-        if bad_files.REFUSED:  # rows for the jobs that picked a config-dir file that cannot compose
-            bad_files.write_refused(sweep_dir, bad_files.REFUSED)
-            for job in bad_files.REFUSED:  # this sweep's rows
+        refused = failure.current().refused
+        if refused:  # rows for the jobs that picked a config-dir file that cannot compose
+            bad_files.write_refused(sweep_dir, refused)
+            for job in refused:  # this sweep's rows
                 claim_run_dir(sweep_dir / str(job.num), new_run_id(), sweep)
-            for why in dict.fromkeys(job.error for job in bad_files.REFUSED):
+            for why in dict.fromkeys(job.error for job in refused):
                 print(f"warning: {why} (the jobs that pick it are refused rows; the others run)",
                       file=sys.stderr, flush=True)
 
@@ -638,14 +636,14 @@ class SweepSummary(Callback):
         try:
             return own_sweep_dir(sweep_dir, claim)
         except (RunDirBusy, NoSpace) as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(3 if isinstance(exc, NoSpace) else 2) from None
+            failure.leave(exc)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         worst = worst_exit(sweep_dir)
+        codes = failure.current().sweep
         if worst is not None:
-            SWEEP_EXIT.append(worst)
+            codes.append(worst)
         try:
             paths = summarize(sweep_dir)
         except SweepError as exc:
@@ -656,9 +654,10 @@ class SweepSummary(Callback):
                 raise
             print(f"sweep: {sweep_status(sweep_dir)}", flush=True)
             where = exc.path if isinstance(exc, NoSpace) else (getattr(exc, "filename", None) or sweep_dir)
-            print(f"error: no space left writing {where} (the sweep summary is incomplete: "
-                  f"python -m orchestrator.report {sweep_dir} rebuilds it)", file=sys.stderr, flush=True)
-            SWEEP_EXIT.append(3)
+            end = failure.ending(NoSpace(where), f"no space left writing {where} (the sweep summary is "
+                                 f"incomplete: python -m orchestrator.report {sweep_dir} rebuilds it)")
+            failure.say(end)
+            codes.append(end.code)
             return
         for path in paths:
             print(f"sweep summary: {path}", flush=True)
