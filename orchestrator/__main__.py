@@ -5,16 +5,19 @@ a full disk) is a row of the failure table (orchestrator.job.failure)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any, Callable, NoReturn
-
-from orchestrator.job import failure  # nothing heavy: the interrupt line, before the rest loads
 
 _COMPOSING = [True]  # imports, a sweep's bad-file scan and the pre-check: nothing written yet
 
 
 def _early(signum: int, _frame: object) -> None:
+    failure = sys.modules.get("orchestrator.job.failure")
+    if failure is None or not hasattr(failure, "exit_now"):  # still importing the table itself
+        os.write(2, f"interrupted ({signal.Signals(signum).name}) while importing: no job was running\n".encode())
+        os._exit(128 + signum)
     if _COMPOSING[0]:
         # a raise here can land in OmegaConf, whose clean-up turns it into a config error that
         # compose reports and goes on from (the command ran on after SIGTERM): say it, leave now
@@ -36,6 +39,8 @@ def _interrupted(signum: int) -> NoReturn:
 if __name__ == "__main__":  # before torch, Hydra and the rest are imported
     for _sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_sig, _early)
+
+from orchestrator.job import failure  # noqa: E402  (after the handlers: the interrupt line, before the rest)
 
 try:
     from pathlib import Path
