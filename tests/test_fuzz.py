@@ -70,9 +70,9 @@ def test_control_messages_decode_or_raise_wire_error(raw):
         msg = wire.decode(raw)
     except wire.WireError:
         return
-    fields = wire.SCHEMA[msg["type"]]  # every required key, and optional ones only as sent
-    required = set(fields) - wire.OPTIONAL[msg["type"]]
-    assert required | {"type"} <= set(msg) <= set(fields) | {"type"}
+    fields = wire.SCHEMA[msg.TYPE]  # every required key, and optional ones only as sent
+    required = set(fields) - wire.OPTIONAL[msg.TYPE]
+    assert required | {"type"} <= set(msg.as_json()) <= set(fields) | {"type"}
 
 
 @pytest.mark.parametrize("raw", [
@@ -96,8 +96,8 @@ def test_live_decode_survives_garbage_and_stays_correct(cfg_factory, tmp_path):
     peer = PrefillPeer(cfg, tmp_path)
     z = zmq.Context()
     dealer, push = z.socket(zmq.DEALER), z.socket(zmq.PUSH)
-    dealer.connect(peer.info["control_endpoint"])
-    push.connect(peer.info["data_endpoint"])
+    dealer.connect(peer.info.control_endpoint)
+    push.connect(peer.info.data_endpoint)
     rng = random.Random(7)
     auth = peer.auth
     bad_data = [[b"AUX_DATA", b"1", b"0", b"0", struct.pack(">I", 64), b"x" * 63],

@@ -78,7 +78,7 @@ def test_forged_row_written_through_another_mooncake_engine_is_refused(tmp_path)
     cfg = typed_cfg("mem_pool=NONE", "buffers.kv_checksum_enabled=true")
     peer = PrefillPeer(cfg, tmp_path)  # the real prefill, with the run's secret
     try:
-        dst_ptrs, session = peer.bootstrap["aux_ptrs"], peer.bootstrap["session_id"]
+        dst_ptrs, session = peer.bootstrap.aux_ptrs, peer.bootstrap.session_id
         attacker = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "tcp", env=peer.plan.mc_env)
         rows = MetadataBuffers(4, cfg.buffers.hidden_size, torch.float32, cfg.buffers.max_sampling_mask_tokens,
                                kv_checksum_enabled=True, device="cpu")

@@ -221,9 +221,9 @@ def test_bootstrap_messages_carry_the_process_space():
     nonce = "ab" * 16  # a session nonce (Trust II): every hello carries one
     hello = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce,
                                     pid_ns="pid:[4026531836]", boot_id="b"))
-    assert hello["pid_ns"] == "pid:[4026531836]" and hello["boot_id"] == "b"
+    assert hello.pid_ns == "pid:[4026531836]" and hello.boot_id == "b"
     old = wire.decode(wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce=nonce))
-    assert "pid_ns" not in old  # a peer that predates them is still understood
+    assert old.pid_ns is None  # a peer that predates them is still understood
     with pytest.raises(wire.WireError):
         wire.decode(wire.encode("hello", rank=0, layout=[], fingerprint="", nonce=nonce, pid_ns=7))
 

@@ -52,11 +52,11 @@ def test_authenticated_run_verifies_everything(run_job, tmp_path, monkeypatch):
 def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path):
     decode = DecodeProcess(cfg_factory("mem_pool=NVLINK"), tmp_path, secret=b"s3cret")
     info = decode.info
-    assert info["control_endpoint"].startswith("tcp://127.0.0.1:")
-    assert info["data_endpoint"].startswith("tcp://127.0.0.1:")
+    assert info.control_endpoint.startswith("tcp://127.0.0.1:")
+    assert info.data_endpoint.startswith("tcp://127.0.0.1:")
     z = zmq.Context()
     dealer = z.socket(zmq.DEALER)
-    dealer.connect(info["control_endpoint"])
+    dealer.connect(info.control_endpoint)
     hello = wire.encode("hello", rank=0, layout=[["x", "int32", 64]], fingerprint="", nonce="0" * 32)
     dealer.send(hello)  # no MAC
     assert not dealer.poll(1000)
@@ -67,7 +67,7 @@ def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path):
     assert dealer.poll(10000)
     body = good.unseal(dealer.recv())
     assert body is not None  # the reply is sealed too
-    assert wire.decode(body)["type"] == "error"  # ... and refuses the made-up layout
+    assert wire.decode(body).TYPE == "error"  # ... and refuses the made-up layout
     stats = decode.stop()
     dealer.close(0)
     z.term()

@@ -19,6 +19,7 @@ import zmq
 from orchestrator import MetadataBuffers
 from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.advert import DecodeAdvert
 from orchestrator.handoff.transport.auth import Authenticator, Replayed, new_nonce
 from orchestrator.job import protocol
 from orchestrator.profile.layout import describe
@@ -117,13 +118,13 @@ def test_row_from_an_earlier_run_fails_the_digest_under_a_shared_secret(tmp_path
         ptrs, _, lens = rows.get_buf_infos()
         room, tag = peer.fill(1)  # what run 2's prefill writes and says it wrote
         slot = peer.arrive(1, room)
-        dst = peer.bootstrap["aux_ptrs"]
-        attacker.batch_write(peer.bootstrap["session_id"], ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
+        dst = peer.bootstrap.aux_ptrs
+        attacker.batch_write(peer.bootstrap.session_id, ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
         peer.status(room, 1, slot, 0)  # run 2's own authentic "done", without its tag
         assert peer.verdict(1) == (Outcome.corrupted, Detail.checksum_mismatch)
         # with the sender's tag in its status (what the prefill sends): told apart
         slot = peer.arrive(2, room)
-        attacker.batch_write(peer.bootstrap["session_id"], ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
+        attacker.batch_write(peer.bootstrap.session_id, ptrs, [d + n * slot for d, n in zip(dst, lens)], lens)
         peer.status(room, 2, slot, peer.fill(2, room=room)[1])
         assert peer.verdict(2) == (Outcome.corrupted, Detail.written_by_someone_else)
     finally:
@@ -199,22 +200,22 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     granted: dict[int, tuple[int, int]] = {}
     try:
         assert conn.poll(60) and isinstance(conn.recv(), protocol.Up)
-        conn.send(protocol.Decodes(infos=[[{"control_endpoint": ctl, "data_endpoint": data,
-                                            "transport": "zmq-tcp", "session_id": None}]]))
+        conn.send(protocol.Decodes(infos=[[DecodeAdvert(control_endpoint=ctl, data_endpoint=data,
+                                                        transport="zmq-tcp", session_id=None)]]))
         deadline = time.monotonic() + 120
         while result is None and time.monotonic() < deadline:
             if router.poll(10):
                 ident, raw = router.recv_multipart()
                 if sess is None:
                     hello = wire.decode(base.unseal(raw))
-                    sess = base.session(hello["rank"], hello["nonce"], nonce, "decode")
+                    sess = base.session(hello.rank, hello.nonce, nonce, "decode")
                     router.send_multipart([ident, base.seal(wire.encode(
                         "bootstrap", session_id=None, aux_ptrs=ptrs, item_lens=lens, slots=b.size,
-                        layout=describe(bufs.specs), fingerprint=hello["fingerprint"], tp_rank=0,
-                        boot_id="", scratch_ptr=0, nonce=nonce, hello_nonce=hello["nonce"]))])
+                        layout=describe(bufs.specs), fingerprint=hello.fingerprint, tp_rank=0,
+                        boot_id="", scratch_ptr=0, nonce=nonce, hello_nonce=hello.nonce))])
                 else:
                     msg = wire.decode(sess.unseal(raw))
-                    for rid, room in msg.get("reqs", []):
+                    for rid, room in getattr(msg, "reqs", []):
                         slot = free.pop()
                         granted[rid] = (slot, room)
                         # the grant and the first extra in one message: taken in that order
@@ -278,7 +279,7 @@ def test_replayed_hello_cannot_take_over_a_prefill(tmp_path):
     peer = PrefillPeer(cfg, tmp_path)
     z = zmq.Context()
     thief = z.socket(zmq.DEALER)
-    thief.connect(peer.info["control_endpoint"])
+    thief.connect(peer.info.control_endpoint)
     try:
         assert peer.handoff(1) == (Outcome.verified, Detail.none)
         thief.send(peer.sealed_hello)  # the copy
@@ -337,7 +338,7 @@ def test_huge_frames_are_dropped_before_they_are_buffered(tmp_path):
         assert peer.handoff(1) == (Outcome.verified, Detail.none)
         before = _rss_kb(pid)
         payload = b"\x00" * (48 << 20)
-        for endpoint in (peer.info["data_endpoint"], peer.info["control_endpoint"]):
+        for endpoint in (peer.info.data_endpoint, peer.info.control_endpoint):
             for _ in range(4):
                 held.append(_zmtp_huge_frame(endpoint, 1 << 32, payload))
         time.sleep(1.0)
@@ -536,7 +537,7 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
 
     cfg = typed_cfg("mem_pool=NONE", "transport.timeout_s=3")
     decode = DecodeProcess(cfg, tmp_path, secret=SECRET)
-    host, port = decode.info["session_id"].rsplit(":", 1)
+    host, port = decode.info.session_id.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port))) for _ in range(5)]
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -560,7 +561,7 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
         decode.stop()
     assert isinstance(msg, protocol.Error), msg
     line = msg.line
-    assert "TimeoutError" in line and decode.info["session_id"] in line, line
+    assert "TimeoutError" in line and decode.info.session_id in line, line
     assert "\n" not in line and "listener" in line
     assert waited < bound(3.0) < 25  # transport.timeout_s=3; held, the handshake took 25 s
 

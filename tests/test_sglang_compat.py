@@ -600,10 +600,10 @@ def test_sglang_sender_into_our_real_decode_is_refused(env, zctx, tmp_path):
         room, tag = peer.fill(1)
         slot = peer.arrive(1, room)
         ptrs, _, lens = peer.buffers.get_buf_infos()
-        port = int(peer.info["data_endpoint"].rsplit(":", 1)[1])
+        port = int(peer.info.data_endpoint.rsplit(":", 1)[1])
         sender = sgl.sender(zctx, ptrs, lens)
         try:
-            assert sender.send_aux_tcp("127.0.0.1", port, room, 0, slot, peer.bootstrap["aux_ptrs"]) == 0
+            assert sender.send_aux_tcp("127.0.0.1", port, room, 0, slot, peer.bootstrap.aux_ptrs) == 0
             sender.send_status("127.0.0.1", port, room, int(OurKVPoll.Success))
         finally:
             sender.close()

@@ -200,7 +200,7 @@ def test_engine_route_room_mismatch_detected(cfg_factory, tmp_path):
         eng = MooncakeEngine("127.0.0.1", "P2PHANDSHAKE", "tcp", env=peer.plan.mc_env)
         eng.register(peer.buffers.arena_ptr, peer.buffers.arena_bytes)
         ptrs, _, lens = peer.buffers.get_buf_infos()
-        dst_ptrs, session = peer.bootstrap["aux_ptrs"], peer.bootstrap["session_id"]
+        dst_ptrs, session = peer.bootstrap.aux_ptrs, peer.bootstrap.session_id
 
         def write(slot):
             eng.batch_write(session, ptrs, [d + n * slot for d, n in zip(dst_ptrs, lens)], lens)

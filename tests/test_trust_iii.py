@@ -396,15 +396,16 @@ def _decode_killed_after_ready(spec, run_dir, secret, conn, *args) -> None:
     never answers) and is SIGKILLed at once: the window of issue 31's case 10."""
     import zmq
 
+    from orchestrator.handoff.transport.advert import DecodeAdvert
     from orchestrator.job import protocol
 
     ctx = zmq.Context()
     control, data = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
     cport = control.bind_to_random_port("tcp://127.0.0.1")
     dport = data.bind_to_random_port("tcp://127.0.0.1")
-    protocol.Channel(conn).send(protocol.Ready({
-        "control_endpoint": f"tcp://127.0.0.1:{cport}", "data_endpoint": f"tcp://127.0.0.1:{dport}",
-        "transport": "zmq-tcp", "session_id": None, "engine_exposed": []}))
+    protocol.Channel(conn).send(protocol.Ready(DecodeAdvert(
+        control_endpoint=f"tcp://127.0.0.1:{cport}", data_endpoint=f"tcp://127.0.0.1:{dport}",
+        transport="zmq-tcp", session_id=None, engine_exposed=())))
     os.kill(os.getpid(), signal.SIGKILL)
 
 

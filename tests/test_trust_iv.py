@@ -1079,6 +1079,7 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
     (to the prefill side that sent it), counted, and not judged (its advertised address is
     never probed); the decode side serves on, and a fresh lookup gets the endpoints. The
     decode side's bootstrap serves in a thread here, over real sockets."""
+    from orchestrator.handoff.transport.advert import DecodeAdvert
     from orchestrator.job import bootstrap
     from orchestrator.job.lifecycle import Signals
     from orchestrator.results.records import RunResult
@@ -1091,7 +1092,8 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
                "transport": "tcp", "session_id": None}]]
     import structlog
 
-    side = bootstrap._Bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, secret, infos, [], out,
+    side = bootstrap._Bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, secret,
+                                [[DecodeAdvert(**i) for i in inst] for inst in infos], [], out,
                                 structlog.get_logger("test"))
     signals = Signals()  # not entered: the test ends the loop by setting caught
     failed: list[BaseException] = []

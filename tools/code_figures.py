@@ -4,8 +4,10 @@ and the house's goal figures (issue 29): modules at the package root, ``msg["...
 outside the wire module, functions taking the whole config (a parameter annotated
 ``OrchestratorConfig``, outside the schema module that builds it), class names defined twice,
 ``Any`` on the hot path (fields of the classes in handoff/endpoints, handoff/backends and
-handoff/faults annotated ``Any``), the largest endpoint module in lines; and the floors (issue
-38): arrows up (an import from a lower floor to a higher one, floors profile < results <
+handoff/faults annotated ``Any``), dict/Any fields in wire and pipe messages (issue 38: a field
+of a class of the wire's or the pipe's modules, or of the objects they carry, annotated dict,
+Mapping or Any, or a bare list/tuple/set), the largest endpoint module in lines; and the floors
+(issue 38): arrows up (an import from a lower floor to a higher one, floors profile < results <
 handoff < job < sweep = preflight < the package root's entry modules) and handoff/'s imports of
 profile.config. Also how many functions and classes sit within 10% of each limit (54-60 lines,
 23-25 attributes).
@@ -287,6 +289,42 @@ def config_imports(trees: list[tuple[Path, ast.Module]], under: Path = Path("han
     return [f"{r}:{line} {what}" for r, line, what in sorted(out)]
 
 
+MESSAGES = (Path("handoff/transport/wire.py"), Path("handoff/transport/advert.py"), Path("job/protocol.py"),
+            Path("handoff/endpoints/control.py"),  # the pipe's messages the endpoints send or match
+            Path("profile/versions.py"))  # the wire's and the pipe's messages, and what they carry
+LOOSE = {"dict", "Dict", "Mapping", "MutableMapping", "Any"}
+BARE = {"list", "tuple", "set", "frozenset", "List", "Tuple", "Set"}
+
+
+def _loose(node: ast.AST) -> bool:
+    """An annotation that leaves a message's shape open: it names dict, Mapping or Any, or
+    holds a container without its item type."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return True
+    if _names(node) & LOOSE:
+        return True
+    typed = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Subscript)}
+    return any(isinstance(n, ast.Name) and n.id in BARE and id(n) not in typed for n in ast.walk(node))
+
+
+def loose_fields(trees: list[tuple[Path, ast.Module]]) -> list[str]:
+    """Fields (class-level annotations, ClassVar aside) of the message modules' classes that
+    are typed dict, Mapping or Any, or a bare container."""
+    out: list[tuple[str, int, str]] = []
+    for rel, tree in trees:
+        if rel not in MESSAGES:
+            continue
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for n in cls.body:
+                if (isinstance(n, ast.AnnAssign) and "ClassVar" not in _names(n.annotation)
+                        and _loose(n.annotation)):
+                    out.append((str(rel), n.lineno, f"{cls.name}.{ast.unparse(n.target)}: {ast.unparse(n.annotation)}"))
+    return [f"{r}:{line} {what}" for r, line, what in sorted(out)]
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent
     pkg = root / "orchestrator"
@@ -331,6 +369,10 @@ def main(argv: list[str]) -> int:
     print(f"Any on the hot path: {len(anys)}")
     for a in anys:
         print("  ", a)
+    loose = loose_fields(trees)
+    print(f"dict/Any fields in wire and pipe messages: {len(loose)}")
+    for f in loose:
+        print("  ", f)
     sizes = sorted(((len(p.read_text().splitlines()), p.relative_to(pkg)) for p in (pkg / ENDPOINTS).rglob("*.py")),
                    reverse=True)
     if sizes:

@@ -9,8 +9,10 @@ import os
 import signal
 import socket
 import threading
+from dataclasses import replace
 from typing import Optional
 
+from orchestrator.handoff.transport.advert import Adverts
 from orchestrator.profile.fault_table import FAULTS, Site, acts_at
 from orchestrator.profile.kinds import FaultKind
 
@@ -32,15 +34,15 @@ def silent_listener(host: str) -> socket.socket:
 
 
 def divert_control(kind: FaultKind, host: str,
-                   infos: list[list[dict]]) -> tuple[Optional[socket.socket], list[dict]]:
+                   infos: Adverts) -> tuple[Optional[socket.socket], list[dict]]:
     """silent_control (faults.kind): decode instance 0's control endpoint, as handed to the
     prefills, replaced (in `infos`) by a listener that never answers. Returns the listener and
     the faults applied (none without the fault)."""
     if not acts_at(kind, Site.control):
         return None, []
     silent = silent_listener(host)
-    infos[0][0] = {**infos[0][0], "control_endpoint": "tcp://%s:%d" % silent.getsockname()}
-    return silent, [{"fault": kind.value, "control_endpoint": infos[0][0]["control_endpoint"]}]
+    infos[0][0] = replace(infos[0][0], control_endpoint="tcp://%s:%d" % silent.getsockname())
+    return silent, [{"fault": kind.value, "control_endpoint": infos[0][0].control_endpoint}]
 
 
 def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:

@@ -30,6 +30,7 @@ import json
 import socket
 import subprocess
 import time
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
@@ -37,6 +38,7 @@ from typing import Any, Optional, Protocol, Sequence
 import structlog
 
 from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.advert import Adverts
 from orchestrator.job import protocol
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals
 from orchestrator.job.peercheck import PeerCheck
@@ -66,11 +68,7 @@ class DecodeProc(Protocol):
     tp_rank: int
 
 
-Infos = list[list[dict[str, Any]]]  # per decode instance, per TP rank: its endpoints
-
-
-def _public(info: dict[str, Any]) -> dict[str, Any]:
-    return {k: info.get(k) for k in ("control_endpoint", "data_endpoint", "transport", "session_id")}
+Infos = Adverts  # per decode instance, per TP rank: its endpoints
 
 
 def secret_mismatch(t: TransportConfig) -> str:
@@ -114,7 +112,7 @@ class _Bootstrap:
         # the peer checks' verdict per prefill side (its lookup nonce), and when
         self.judged: dict[str, tuple[Optional[str], float]] = {}
         self.refusals = 0
-        self.infos = [[_public(i) for i in inst] for inst in infos]
+        self.infos = [[i.public() for i in inst] for inst in infos]
         self.leaders = [d for d in decodes if d.tp_rank == 0]
         self.byes: dict[int, set[int]] = {}
         self.answered = False
@@ -356,7 +354,7 @@ def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret:
             if why is not None:
                 raise RunFailed(f"refused before any handoff: {why}")
             if check.reached is not None:  # the endpoints' Mooncake probe of it (prefill endpoint)
-                return [[{**i, "advertised": check.reached} for i in inst] for inst in msg.infos]
+                return [[replace(i, advertised=check.reached) for i in inst] for inst in msg.infos]
             return msg.infos
         if signals.caught:
             raise Interrupted

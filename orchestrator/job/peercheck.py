@@ -11,24 +11,34 @@ then judges the peer's before any handoff:
   interface and the variable to set on the side that advertises it; warn makes it a warning;
   off skips it). Once it answered, the prefill endpoints (which hold an engine) also probe the
   decode's Mooncake handshake port on that address with Mooncake's send_probe (the decode
-  infos carry the advertisement as "advertised"; feature-detected: an older wheel lacks it).
+  sides' DecodeAdverts carry it as `advertised`; feature-detected: an older wheel lacks it).
 
 Warnings land in RunResult.warnings (the summary and results.json); a failure is a RunFailed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, TypedDict
 
 from orchestrator.handoff.transport import reach, wire
+from orchestrator.handoff.transport.advert import Advertisement
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.job.lifecycle import RunFailed
 from orchestrator.profile import versions
 from orchestrator.profile.config import TransportConfig
 from orchestrator.profile.kinds import AddressCheck
+from orchestrator.profile.versions import Versions
 from orchestrator.results.records import RunResult
 
 PROBE_S = 3.0  # at most this long (and at most transport.timeout_s) for the address probe
+
+
+class PeerFields(TypedDict):
+    """What a side sends of itself in its lookup or its answer (keyword arguments of
+    wire.LookupMsg and wire.DecodesMsg)."""
+
+    versions: Versions
+    advertised: Advertisement
 
 
 class PeerCheck:
@@ -42,16 +52,17 @@ class PeerCheck:
         self.auth = Authenticator(secret)
         self.mode = t.address_check
         self.versions = versions.local(layout)
-        self.advertised: dict[str, Any] = {}
+        self.advertised = Advertisement.off()
         self.echo: Optional[reach.Echo] = None
-        self.reached: Optional[dict[str, Any]] = None  # the peer's advertisement, once probed fine
+        self.reached: Optional[Advertisement] = None  # the peer's advertisement, once probed fine
         if self.mode is not AddressCheck.off:
-            self.advertised = reach.advertisement(env if env is not None else reach.environment(),
-                                                  t.host)
-            self.echo = reach.listen(self.advertised, self.auth)
-            log.info("address_advertised", side=side, **self.advertised)
+            adv = reach.advertisement(env if env is not None else reach.environment(), t.host)
+            self.echo = reach.listen(adv, self.auth)  # (sets its port, or its error)
+            self.advertised = Advertisement.from_json(adv)
+            log.info("address_advertised", side=side, **adv)
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> PeerFields:
+        """This side's part of its lookup or its answer (the message's keyword arguments)."""
         return {"versions": self.versions, "advertised": self.advertised}
 
     def judge(self, msg: wire.LookupMsg | wire.DecodesMsg, out: RunResult) -> Optional[str]:
@@ -59,7 +70,7 @@ class PeerCheck:
         reason it may not."""
         peer = "decode" if self.side == "prefill" else "prefill"
         theirs = msg.versions
-        if theirs:
+        if theirs is not None and theirs != Versions():  # (a peer may say nothing: {})
             self.log.info("peer_versions", side=self.side, mine=versions.as_text(self.versions),
                           peer=versions.as_text(theirs))
             for fail, text in versions.skew(self.versions, theirs):
@@ -69,15 +80,14 @@ class PeerCheck:
                 out.warnings.append(line)
                 self.log.warning("version_skew", detail=text)
         adv = msg.advertised
-        if self.mode is AddressCheck.off or not adv:
+        if self.mode is AddressCheck.off or adv is None or not adv.checked:
             return None
-        why = reach.probe(adv, self.auth, min(PROBE_S, self.timeout_s))
+        why = reach.probe(adv.to_json(), self.auth, min(PROBE_S, self.timeout_s))
         if why is None:
-            self.log.info("peer_address_reached", peer=peer, address=adv.get("address"), port=adv.get("port"),
-                          step=adv.get("step"))
-            self.reached = dict(adv)
+            self.log.info("peer_address_reached", peer=peer, address=adv.address, port=adv.port, step=adv.step)
+            self.reached = adv
             return None
-        line = reach.unreachable(peer, adv, why)
+        line = reach.unreachable(peer, adv.to_json(), why)
         self.log.warning("peer_address_unreachable", detail=line)
         if self.mode is AddressCheck.fail:
             return line + " (transport.address_check=fail)"

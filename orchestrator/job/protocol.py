@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from orchestrator.handoff.endpoints.control import (
     Bye,
@@ -38,6 +38,9 @@ from orchestrator.handoff.endpoints.control import (
     Started,
     Stop,
 )
+from orchestrator.handoff.transport.advert import Adverts, DecodeAdvert
+from orchestrator.results.paths import PrefillResult
+from orchestrator.results.records import DecodeResult
 
 # ---- child -> runner (the entry's own) ---------------------------------------------------
 
@@ -51,9 +54,9 @@ class Up:
 
 @dataclass(frozen=True)
 class Ready:
-    """A decode is up; `info` holds its endpoints (control, data, bootstrap, transport...)."""
+    """A decode is up; `info` holds its endpoints (control, data), transport and engine session."""
 
-    info: dict
+    info: DecodeAdvert
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,16 @@ class Running:
 
 @dataclass(frozen=True)
 class Result:
-    """A prefill's result: its RankResult, or what its driver returned (the bench's)."""
+    """A prefill's result: its RankResult, or what its driver returned (the bench's PathResult)."""
 
-    result: Any
+    result: PrefillResult
 
 
 @dataclass(frozen=True)
 class Stats:
-    """A decode's result (DecodeResult)."""
+    """A decode's result."""
 
-    result: Any
+    result: DecodeResult
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class Error:
 class Decodes:
     """Every decode instance's endpoints, per instance a list per TP rank."""
 
-    infos: list
+    infos: Adverts
 
 
 ToRunner = Union[Started, Up, Ready, Running, Progress, Phase, FaultReached, Result, Stats, Error, Bye,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import structlog
 
 from orchestrator.handoff.fault_kinds import divert_control, resume, strike
+from orchestrator.handoff.transport.advert import Adverts, DecodeAdvert
 from orchestrator.handoff.transport.auth import run_secret
 from orchestrator.job import protocol, warmstart
 from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_server
@@ -384,10 +385,10 @@ class Job:
                 self.log.error("process_lost", process=d.name, why=why)
                 raise RunFailed(f"{d.name} {why} {while_}")
 
-    def _startup(self) -> list[list[dict]]:
+    def _startup(self) -> Adverts:
         """Every decode ready and every prefill's engine up (they come up together)."""
         e = self.cfg.endpoints
-        infos: dict[tuple[int, int], dict] = {}
+        infos: dict[tuple[int, int], DecodeAdvert] = {}
         self._await(self.decodes + self.prefills, e.startup_timeout_s, "while starting",
                     f"did not start within endpoints.startup_timeout_s={e.startup_timeout_s:g}",
                     lambda p, msg: self._on_start(p, msg, infos))
@@ -398,15 +399,15 @@ class Job:
         return [[infos[(i, t)] for t in range(e.decode_tp)] for i in range(e.decode_ranks)]
 
     def _on_start(self, p: _Proc, msg: protocol.ToRunner | protocol.ToChild,
-                  infos: dict[tuple[int, int], dict]) -> None:
+                  infos: dict[tuple[int, int], DecodeAdvert]) -> None:
         out = self.out
         match msg:
             case protocol.Ready(info=info):
                 out.startup_by_process[p.name] = round(_clock() - self.t_spawn, 3)
                 infos[(p.index, p.tp_rank)] = info
-                out.transports[p.name] = info["transport"]
-                out.engine_exposed = sorted(set(out.engine_exposed) | set(info.get("engine_exposed", [])))
-                self.log.info("decode_ready", process=p.name, **info)
+                out.transports[p.name] = info.transport
+                out.engine_exposed = sorted(set(out.engine_exposed) | set(info.engine_exposed))
+                self.log.info("decode_ready", process=p.name, **info.log_fields())
             case protocol.Up(transport=transport):
                 out.startup_by_process[p.name] = round(_clock() - self.t_spawn, 3)
                 out.transports[p.name] = transport

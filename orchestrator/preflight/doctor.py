@@ -77,6 +77,7 @@ from orchestrator.profile.sharing import MPS_CONTROL
 if TYPE_CHECKING:
     from orchestrator.preflight.address import Host
     from orchestrator.preflight.deployment import Environment, Finding, Reading, Wheel
+    from orchestrator.profile.versions import Versions
 
 Crossed = list[tuple["Reading", "Reading", list["Finding"]]]  # prefill, decode, what their pair shows
 
@@ -773,8 +774,7 @@ def check_address(env: Mapping[str, str], peer_address: Optional[str] = None,
     return Check("address", CheckStatus(status), detail)
 
 
-def check_versions(mine: Mapping[str, str], peer: Optional[Mapping[str, str]] = None,
-                   peer_label: str = "") -> Check:
+def check_versions(mine: Versions, peer: Optional[Versions] = None, peer_label: str = "") -> Check:
     """This side's versions, and (with the peer's) the skew: FAIL for a known
     incompatibility, WARN for any other difference (orchestrator.profile.versions)."""
     from orchestrator.profile import versions

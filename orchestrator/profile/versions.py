@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from typing import Mapping, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13",
                    "mooncake-transfer-engine")
@@ -27,6 +28,27 @@ NONE = "none"
 TEST_HOOK_VAR = "ORCHESTRATOR_TEST_VERSIONS"
 
 
+@dataclass(frozen=True)
+class Versions:
+    """What one side runs, a field per key of KEYS (None: a peer that did not say; this
+    side's own say "none" for what is not installed). The bootstrap's `versions` object
+    (orchestrator.handoff.transport.wire: the keys said, in KEYS order)."""
+
+    mooncake_wheel: Optional[str] = None
+    mooncake: Optional[str] = None
+    torch: Optional[str] = None
+    layout: Optional[str] = None
+    orchestrator: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, str]) -> "Versions":
+        """A JSON object that passed the wire's check (keys of KEYS, short strings)."""
+        return cls(**d)
+
+    def to_json(self) -> dict[str, str]:
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+
 def installed_version(dist: str) -> Optional[str]:
     """The installed distribution `dist`'s version; None when it is not installed."""
     try:
@@ -35,28 +57,34 @@ def installed_version(dist: str) -> Optional[str]:
         return None
 
 
-def local(layout: str) -> dict[str, str]:
-    """This side's versions ({key: value}, every key of KEYS; "none" when not installed)."""
+def local(layout: str) -> Versions:
+    """This side's versions (every key of KEYS; "none" when not installed)."""
     import os
 
     wheel = next((d for d in MOONCAKE_WHEELS if installed_version(d) is not None), None)
-    mine = {"mooncake_wheel": wheel or NONE,
-            "mooncake": (installed_version(wheel) if wheel else None) or NONE,
-            "torch": installed_version("torch") or NONE,
-            "layout": layout,
-            "orchestrator": installed_version("pd-aux-orchestrator") or NONE}
+    mine = Versions(mooncake_wheel=wheel or NONE,
+                    mooncake=(installed_version(wheel) if wheel else None) or NONE,
+                    torch=installed_version("torch") or NONE,
+                    layout=layout,
+                    orchestrator=installed_version("pd-aux-orchestrator") or NONE)
     hook = os.environ.get(TEST_HOOK_VAR)
     if hook:
-        mine.update(dict(item.partition("=")[::2] for item in hook.split()))
+        mine = replace(mine, **dict(item.partition("=")[::2] for item in hook.split()))
     return mine
 
 
-def as_text(v: Mapping[str, str]) -> str:
+def _said(v: Versions, key: str) -> str:
+    """The value of `key` as a line shows it ("none" when not said)."""
+    value: Optional[str] = getattr(v, key)
+    return NONE if value is None else value
+
+
+def as_text(v: Versions) -> str:
     """One line, key=value pairs (what --peer-versions reads)."""
-    return " ".join(f"{k}={v.get(k, NONE)}" for k in KEYS)
+    return " ".join(f"{k}={_said(v, k)}" for k in KEYS)
 
 
-def from_text(text: str) -> dict[str, str]:
+def from_text(text: str) -> Versions:
     """The line as_text printed; ValueError naming what is wrong."""
     out: dict[str, str] = {}
     for item in text.split():
@@ -67,7 +95,7 @@ def from_text(text: str) -> dict[str, str]:
     missing = [k for k in KEYS if k not in out]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (paste the line the other side's doctor prints)")
-    return out
+    return Versions(**out)
 
 
 def release(version: str) -> Optional[tuple[int, ...]]:
@@ -76,10 +104,10 @@ def release(version: str) -> Optional[tuple[int, ...]]:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def skew(mine: Mapping[str, str], peer: Mapping[str, str]) -> list[tuple[bool, str]]:
+def skew(mine: Versions, peer: Versions) -> list[tuple[bool, str]]:
     """(fail, text) per difference between this side's versions and the peer's."""
     out: list[tuple[bool, str]] = []
-    a, b = mine.get("mooncake", NONE), peer.get("mooncake", NONE)
+    a, b = _said(mine, "mooncake"), _said(peer, "mooncake")
     ra, rb = release(a), release(b)
     if ra is not None and rb is not None and (ra < SEGMENT_DESCRIPTOR_BREAK) != (rb < SEGMENT_DESCRIPTOR_BREAK):
         out.append((True, f"Mooncake {a} here, {b} on the peer: across 0.3.11, sessions fail with "
@@ -88,12 +116,12 @@ def skew(mine: Mapping[str, str], peer: Mapping[str, str]) -> list[tuple[bool, s
     elif a != b:
         out.append((False, f"Mooncake {a} here, {b} on the peer: no known incompatibility, but the "
                            "two engines were not tested together; install the same version on both"))
-    if mine.get("mooncake_wheel") != peer.get("mooncake_wheel") and a == b:
-        out.append((False, f"Mooncake wheel {mine.get('mooncake_wheel')} here, "
-                           f"{peer.get('mooncake_wheel')} on the peer (same version, other build)"))
+    if mine.mooncake_wheel != peer.mooncake_wheel and a == b:
+        out.append((False, f"Mooncake wheel {mine.mooncake_wheel} here, "
+                           f"{peer.mooncake_wheel} on the peer (same version, other build)"))
     for key, what in (("torch", "torch"), ("orchestrator", "this tool"), ("layout", "the SGLang aux layout")):
-        if mine.get(key) != peer.get(key):
+        if getattr(mine, key) != getattr(peer, key):
             extra = (": the layouts are compared field by field too, and a run refuses a "
                      "difference" if key == "layout" else "")
-            out.append((False, f"{what} {mine.get(key)} here, {peer.get(key)} on the peer{extra}"))
+            out.append((False, f"{what} {getattr(mine, key)} here, {getattr(peer, key)} on the peer{extra}"))
     return out

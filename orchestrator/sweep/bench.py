@@ -45,6 +45,7 @@ from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode
 from orchestrator.profile.plan import Plan, Route
 from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
+from orchestrator.results.paths import Bulk, PathResult, PhaseResult
 from orchestrator.results.records import STAGES, RankResult
 from orchestrator.results.rundir import write_tables
 from orchestrator.results.schema import Percentiles, each, read_section
@@ -74,52 +75,6 @@ class SampleStats:
 
     def to_json(self) -> dict[str, Any]:
         return {"n": 0} if not self.n else asdict(self)
-
-
-@dataclass
-class PhaseResult:
-    name: str
-    requests: int
-    verified: int
-    batch_size: int
-    concurrency: int
-    handoffs_per_s: Optional[float]
-    handoff_us: Percentiles  # forward step done -> verdict (the digest checked) on the decode
-    taken_us: Percentiles  # forward step done -> taken (status in, readiness gate passed) on the decode
-    set_buf_us: Percentiles
-    send_us: Percentiles
-    requests_per_send: Optional[float]
-    stages_p50_us: dict[str, Optional[float]]  # STAGES -> p50 us
-
-    @classmethod
-    def from_json(cls, d: Any) -> "PhaseResult":
-        return read_section(cls, d, **{k: Percentiles.from_json for k in
-                                       ("handoff_us", "taken_us", "set_buf_us", "send_us")})
-
-
-@dataclass(frozen=True)
-class Bulk:
-    """One large block written back to back (bandwidth)."""
-
-    bytes: int
-    median_s: float
-    gb_per_s: float
-
-
-@dataclass
-class PathResult:
-    """Everything a driver measured on one route (RunResult.paths)."""
-
-    path: str
-    transport: str = ""
-    row_bytes: int = 0
-    blocks: int = 0
-    phases: dict[str, PhaseResult] = field(default_factory=dict)
-    ours_us: list[float] = field(default_factory=list)
-    raw_us: list[float] = field(default_factory=list)
-    raw_run_us: list[float] = field(default_factory=list)  # one B-slot run per write
-    bulk: Optional[Bulk] = None
-    error: Optional[str] = None
 
 
 def _phase_result(name: str, res: RankResult, phase: PhaseSpec) -> PhaseResult:

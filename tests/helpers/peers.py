@@ -31,9 +31,9 @@ class PrefillPeer:
         self.keys = Keys(secret, self.nonce)
         self.z = zmq.Context()
         self.control = self.z.socket(zmq.DEALER)
-        self.control.connect(self.info["control_endpoint"])
+        self.control.connect(self.info.control_endpoint)
         self.push = self.z.socket(zmq.PUSH)
-        self.push.connect(self.info["data_endpoint"])
+        self.push.connect(self.info.data_endpoint)
         b = cfg.buffers
         self.buffers = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value,
                                        b.max_sampling_mask_tokens, b.max_top_logprobs_num, None,
@@ -49,22 +49,22 @@ class PrefillPeer:
         self.sealed_hello = self.base.seal(self.hello)  # what a listener on the wire could copy
         self.control.send(self.sealed_hello)
         self.bootstrap = self.recv()
-        if self.bootstrap["type"] == "bootstrap":
-            self.auth = self.base.session(rank, self.nonce, self.bootstrap["nonce"], "prefill")
+        if self.bootstrap.TYPE == "bootstrap":
+            self.auth = self.base.session(rank, self.nonce, self.bootstrap.nonce, "prefill")
         self.verdicts: dict[int, tuple[Outcome, Detail]] = {}
 
     # ---- control --------------------------------------------------------------------------
     def send_control(self, payload: bytes) -> None:
         self.control.send(self.auth.seal(payload))
 
-    def recv(self, timeout_ms: int = 20000) -> dict:
+    def recv(self, timeout_ms: int = 20000) -> wire.Message:
         assert self.control.poll(timeout_ms), "decode did not answer"
         body = self.auth.unseal(self.control.recv())
         assert body is not None, "the decode's reply is not authentic"
         msg = wire.decode(body)
-        if msg["type"] == "update":
-            self.grants.update({rid: slot for rid, slot in msg["grants"]})
-            self.verdicts.update({rid: (Outcome.of(o), Detail.of(d)) for rid, o, d, *_ in msg["v"]})
+        if msg.TYPE == "update":
+            self.grants.update({rid: slot for rid, slot in msg.grants})
+            self.verdicts.update({rid: (Outcome.of(o), Detail.of(d)) for rid, o, d, *_ in msg.v})
         return msg
 
     def arrive(self, rid: int, room: int) -> int:
@@ -83,7 +83,7 @@ class PrefillPeer:
             if not self.control.poll(int(left * 1000) + 1):
                 break
             msg = self.recv()
-            if msg["type"] != "update" or msg["grants"] or msg["v"]:
+            if msg.TYPE != "update" or msg.grants or msg.v:
                 return False
         return True
 

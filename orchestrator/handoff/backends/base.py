@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import structlog
 import zmq
 
 from orchestrator.handoff.buffers import MetadataBuffers
+from orchestrator.handoff.transport.advert import Advertisement
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.profile.kinds import AddressCheck, StatusMode
 from orchestrator.results.outcomes import KVPoll
@@ -179,7 +180,7 @@ class Backend(ABC):
                tag_in_status: bool = True) -> SendPath:
         """The send path to one decode process, whose data socket `push` is connected to."""
 
-    def first_contact(self, path: SendPath, advertised: Optional[dict[str, Any]], timeout_s: float,
+    def first_contact(self, path: SendPath, advertised: Optional[Advertisement], timeout_s: float,
                       address_check: AddressCheck, log: structlog.stdlib.BoundLogger) -> float:
         """After path.connect(): what the backend does with the peer before any handoff (the
         engine's handshake, its probe of the address SGLang would advertise, the warm-up

@@ -61,6 +61,7 @@ from orchestrator.handoff.endpoints.tp import Group, TorchGroup, single
 from orchestrator.handoff.faults import decode_setup, silent_session
 from orchestrator.handoff.specs import DecodeSpec, FaultSpec
 from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.advert import DecodeAdvert
 from orchestrator.profile.layout import describe
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.profile.platform import usable_cores
@@ -158,21 +159,14 @@ class DecodeEndpoint:
                               plan.route.value == "tcp" and rows.host_rows)
         self.stepper = Stepper(ledger, rows, judge, self.group, self.grants, self.res, self.records, log, size)
 
-    def advert(self, bulk_bytes: int = 0) -> dict[str, object]:
+    def advert(self, bulk_bytes: int = 0) -> DecodeAdvert:
         """What this process tells the runner once it is up (its Ready): its endpoints, its
         transport and engine session. `bulk_bytes` > 0 also asks the backend for a bulk target
         region of that size on the buffers' device (the benchmark's bandwidth point)."""
-        info: dict[str, object] = {
-            "control_endpoint": self.net.control_endpoint,
-            "data_endpoint": self.net.data_endpoint,
-            "transport": self.side.transport,
-            "session_id": self.session_id,
-            "engine_exposed": self.side.backend.exposed(),
-        }
+        exposed = tuple(self.side.backend.exposed())
         bulk_ptr = self.side.backend.bulk_target(bulk_bytes) if bulk_bytes else None
-        if bulk_ptr is not None:
-            info["bulk_ptr"] = bulk_ptr
-        return info
+        return DecodeAdvert(self.net.control_endpoint, self.net.data_endpoint, self.side.transport,
+                            self.session_id, exposed, bulk_ptr)
 
     @property
     def leader(self) -> bool:

@@ -8,7 +8,7 @@ answer (Offer) sent."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import structlog
 import zmq
@@ -21,6 +21,7 @@ from orchestrator.handoff.endpoints.links import Instance, Link, Links
 from orchestrator.handoff.faults import wrap
 from orchestrator.handoff.specs import FaultSpec
 from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.advert import Advertisement, Adverts
 from orchestrator.handoff.transport.wire import Layout
 from orchestrator.profile.kinds import AddressCheck
 from orchestrator.profile.layout import describe, fingerprint, first_difference
@@ -49,7 +50,7 @@ class PrefillHandshake:
     def timeout_s(self) -> float:
         return self.links.timeout_s
 
-    def connect(self, decodes: list[list[dict]]) -> None:
+    def connect(self, decodes: Adverts) -> None:
         """`decodes[i][t]`: what decode instance i's TP rank t said when it came up (its
         control and data endpoints). Says hello to every rank, learns its engine session,
         buffer pointers and layout, and keeps the leader's control channel for arrivals,
@@ -59,22 +60,22 @@ class PrefillHandshake:
             inst: Instance | None = None
             for t, info in enumerate(ranks):
                 ctl = new_socket(links.ctx, zmq.DEALER, self.timeout_s)
-                ctl.connect(info["control_endpoint"])
+                ctl.connect(info.control_endpoint)
                 push = new_socket(links.ctx, zmq.PUSH, self.timeout_s)
-                push.connect(info["data_endpoint"])
+                push.connect(info.data_endpoint)
                 path = self.side.backend.router(push, links.me.auth, self.rank, self.tag_in_status)
                 name = proc_name("decode", i, len(decodes), t, len(ranks))
                 if inst is None:
                     inst = Instance(i, ctl)
                 inst.links.append(Link(i, t, push, wrap(path, self.faults), name))
-                self.hello(inst, inst.links[-1], path, ctl, info.get("advertised"))
+                self.hello(inst, inst.links[-1], path, ctl, info.advertised)
                 if t > 0:
                     ctl.close(0)
             assert inst is not None, "an instance has at least one rank"
             links.add(inst)  # bootstrapped on every rank
 
     def hello(self, inst: Instance, link: Link, path: SendPath, ctl: zmq.Socket,
-              advertised: Optional[dict[str, Any]] = None) -> None:
+              advertised: Optional[Advertisement] = None) -> None:
         """`path`: the backend's send path of `link` (its router, less any fault around it)."""
         me = self.links.me
         ctl.send(me.auth.seal(wire.encode(wire.HelloMsg(

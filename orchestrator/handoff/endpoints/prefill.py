@@ -51,11 +51,13 @@ from orchestrator.handoff.endpoints.prefill_loop import LoopSettings, PhaseSpec,
 from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.specs import PrefillSpec
+from orchestrator.handoff.transport.advert import Adverts
 from orchestrator.handoff.transport.auth import Authenticator, new_nonce
 from orchestrator.handoff.workload import RequestPool
 from orchestrator.profile.kinds import CompletionSetting
 from orchestrator.profile.platform import boot_id, usable_cores
 from orchestrator.results.logs import DecisionLog
+from orchestrator.results.paths import PrefillResult
 from orchestrator.results.records import RankResult
 from orchestrator.results.rundir import RunFile, RunFiles, proc_name
 
@@ -139,11 +141,11 @@ class PrefillEndpoint:
         return self._sender
 
     # ---- bootstrap ----------------------------------------------------------------------
-    def connect(self, decodes: list[list[dict]]) -> None:
+    def connect(self, decodes: Adverts) -> None:
         """Bootstrap with every decode rank (orchestrator.handoff.endpoints.handshake), then
         start the transfer thread."""
         spec = self.spec
-        self.bulk_ptr = decodes[0][0].get("bulk_ptr")
+        self.bulk_ptr = decodes[0][0].bulk_ptr
         handshake = PrefillHandshake(self.links, self.side, self.plan, self.rank, spec.faults, self.TAG_IN_STATUS,
                                      spec.address_check)
         try:
@@ -209,6 +211,6 @@ def _ask_runner(conn: control.Pipe, kind: str) -> None:
         pass
 
 
-Driver = Callable[[PrefillEndpoint, control.Pipe], object]
+Driver = Callable[[PrefillEndpoint, control.Pipe], PrefillResult]
 """What a prefill rank runs once bootstrapped, and sends back (default: workload_driver; the
 bench's: sweep.bench.BenchDriver). orchestrator.job.children.prefill_main runs it."""

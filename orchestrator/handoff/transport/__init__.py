@@ -1,3 +1,4 @@
 """What the backends and the endpoints share: the run's keys and MACs (auth), the wire format
-(wire), Mooncake's RPC port range (ports) and the probe of the address SGLang would advertise
-(reach)."""
+(wire), what a side tells about itself before any handoff (advert: a decode's endpoints, the
+address SGLang would advertise), Mooncake's RPC port range (ports) and the probe of that
+address (reach)."""

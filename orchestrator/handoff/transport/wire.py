@@ -8,8 +8,10 @@ Control channel (ZMQ DEALER -> ROUTER), JSON objects with a "type", decoded with
     lookup {rank, prefill_ranks, versions, advertised, nonce, challenge, sent_ms} -> decodes
     {infos: [[{control_endpoint, data_endpoint, transport, session_id}, ...], ...],
     prefill_ranks, versions, advertised, answer_to}
-    (versions: what each side runs; advertised: the address SGLang would advertise on its host
-    and a port it answers probes on there: orchestrator.job.peercheck). Fresh lookups
+    (infos: each decode process's DecodeAdvert, its public part; versions: what each side
+    runs, profile.versions.Versions; advertised: the address SGLang would advertise on its host
+    and a port it answers probes on there, an Advertisement: orchestrator.handoff.transport.
+    advert, orchestrator.job.peercheck). Fresh lookups
     (issue 36): the prefill side's nonce is drawn per run; a lookup without the decode side's
     current challenge gets challenge {challenge, answer_to} back, and only a lookup that carries
     it, sent within the decode side's time window, is judged and answered; every answer echoes
@@ -47,10 +49,12 @@ import dataclasses
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 
+from orchestrator.handoff.transport.advert import Advertisement, DecodeAdvert
+from orchestrator.profile.versions import Versions
 from orchestrator.results.outcomes import KVPoll
 
 AUX_DATA = b"AUX_DATA"
@@ -119,7 +123,7 @@ def _opt_str(v: Any) -> bool:
     return v is None or _str(v)
 
 
-_INFO_KEYS = {"control_endpoint": _str, "data_endpoint": _str, "transport": _str, "session_id": _opt_str}
+_INFO_KEYS: dict[str, Callable[[Any], bool]] = dict(zip(DecodeAdvert.WIRE_KEYS, (_str, _str, _str, _opt_str)))
 
 
 def _infos(v: Any) -> bool:
@@ -129,7 +133,12 @@ def _infos(v: Any) -> bool:
             for d in inst) for inst in v)
 
 
-_ADVERTISED = {"address": _str, "step": _str, "interface": _str, "port": _u64, "fix": _str, "error": _str}
+def _read_infos(v: list[list[dict[str, Any]]]) -> list[list[DecodeAdvert]]:
+    return [[DecodeAdvert.from_json(d) for d in inst] for inst in v]
+
+
+_ADVERTISED: dict[str, Callable[[Any], bool]] = dict(zip(Advertisement.WIRE_KEYS,
+                                                         (_str, _str, _str, _u64, _str, _str)))
 _VERSION_KEYS = frozenset({"mooncake_wheel", "mooncake", "torch", "layout", "orchestrator"})
 
 
@@ -162,14 +171,25 @@ def _over_long(key: str, v: Any) -> Optional[tuple[str, int, int]]:
 
 
 # Each control message is a frozen dataclass (its fields in wire order, each with its check);
-# decode() checks a message once, here, and returns its dataclass; the endpoints dispatch on
-# the class. A message also reads as the JSON object it travels as (msg["type"], msg[key],
-# key in msg), for tests and tools that look at the wire itself.
-def _check(fits: Callable[[Any], bool], optional: bool = False) -> Any:
+# decode() checks a message once, here, and returns its dataclass, its nested objects built
+# as their types (DecodeAdvert, Advertisement, Versions); the endpoints dispatch on the class
+# and read its fields as attributes. as_json() is the JSON object it travels as, for tests and
+# tools that look at the wire itself.
+def _check(fits: Callable[[Any], bool], optional: bool = False, read: Optional[Callable[[Any], Any]] = None) -> Any:
     """A field of a control message: its check; `optional`, a key a sender may leave out (a
-    peer that predates it), None here when absent."""
-    meta = {"fits": fits, "optional": optional}
+    peer that predates it), None here when absent; `read`, what builds its typed value from
+    the checked JSON (a nested object: its type's from_json)."""
+    meta = {"fits": fits, "optional": optional, "read": read}
     return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
+def _json(value: Any) -> Any:
+    """A field's value as JSON: a nested object's to_json(), lists of them item by item."""
+    if isinstance(value, (Advertisement, DecodeAdvert, Versions)):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_json(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -184,25 +204,8 @@ class Message:
                 if (value := getattr(self, name)) is not None or not optional}
 
     def as_json(self) -> dict[str, Any]:
-        return {"type": self.TYPE, **self.fields()}
-
-    def __getitem__(self, key: str) -> Any:
-        return self.as_json()[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.as_json()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.as_json())
-
-    def __len__(self) -> int:
-        return len(self.as_json())
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.as_json().get(key, default)
-
-    def keys(self) -> Iterator[str]:
-        return iter(self.as_json())
+        """The JSON object it travels as: "type", then its fields in wire order."""
+        return {"type": self.TYPE, **{k: _json(v) for k, v in self.fields().items()}}
 
 
 @dataclass(frozen=True)
@@ -281,8 +284,8 @@ class LookupMsg(Message):
     prefill_ranks: int = _check(_u64)
     # what the prefill side runs, and the address SGLang would advertise on its host
     # (orchestrator.job.peercheck; a peer that predates them leaves them out)
-    versions: Optional[dict[str, str]] = _check(_versions, optional=True)
-    advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+    versions: Optional[Versions] = _check(_versions, optional=True, read=Versions.from_json)
+    advertised: Optional[Advertisement] = _check(_advertised, optional=True, read=Advertisement.from_json)
     # freshness (issue 36): the prefill side's nonce for this run, the decode side's current
     # challenge (None until it said it), and the prefill's wall clock in ms at sending. Read
     # even from a peer that predates them (which the decode side then refuses, saying why)
@@ -306,10 +309,10 @@ class DecodesMsg(Message):
     """The answer to lookup: every decode instance's endpoints, a list per TP rank."""
 
     TYPE: ClassVar[str] = "decodes"
-    infos: list[list[dict[str, Optional[str]]]] = _check(_infos)
+    infos: list[list[DecodeAdvert]] = _check(_infos, read=_read_infos)
     prefill_ranks: int = _check(_u64)
-    versions: Optional[dict[str, str]] = _check(_versions, optional=True)  # as in LookupMsg
-    advertised: Optional[dict[str, Any]] = _check(_advertised, optional=True)
+    versions: Optional[Versions] = _check(_versions, optional=True, read=Versions.from_json)  # as in LookupMsg
+    advertised: Optional[Advertisement] = _check(_advertised, optional=True, read=Advertisement.from_json)
     answer_to: Optional[str] = _check(_nonce, optional=True)  # the lookup's nonce
 
 
@@ -323,6 +326,10 @@ OPTIONAL: dict[str, frozenset[str]] = {
     t: frozenset(f.name for f in dataclasses.fields(cls) if f.metadata["optional"]) for t, cls in MESSAGES.items()}
 _FIELDS: dict[type[Message], tuple[tuple[str, bool], ...]] = {
     cls: tuple((f.name, bool(f.metadata["optional"])) for f in dataclasses.fields(cls)) for cls in MESSAGES.values()}
+# the fields whose JSON is a nested object: what builds its type (their from_json)
+_READS: dict[str, dict[str, Callable[[Any], Any]]] = {
+    t: {f.name: f.metadata["read"] for f in dataclasses.fields(cls) if f.metadata["read"] is not None}
+    for t, cls in MESSAGES.items()}
 
 
 CONTROL_FRAME_BYTES = MAX_MESSAGE_BYTES + 64  # a control payload, its sequence number and MAC
@@ -339,7 +346,7 @@ def encode(msg: Message | str, **fields: Any) -> bytes:
     malformed ones this way)."""
     if isinstance(msg, Message):
         return json.dumps(msg.as_json(), separators=(",", ":")).encode()
-    return json.dumps({"type": msg, **fields}, separators=(",", ":")).encode()
+    return json.dumps({"type": msg, **{k: _json(v) for k, v in fields.items()}}, separators=(",", ":")).encode()
 
 
 def decode(raw: bytes) -> Message:
@@ -365,6 +372,9 @@ def decode(raw: bytes) -> Message:
             if key in msg and (long := _over_long(key, msg[key])) is not None:
                 raise TooLong(kind, *long)
             raise WireError(f"{kind}: bad or missing {key!r}")
+    for key, read in _READS[kind].items():
+        if key in msg:
+            msg[key] = read(msg[key])
     return MESSAGES[kind](**msg)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import structlog
 import torch
@@ -20,6 +20,7 @@ from orchestrator.handoff.backends.mooncake.probe import bounded
 from orchestrator.handoff.backends.mooncake.router import EngineRouter
 from orchestrator.handoff.buffers import MetadataBuffers
 from orchestrator.handoff.specs import EngineSpec
+from orchestrator.handoff.transport.advert import Advertisement
 from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.handoff.transport.reach import unreachable
 from orchestrator.profile.kinds import AddressCheck, FallbackPolicy, is_loopback
@@ -92,7 +93,7 @@ class MooncakeBackend(Backend):
         self.opened.append(path)
         return path
 
-    def first_contact(self, path: SendPath, advertised: Optional[dict[str, Any]], timeout_s: float,
+    def first_contact(self, path: SendPath, advertised: Optional[Advertisement], timeout_s: float,
                       address_check: AddressCheck, log: structlog.stdlib.BoundLogger) -> float:
         """Mooncake's handshake with a peer that accepts and never answers blocks ~60 s and
         ignores its timeout variables: run it on a watchdog of `timeout_s`. Then the path's
@@ -102,15 +103,15 @@ class MooncakeBackend(Backend):
         assert isinstance(path, EngineRouter), "a path this backend opened"
         session = path.peer_session()
         host, _, port = session.rpartition(":")
-        other = advertised.get("address") if advertised is not None else None
+        other = advertised.address if advertised is not None else None
         elsewhere = f"{other}:{port}" if other not in (None, "", host) else None
         result = self._contact(path, session, elsewhere, timeout_s)
         if not result.ok:
             raise RuntimeError(f"Mooncake probe of decode session {session} failed")
         if elsewhere is not None and not result.advertised_ok:
             assert advertised is not None
-            line = unreachable("decode", advertised, f"Mooncake send_probe to {elsewhere} "
-                                                     "failed (its ZMQ probe had answered)")
+            line = unreachable("decode", advertised.to_json(), f"Mooncake send_probe to {elsewhere} "
+                                                               "failed (its ZMQ probe had answered)")
             if address_check is AddressCheck.fail:
                 raise RuntimeError(line)
             log.warning("peer_address_unreachable", detail=line)
