@@ -15,6 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from orchestrator.job import failure
+from orchestrator.job.check import check_profile
+from orchestrator.job.specs import build_specs
 from orchestrator.profile.config import (
     CONF_DIR,
     BenchPhases,
@@ -30,7 +32,6 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.plan import Device, Plan, Platform, Route
 from orchestrator.profile.platform import detect
-from orchestrator.profile.rules import check_profile
 from orchestrator.sweep.bench import NO_MPS_PHASES, BenchSpec, Path_, run_bench
 
 if TYPE_CHECKING:
@@ -75,12 +76,12 @@ def bench_spec(cfg: OrchestratorConfig, platform: Platform) -> BenchSpec:
     out: list[Path_] = []
     for c in todo:
         p = check_profile(c, platform)
-        out.append(Path_(_label(p), c, p))
+        out.append(Path_(_label(p), build_specs(c, p)))
         if p.sharing.shared and p.sharing.mps:  # its twin without MPS: what time-slicing costs
             twin = replace(c, endpoints=replace(c.endpoints, mps=MpsMode.off))
             q = check_profile(twin, platform)
             if not q.sharing.mps:
-                out.append(Path_(_label(q), twin, q, NO_MPS_PHASES))
+                out.append(Path_(_label(q), build_specs(twin, q), NO_MPS_PHASES))
     return BenchSpec(selected, b.handoffs, b.requests, b.batch_size, b.iters, b.bulk_mib, tuple(out))
 
 
@@ -100,7 +101,7 @@ def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence
     pair = PairSpec(plan, side_spec(job.buffers, job.layout, job.transport), job.transport,
                     workload_spec(job.workload), gate_spec(job.gate), job.verify.digest, job.endpoints.poll,
                     b.ladder_handoffs)
-    return LadderSpec(pair, job, job.transport.route, b.ladder_rounds, b.yardstick, tuple(overrides))
+    return LadderSpec(pair, build_specs(job, plan), job.transport.route, b.ladder_rounds, b.yardstick, tuple(overrides))
 
 
 register_configs()

@@ -16,6 +16,7 @@ from orchestrator.profile.config import CONF_DIR, OrchestratorConfig, register_c
 if TYPE_CHECKING:  # (the runner imports torch: a cost only the tests that run a job pay)
     from orchestrator.profile.plan import Plan, Platform
     from orchestrator.results.records import RunResult
+    from orchestrator.results.report_spec import ReportSpec
     from orchestrator.results.schema import JobResults
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,15 @@ def plan_of(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     return make_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
 
 
+def report_spec(cfg: OrchestratorConfig) -> ReportSpec:
+    """The report's spec of `cfg` as a job builds it (job.specs.build_specs), on a bare CPU
+    Platform()'s plan (the report's spec reads none of it)."""
+    from orchestrator.job.specs import build_specs
+    from orchestrator.profile.plan import Platform
+
+    return build_specs(cfg, plan_of(cfg, Platform())).report
+
+
 class JobRunner:
     """One in-process job, as the CLI runs it: the config composed from `overrides`, planned
     through the rule book (check_profile) on `platform` (default: a bare CPU Platform()), run
@@ -86,18 +96,19 @@ class JobRunner:
         self.wall_s: Optional[float] = None
 
     def __call__(self, run_dir: Path, *overrides: str, platform: Optional[Platform] = None) -> JobResults:
-        from orchestrator.job.report_spec import report_spec
+        from orchestrator.job.check import check_profile
         from orchestrator.job.runner import run_handoffs
+        from orchestrator.job.specs import build_specs
         from orchestrator.profile.plan import Platform
-        from orchestrator.profile.rules import check_profile
         from orchestrator.results.reporting import build_results
 
         self.cfg = cfg = typed_cfg(*overrides)
         self.plan = plan = check_profile(cfg, platform or Platform())
         t0 = time.monotonic()
-        self.out = out = run_handoffs(cfg, plan, run_dir)
+        specs = build_specs(cfg, plan)
+        self.out = out = run_handoffs(specs, run_dir)
         self.wall_s = time.monotonic() - t0
-        return build_results(report_spec(cfg), plan, out)
+        return build_results(specs.report, plan, out)
 
 
 @pytest.fixture
@@ -131,7 +142,7 @@ class DecodeProcess:
 
         from orchestrator.job import protocol
         from orchestrator.job.children import decode_main
-        from orchestrator.job.specs import endpoint_specs
+        from orchestrator.job.specs import build_specs
         from orchestrator.profile.plan import Platform
 
         self.plan = plan_of(cfg, platform or Platform())
@@ -139,7 +150,7 @@ class DecodeProcess:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         self.conn = protocol.Channel(conn)
-        self.proc = ctx.Process(target=decode_main, args=(endpoint_specs(cfg, self.plan).decode, str(run_dir),
+        self.proc = ctx.Process(target=decode_main, args=(build_specs(cfg, self.plan).decode, str(run_dir),
                                                           secret, child),
                                 daemon=True)
         self.proc.start()

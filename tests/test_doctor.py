@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from orchestrator.job.check import doctor_spec
 from orchestrator.preflight import compose as profile
 from orchestrator.preflight import doctor
 from orchestrator.preflight.compose import one_line
@@ -352,7 +353,7 @@ def test_host_local_non_loopback_warns():
 
 
 def test_a_missing_secret_is_the_rule_books_refusal(cfg_factory):
-    report = doctor.run_checks(cfg_factory("transport.secret_env=PD_AUX_SECRET"), [], env={})
+    report = doctor.run_checks(doctor_spec(cfg_factory("transport.secret_env=PD_AUX_SECRET")), [], env={})
     plan = next(c for c in report.checks if c.name == "plan")
     assert plan.status is Status.FAIL and "transport.secret_env" in plan.detail and not report.ok
 

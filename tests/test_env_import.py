@@ -15,6 +15,7 @@ import sys
 import pytest
 import yaml
 
+from orchestrator.job.check import check_profile
 from orchestrator.preflight import deployment as dep
 from orchestrator.preflight.compose import load_profile
 from orchestrator.preflight.deployment import DisaggregationMode as Role
@@ -22,7 +23,6 @@ from orchestrator.preflight.deployment import Level, Wheel
 from orchestrator.preflight.serving import profile_from_env, serving_env
 from orchestrator.profile.config import ConfigError, EngineTransportSetting, FallbackPolicy, MemPoolType, RouteSetting
 from orchestrator.profile.plan import Platform
-from orchestrator.profile.rules import check_profile
 from orchestrator.results.schema import Results
 
 from .conftest import CONF, ROOT, typed_cfg

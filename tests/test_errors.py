@@ -101,7 +101,7 @@ def test_the_real_command_line_refuses_cfg_with_m(tmp_path):
 
 
 def test_help_lists_every_key_with_its_default_and_meaning(capsys, monkeypatch, tmp_path):
-    from orchestrator.preflight.compose import load_profile
+    from orchestrator.preflight.compose import composed_defaults
     from orchestrator.profile.keys import keys, value_text
 
     monkeypatch.chdir(tmp_path)
@@ -113,8 +113,7 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys, monkeypatch, 
     assert "== Config groups" in out  # Hydra's own part stays
     listed = {line.split("=", 1)[0]: line for line in out.split("== Keys", 1)[1].splitlines()[1:]
               if line and not line.startswith(" ")}
-    cfg = load_profile([])
-    every = keys(cfg)
+    every = keys(composed_defaults())
     assert len(every) > 70 and set(listed) == {k.name for k in every}
     for k in every:
         assert listed[k.name].startswith(f"{k.name}={value_text(k.default)}")

@@ -133,12 +133,13 @@ class _Child:
 
 def _job(tmp_path: Path):
     from orchestrator.job.runner import Job
+    from orchestrator.job.specs import build_specs
     from orchestrator.profile.plan import Platform
 
     from .conftest import plan_of, typed_cfg
 
     cfg = typed_cfg()
-    return Job(cfg, plan_of(cfg, Platform()), tmp_path, secret=b"s" * 32)
+    return Job(build_specs(cfg, plan_of(cfg, Platform())), tmp_path, secret=b"s" * 32)
 
 
 def _proc(msgs: list, alive: bool = True, exitcode=None, every: int = 1):

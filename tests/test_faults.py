@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.job.check import check_profile
 from orchestrator.profile.plan import Platform
-from orchestrator.profile.rules import check_profile
 
 from .helpers.bounds import bound
 
@@ -132,10 +132,11 @@ def test_a_prefill_ended_after_an_interrupt_is_counted_not_lost(cfg_factory, tmp
     keeps its verdict (and its route), the requests in flight fail as interrupted, and those
     past the last trace never arrived: not_started, with no line."""
     from orchestrator.handoff.workload import room_of
-    from orchestrator.job.report_spec import report_spec
     from orchestrator.job.runner import reconstruct
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record, read_records
+
+    from .conftest import report_spec
 
     cfg = cfg_factory("workload.requests=1000")
     w = cfg.workload

@@ -24,9 +24,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from orchestrator.job.check import check_profile
 from orchestrator.profile.config import ConfigError, Role, validate
 from orchestrator.profile.plan import Platform
-from orchestrator.profile.rules import check_profile
 
 from .conftest import CONF, ROOT, compose_cfg
 

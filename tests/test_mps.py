@@ -19,10 +19,10 @@ import pytest
 import structlog
 
 from orchestrator.job import mps
+from orchestrator.job.check import check_profile
 from orchestrator.job.mps import OwnDaemon, mps_for
 from orchestrator.profile.config import ConfigError, MpsMode
 from orchestrator.profile.plan import Platform
-from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import (
     MpsDaemon,
     processes_on_gpus,

@@ -229,8 +229,9 @@ def test_bootstrap_messages_carry_the_process_space():
 
 
 def test_batch_caps_are_said_with_the_key_to_raise(cfg_factory):
-    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.reporting import _open_loop_warnings, batch_caps
+
+    from .conftest import report_spec
 
     cfg = cfg_factory("workload.batch_size=64", "transport.coalesce=true", "workload.fill=ahead")
     (line,) = batch_caps(report_spec(cfg), sends=297, routed=1000)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from orchestrator.job.check import doctor_spec
 from orchestrator.preflight import doctor, export_env
 from orchestrator.preflight.compose import precheck
 
@@ -62,7 +63,7 @@ def test_run_doctor_and_export_env_refuse_alike(overrides, key, capsys):
 def test_run_doctor_and_export_env_accept_alike(overrides, capsys):
     assert precheck(overrides) is None
     assert _code(export_env.main, overrides) == 0
-    report = doctor.run_checks(doctor.load_profile(overrides), overrides)
+    report = doctor.run_checks(doctor_spec(doctor.load_profile(overrides)), overrides)
     assert next(c for c in report.checks if c.name == "plan").status is not doctor.CheckStatus.FAIL
 
 
@@ -78,9 +79,9 @@ def test_the_real_command_line_refuses_the_same_way(tmp_path):
 def test_nvlink_stays_on_one_host(cfg_factory):
     """A split run (role=prefill/decode) over a non-loopback host cannot use NVLink: refused
     naming the transport; the same split over loopback (two commands, one host) may."""
+    from orchestrator.job.check import check_profile
     from orchestrator.profile.config import ConfigError
     from orchestrator.profile.plan import Platform
-    from orchestrator.profile.rules import check_profile
 
     gpu = Platform(cuda_devices=2, mooncake_cuda=True, env={"S": "x" * 32})
     split = ["mem_pool=INTRA_NODE_NVLINK", "role=decode", "transport.secret_env=S"]
@@ -94,9 +95,9 @@ def test_nvlink_stays_on_one_host(cfg_factory):
 
 
 def test_rdma_needs_a_device(cfg_factory):
+    from orchestrator.job.check import check_profile
     from orchestrator.profile.config import ConfigError
     from orchestrator.profile.plan import Platform
-    from orchestrator.profile.rules import check_profile
 
     with pytest.raises(ConfigError) as err:
         check_profile(cfg_factory("transport.mooncake.transport=rdma"), Platform())

@@ -321,9 +321,10 @@ def test_a_timed_coalesced_run_shows_progress_and_keeps_its_run_dir_clean(tmp_pa
 
 def test_a_lost_rank_of_a_timed_run_counts_what_arrived_not_its_ceiling(tmp_path):
     from orchestrator.job.recovery import reconstruct
-    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.outcomes import Detail, Outcome
     from orchestrator.results.records import Record
+
+    from .conftest import report_spec
 
     cfg = typed_cfg("workload.duration_s=5", "workload.requests=10000000")
     lines = [Record(rid, rid, 0, rid, "engine", 1.0, 2.0, 3.0, 4.0, Outcome.verified, Detail.none, "c").line()

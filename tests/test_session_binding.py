@@ -177,7 +177,7 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     """A decode side played by the test (tcp route): a real prefill process bootstraps with
     it; `on_arrive(rid, slot)` returns the extra updates to send right after the grant."""
     from orchestrator.job.children import prefill_main
-    from orchestrator.job.specs import endpoint_specs
+    from orchestrator.job.specs import build_specs
 
     b = cfg.buffers
     bufs = MetadataBuffers(b.size, b.hidden_size, b.hidden_states_dtype.value, b.max_sampling_mask_tokens,
@@ -193,7 +193,7 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
     plan = plan_of(cfg, Platform())
     conn, child = mp.get_context("spawn").Pipe()
     conn = protocol.Channel(conn)
-    proc = mp.get_context("spawn").Process(target=prefill_main, args=(endpoint_specs(cfg, plan).prefill, str(tmp_path),
+    proc = mp.get_context("spawn").Process(target=prefill_main, args=(build_specs(cfg, plan).prefill, str(tmp_path),
                                                                       secret, child), daemon=True)
     proc.start()
     result, sess, ident, free = None, None, None, list(range(b.size))
@@ -450,6 +450,7 @@ def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     """Job._finish reads a decode's pipe after it died, so its error is reported (it was
     dropped while the runner read the pipe only of a living decode)."""
     from orchestrator.job.runner import Job, _Proc
+    from orchestrator.job.specs import build_specs
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -458,7 +459,7 @@ def test_a_dead_decodes_own_error_reaches_the_results(tmp_path):
     p.join(30)
     assert p.exitcode == 0
     cfg = typed_cfg()
-    job = Job(cfg, plan_of(cfg, Platform()), tmp_path, secret=SECRET)
+    job = Job(build_specs(cfg, plan_of(cfg, Platform())), tmp_path, secret=SECRET)
     job.decodes = [_Proc("decode", p, protocol.Channel(conn), "decode", 0)]
     job._finish()
     out = job.out
@@ -482,8 +483,9 @@ def test_refused_before_start_with_one_line(tmp_path, override, expect):
 
 
 def test_buffers_beyond_memory_name_the_bytes_needed():
+    from orchestrator.job.check import check_profile
     from orchestrator.profile.config import ConfigError
-    from orchestrator.profile.rules import buffer_bytes, check_profile
+    from orchestrator.profile.rules import buffer_bytes
 
     cfg = typed_cfg("buffers.size=1000000", "buffers.hidden_size=7168", "buffers.hidden_states_dtype=bfloat16")
     need = 2 * buffer_bytes(cfg.buffers, cfg.layout)
@@ -533,7 +535,7 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     import socket
 
     from orchestrator.job.children import prefill_main
-    from orchestrator.job.specs import endpoint_specs
+    from orchestrator.job.specs import build_specs
 
     cfg = typed_cfg("mem_pool=NONE", "transport.timeout_s=3")
     decode = DecodeProcess(cfg, tmp_path, secret=SECRET)
@@ -542,7 +544,7 @@ def test_a_handshake_held_by_idle_connections_fails_in_time_naming_the_listener(
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     conn = protocol.Channel(conn)
-    proc = ctx.Process(target=prefill_main, args=(endpoint_specs(cfg, decode.plan).prefill, str(tmp_path), SECRET,
+    proc = ctx.Process(target=prefill_main, args=(build_specs(cfg, decode.plan).prefill, str(tmp_path), SECRET,
                                                   child), daemon=True)
     proc.start()
     try:

@@ -18,8 +18,8 @@ import torch
 
 from orchestrator.handoff.backends.mooncake.engine import EngineError, MooncakeEngine
 from orchestrator.handoff.transport import wire
-from orchestrator.job.report_spec import report_spec
 from orchestrator.job.runner import run_handoffs
+from orchestrator.job.specs import build_specs
 from orchestrator.profile.plan import Platform
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.reporting import build_results
@@ -285,13 +285,15 @@ def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
     cfg = cfg_factory("transport.mooncake.transport=rdma", "workload.requests=50")
     plan = plan_of(cfg, CPU)
     assert plan.mc_env["MC_FORCE_TCP"] is None and plan.declared_transport == "mooncake-rdma"
-    res = build_results(report_spec(cfg), plan, run_handoffs(cfg, plan, tmp_path / "strict"))
+    specs = build_specs(cfg, plan)
+    res = build_results(specs.report, plan, run_handoffs(specs, tmp_path / "strict"))
     assert res.verified == 0 and res.exit_code == 3
     assert "came up on mooncake-tcp, declared mooncake-rdma" in res.error
 
     cfg = cfg_factory("transport.mooncake.transport=rdma", "transport.fallback=degrade",
                       "workload.requests=50")
     plan = plan_of(cfg, CPU)
-    res = build_results(report_spec(cfg), plan, run_handoffs(cfg, plan, tmp_path / "degrade"))
+    specs = build_specs(cfg, plan)
+    res = build_results(specs.report, plan, run_handoffs(specs, tmp_path / "degrade"))
     assert res.verified == 50 and res.transports.effective_transport == "mooncake-tcp"
     assert "effective_transport_differs" in (tmp_path / "degrade" / "decode.log").read_text()

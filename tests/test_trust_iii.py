@@ -236,8 +236,8 @@ def test_an_absurd_rate_on_the_command_line_is_exit_2_and_no_run_dir(tmp_path):
 
 
 def test_a_sane_open_loop_rate_is_allowed():
+    from orchestrator.job.check import check_profile
     from orchestrator.profile.platform import detect
-    from orchestrator.profile.rules import check_profile
 
     from .conftest import typed_cfg
 
@@ -414,6 +414,7 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     within transport.timeout_s=10", lost: {}, 12.4 s after the kill. The runner watches the
     decodes while the prefills bootstrap: the decode is lost, within transport.timeout_s."""
     from orchestrator.job import runner
+    from orchestrator.job.specs import build_specs
     from orchestrator.profile.platform import detect
 
     from .conftest import plan_of, typed_cfg
@@ -421,7 +422,7 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
     monkeypatch.setattr(runner, "decode_main", _decode_killed_after_ready)
     cfg = typed_cfg("transport.route=tcp", "workload.requests=20", "transport.timeout_s=10",
                     "endpoints.startup_timeout_s=120")
-    out = runner.Job(cfg, plan_of(cfg, detect()), tmp_path, secret=b"s" * 32).run()
+    out = runner.Job(build_specs(cfg, plan_of(cfg, detect())), tmp_path, secret=b"s" * 32).run()
     assert out.error is not None and out.error.startswith("decode exited with code -9"), out.error
     assert list(out.lost) == ["decode"] and "prefill" not in (out.error or "")
     assert "did not answer hello" not in out.error  # named before the prefill's hello timed out

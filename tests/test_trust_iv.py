@@ -116,8 +116,9 @@ def test_a_stale_verdicts_file_of_another_run_is_ignored_by_recovery(tmp_path, c
     set and verified_after_lost count only B's lines. At 3a078eb A's verdicts made B's lost
     requests verified."""
     from orchestrator.job.recovery import reconstruct
-    from orchestrator.job.report_spec import report_spec
     from orchestrator.results.reporting import verified_after_lost
+
+    from .conftest import report_spec
 
     _claim(tmp_path, "bbbb")
     tag_b, tag_a = ', "run": "bbbb"', ', "run": "aaaa"'

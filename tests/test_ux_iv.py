@@ -91,7 +91,7 @@ def _fake_run(outcomes: list[str]):
 
     calls: list[Path] = []
 
-    def run(cfg, plan, run_dir, **_kw):
+    def run(specs, run_dir, **_kw):
         calls.append(run_dir)
         ok = outcomes[len(calls) - 1] == "ok"
         paths = {"p": PathResult("p", "mooncake-tcp", 1600, 10)} if ok else {}

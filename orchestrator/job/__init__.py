@@ -1,4 +1,4 @@
-"""The job: the one place that sees the whole config. It checks it (app), turns it into the
+"""The job: the one place that sees the whole config. It checks it (check, app), turns it into the
 specs that cross into the endpoint processes, starts and watches those processes (runner,
 warmstart, lifecycle, mps), serves the decodes' adverts (bootstrap, peercheck), rebuilds what a
 lost process left on disk (recovery), and speaks the runner pipe's protocol (protocol). The

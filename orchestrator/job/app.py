@@ -13,8 +13,9 @@ from omegaconf import DictConfig
 from structlog.stdlib import BoundLogger
 
 from orchestrator.job import failure, warmstart
+from orchestrator.job.check import check_profile
 from orchestrator.job.lifecycle import Signals
-from orchestrator.job.report_spec import report_spec
+from orchestrator.job.specs import build_specs
 from orchestrator.profile.config import (
     LoggingConfig,
     OrchestratorConfig,
@@ -25,7 +26,6 @@ from orchestrator.profile.config import (
 from orchestrator.profile.kinds import ConfigError, Role
 from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import detect
-from orchestrator.profile.rules import check_profile
 from orchestrator.results import fingerprint, plots, reporting
 from orchestrator.results.logs import configure
 from orchestrator.results.progress import ProgressMeter, mode_for
@@ -66,6 +66,7 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
             plan = check_profile(obj, detect())
             warmstart.start_early()  # the children's imports, beside the rest of this start-up
+            specs = build_specs(obj, plan)  # what the runner, the endpoints and the report read: once
             log = _log_plan(run_dir, obj.logging, plan)
             _write_fingerprint(run_dir, obj.workload, plan, drawn=given.workload.seed is None)
             w, lg = obj.workload, obj.logging
@@ -77,12 +78,12 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
 
             drawer = plots.Drawer(run_dir) if obj.role is not Role.decode else None
             try:
-                out = run_handoffs(obj, plan, run_dir, progress=progress, signals=signals,
+                out = run_handoffs(specs, run_dir, progress=progress, signals=signals,
                                    after_watch=drawer.start if drawer is not None else None)
             finally:
                 if progress is not None:
                     progress.close()
-            spec = report_spec(obj)
+            spec = specs.report
             results = (reporting.build_decode_side(spec, plan, out) if spec.role is Role.decode
                        else reporting.build_results(spec, plan, out))
             return _finish(spec, run_dir, results, out.no_space, log, drawer)

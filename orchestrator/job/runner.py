@@ -35,11 +35,9 @@ from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_s
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
-from orchestrator.job.report_spec import report_spec
-from orchestrator.job.specs import endpoint_specs
-from orchestrator.profile.config import OrchestratorConfig, with_seed
+from orchestrator.job.specs import JobSpecs
 from orchestrator.profile.kinds import MpsMode, Role
-from orchestrator.profile.plan import Device, Plan
+from orchestrator.profile.plan import Device
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail
 from orchestrator.results.records import RankResult, RunResult
@@ -153,33 +151,33 @@ class _Progress(Protocol):
     def __call__(self, done: int, verified: Optional[int] = None) -> None: ...
 
 
-def run_handoffs(cfg: OrchestratorConfig, plan: Plan, run_dir: Path, progress: Optional[_Progress] = None,
+def run_handoffs(specs: JobSpecs, run_dir: Path, progress: Optional[_Progress] = None,
                  driver: Optional[Driver] = None, bulk_bytes: int = 0, secret: Optional[bytes] = None,
                  signals: Optional[Signals] = None, after_watch: Optional[Callable[[], None]] = None) -> RunResult:
-    """Start every decode process and every prefill rank; run `driver` in the prefill ranks
-    (default: the configured workload); watch them; return what they measured.
+    """Start every decode process and every prefill rank of the job `specs` describes (job.
+    specs.build_specs); run `driver` in the prefill ranks (default: the configured workload);
+    watch them; return what they measured.
     `after_watch` is called when the handoffs ended, before the processes are wound down
     (app: the latency.png drawer starts then)."""
-    job = Job(cfg, plan, run_dir, progress, driver, bulk_bytes, secret)
+    job = Job(specs, run_dir, progress, driver, bulk_bytes, secret)
     job.after_watch = after_watch
     return job.run(signals)
 
 
 class Job:
-    """One handoff job: its configuration and plan, run dir and secret, the processes it
+    """One handoff job: its specs (plan included), run dir and secret, the processes it
     started (each behind a protocol.Channel) and its outcome, `out`."""
 
-    def __init__(self, cfg: OrchestratorConfig, plan: Plan, run_dir: Path,
+    def __init__(self, specs: JobSpecs, run_dir: Path,
                  progress: Optional[_Progress] = None, driver: Optional[Driver] = None, bulk_bytes: int = 0,
                  secret: Optional[bytes] = None) -> None:
-        if cfg.workload.seed is None:  # callers other than the CLI (which draws and records it): in a copy
-            cfg = dataclasses.replace(cfg, workload=with_seed(cfg.workload))
-        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
-        self.specs = endpoint_specs(cfg, plan)  # what crosses into the children, built once
+        # workload.seed=null: drawn here for callers other than the CLI (which draws and records it)
+        self.specs = specs = specs.seeded()  # what crosses into the children: built once, by the caller
+        self.plan, self.run_dir = specs.plan, run_dir
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.secret = secret if secret is not None else run_secret(cfg.transport.secret_env)
+        self.secret = secret if secret is not None else run_secret(specs.transport.secret_env)
         self.out = RunResult()
         self.out.run_dir = str(run_dir)
         self.signals = Signals()
@@ -204,7 +202,7 @@ class Job:
             # Inside a joblib/loky launcher worker the default start method is "loky"; spawned
             # children inherit that name and cannot resolve it. Endpoints always use spawn.
             mp.set_start_method("spawn", force=True)
-        if self.cfg.endpoints.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off
+        if self.specs.endpoints.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off
             os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                               NVSHMEM_DISABLE_NVLS="1")
         sharing = self.plan.sharing
@@ -233,30 +231,31 @@ class Job:
         return out
 
     def _run(self) -> None:
-        cfg, out, role = self.cfg, self.out, self.cfg.role
+        sp, out, role = self.specs, self.out, self.specs.role
         if self.signals.caught:
             raise Interrupted
-        if cfg.transport.mooncake.start_metadata_server:
-            self.metadata = start_metadata_server(cfg.transport.mooncake.metadata_server, self.run_dir)
+        if sp.transport.mooncake.start_metadata_server:
+            self.metadata = start_metadata_server(sp.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
         infos = self._startup()
         record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
+        layout = sp.decode.side.layout.name  # the aux layout both sides' bootstrap compares
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
             self._phases()
-            serve_bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, self.secret, infos, self.decodes, out,
+            serve_bootstrap(sp.transport, sp.endpoints, layout, self.secret, infos, self.decodes, out,
                             self.log, self.signals)
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
-            infos = lookup(cfg.transport, cfg.endpoints, cfg.layout.name, cfg.peer, self.secret, self.signals,
+            infos = lookup(sp.transport, sp.endpoints, layout, sp.peer, self.secret, self.signals,
                            out, self.log)
-        self.silent, applied = divert_control(cfg.faults.kind, cfg.transport.host, infos)
+        self.silent, applied = divert_control(sp.faults.kind, sp.transport.host, infos)
         out.faults_applied.extend(applied)
         for p in self.prefills:
             p.conn.send(protocol.Decodes(infos=infos))
         if self._stage is not None:
             self._stage("bootstrapping")
-        self._await(self.prefills, cfg.endpoints.startup_timeout_s, "while bootstrapping",
+        self._await(self.prefills, sp.endpoints.startup_timeout_s, "while bootstrapping",
                     "did not bootstrap in time", self._on_running)
         out.startup_s = round(_clock() - self.t_spawn, 3)
         self._phases()
@@ -296,7 +295,7 @@ class Job:
 
     def _spawn(self) -> None:
         """Every decode process, then every prefill rank; a decode TP group its rendezvous."""
-        cfg, e = self.cfg, self.cfg.endpoints
+        sp, e = self.specs, self.specs.endpoints
         if self._stage is not None:
             self._stage("starting processes")
         t0 = _clock()
@@ -307,18 +306,18 @@ class Job:
         self.forkserver_wait_s = round(_clock() - t0, 3)
         if self.signals.caught:
             raise Interrupted
-        for i in range(e.decode_ranks if cfg.role is not Role.prefill else 0):
+        for i in range(e.decode_ranks if sp.role is not Role.prefill else 0):
             for t in range(e.decode_tp):
                 name = proc_name("decode", i, e.decode_ranks, t, e.decode_tp)
                 self.decodes.append(self._start(name, "decode", i, t, decode_main, (i, t, self.bulk_bytes)))
-        for r in range(e.prefill_ranks if cfg.role is not Role.decode else 0):
+        for r in range(e.prefill_ranks if sp.role is not Role.decode else 0):
             kwargs = {"rank": r} if self.driver is None else {"rank": r, "driver": self.driver}
             name = proc_name("prefill", r, e.prefill_ranks)
             self.prefills.append(self._start(name, "prefill", r, 0, prefill_main, kwargs=kwargs))
         if e.decode_tp > 1:
             backend = "nccl" if self.plan.buffer_device is Device.cuda else "gloo"
             for i in range(e.decode_ranks):
-                init = f"tcp://{cfg.transport.host}:{_free_port(cfg.transport.host)}"
+                init = f"tcp://{sp.transport.host}:{_free_port(sp.transport.host)}"
                 for p in self.decodes:
                     if p.index == i:
                         p.conn.send(protocol.Rendezvous(init_method=init, backend=backend))
@@ -387,7 +386,7 @@ class Job:
 
     def _startup(self) -> Adverts:
         """Every decode ready and every prefill's engine up (they come up together)."""
-        e = self.cfg.endpoints
+        e = self.specs.endpoints
         infos: dict[tuple[int, int], DecodeAdvert] = {}
         self._await(self.decodes + self.prefills, e.startup_timeout_s, "while starting",
                     f"did not start within endpoints.startup_timeout_s={e.startup_timeout_s:g}",
@@ -447,7 +446,7 @@ class Job:
                         _kill(p)
 
     def _watch_prefill(self, p: _Proc) -> None:
-        watchdog = self.cfg.transport.timeout_s + 5.0  # a prefill reports four times a second
+        watchdog = self.specs.transport.timeout_s + 5.0  # a prefill reports four times a second
         if p.conn.poll(0.02 / len(self.prefills)):
             try:
                 msg = p.conn.recv()
@@ -512,7 +511,7 @@ class Job:
 
     def _fault(self, p: _Proc, kind: str) -> None:
         """A prefill reached the fault's checkpoint: act (faults.strike), then let it go on."""
-        f = self.cfg.faults
+        f = self.specs.faults
         fault = {"fault": kind, "after_handoffs": f.at_request, "at": round(time.time(), 3)}
         self.out.faults_applied.append(fault)
         self.log.warning("fault_injected", **fault)
@@ -584,8 +583,8 @@ class Job:
 
     def _account(self, own: dict[str, str]) -> None:
         """Every process that did not report, from disk; every decode a prefill declared lost."""
-        out, ep = self.out, self.cfg.endpoints
-        report = report_spec(self.cfg)  # what a rank that did not report is accounted from
+        out, ep = self.out, self.specs.endpoints
+        report = self.specs.report  # what a rank that did not report is accounted from
         for d in self.decodes:
             if d.name not in out.decodes:
                 out.decodes[d.name] = decode_from_disk(self.run_dir, d.name)

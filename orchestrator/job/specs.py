@@ -1,11 +1,16 @@
-"""The checked config and its plan, turned once into the frozen specs that cross into the
-endpoint processes (orchestrator.handoff.specs): the one place that reads the config for
-them. A spec copies the values its component reads, never a config section; the runner
-builds them when a job starts (`endpoint_specs`) and hands each child its own."""
+"""The checked config and its plan, turned once into a job's frozen specs (`build_specs`):
+the endpoints' (orchestrator.handoff.specs, which cross into the endpoint processes), the
+report's (orchestrator.results.report_spec) and what the runner itself reads. The one place
+that reads the config for a job: the app, the bench and the ladder build the specs here, and
+the runner (orchestrator.job.runner) is handed them, never the config. A spec copies the
+values its component reads, never a config section (the runner's own bootstrap keeps its
+transport, endpoints and peer sections: `JobSpecs`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from orchestrator.handoff.specs import (
     BufferSpec,
@@ -29,22 +34,53 @@ from orchestrator.profile.config import (
     LayoutConfig,
     OrchestratorConfig,
     TransportConfig,
+    VerifyConfig,
     WorkloadConfig,
+    draw_seed,
 )
 from orchestrator.profile.kinds import Role
 from orchestrator.profile.plan import Plan
+from orchestrator.results.report_spec import (
+    ReportGate,
+    ReportLoad,
+    ReportRanks,
+    ReportRows,
+    ReportSend,
+    ReportSpec,
+)
 
 
 @dataclass(frozen=True)
-class EndpointSpecs:
-    """A job's two specs: every prefill rank's and every decode process's."""
+class JobSpecs:
+    """One job, as the runner reads it: its plan, every prefill rank's and every decode
+    process's spec, the report's, and the runner's own reads (its role; the transport,
+    endpoints and peer its bootstrap and lookup read; the fault it carries out)."""
 
+    plan: Plan
     prefill: PrefillSpec
     decode: DecodeSpec
+    report: ReportSpec
+    role: Role
+    transport: TransportConfig  # the runner's bootstrap, lookup, metadata server and secret
+    endpoints: EndpointsConfig  # ranks, TP and start-up bounds
+    peer: Optional[str]  # role=prefill: the decode side's bootstrap address
+    faults: FaultsConfig  # the process fault the runner carries out
+
+    def seeded(self) -> JobSpecs:
+        """workload.seed=null: these specs with this run's seed drawn (profile.config.
+        draw_seed), in the prefills' workload and the report alike; a pinned seed: these."""
+        if self.prefill.workload.seed is not None:
+            return self
+        seed = draw_seed()
+        load = dataclasses.replace(self.report.load, seed=seed)
+        return dataclasses.replace(
+            self, prefill=dataclasses.replace(self.prefill, workload=dataclasses.replace(
+                self.prefill.workload, seed=seed)), report=dataclasses.replace(self.report, load=load))
 
 
-def endpoint_specs(cfg: OrchestratorConfig, plan: Plan) -> EndpointSpecs:
-    """The specs of a job's endpoints, from its checked config (workload.seed resolved) and plan."""
+def build_specs(cfg: OrchestratorConfig, plan: Plan) -> JobSpecs:
+    """A job's specs, from its checked config and its plan (workload.seed as configured: a
+    null one is drawn when the job starts, JobSpecs.seeded)."""
     t, e = cfg.transport, cfg.endpoints
     side, faults = side_spec(cfg.buffers, cfg.layout, t), fault_spec(cfg.faults)
     prefill = PrefillSpec(
@@ -58,7 +94,12 @@ def endpoint_specs(cfg: OrchestratorConfig, plan: Plan) -> EndpointSpecs:
         load=load_spec(e.decode_load, e), digest=cfg.verify.digest, poll=e.poll, host=t.host, timeout_s=t.timeout_s,
         startup_timeout_s=e.startup_timeout_s, watch_prefills=cfg.role is Role.decode,
         console=cfg.logging.console)
-    return EndpointSpecs(prefill, decode)
+    report = ReportSpec(
+        role=cfg.role, load=report_load(cfg.workload), ranks=ReportRanks(e.prefill_ranks, e.decode_ranks, e.decode_tp),
+        rows=report_rows(cfg.buffers, cfg.layout, cfg.verify), send=report_send(t), gate=report_gate(cfg.gate),
+        fault=cfg.faults.kind, fault_at=cfg.faults.at_request, fault_every=cfg.faults.every,
+        percentiles=tuple(cfg.report.percentiles))
+    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults)
 
 
 def layout_spec(layout: LayoutConfig) -> LayoutSpec:
@@ -96,3 +137,25 @@ def fault_spec(f: FaultsConfig) -> FaultSpec:
 
 def load_spec(d: DecodeLoadConfig, e: EndpointsConfig) -> DecodeLoadSpec:
     return DecodeLoadSpec(d.step_ms, d.idle_s, tuple(e.decode_gpus or [0]))
+
+
+def report_load(w: WorkloadConfig) -> ReportLoad:
+    """The load each prefill rank offered, as the report reads it."""
+    return ReportLoad(w.requests, w.concurrency, w.rate, w.batch_size, w.fill, w.duplicate_rooms, w.seed,
+                      w.duration_s, w.burstiness)
+
+
+def report_rows(b: BuffersConfig, layout: LayoutConfig, verify: VerifyConfig) -> ReportRows:
+    """The rows the report reads: slots, their bytes and fields, the layout, the digest."""
+    from orchestrator.profile.layout import profile_layout
+
+    fields = profile_layout(b, layout)
+    return ReportRows(b.size, sum(f[2] for f in fields), len(fields), layout.name, verify.digest)
+
+
+def report_send(t: TransportConfig) -> ReportSend:
+    return ReportSend(t.coalesce, t.status, t.max_inflight_blocks, t.secret_env)
+
+
+def report_gate(g: GateConfig) -> ReportGate:
+    return ReportGate(g.read, g.readiness, g.zero_room_on_free, g.settle_ms)

@@ -135,6 +135,17 @@ def load_profile(overrides: Sequence[str], config_dirs: Sequence[Path] = (),
         GlobalHydra.instance().clear()
 
 
+def composed_defaults() -> dict[str, Any]:
+    """Every key's default as a run without overrides gets it: the composed conf/, dotted key
+    -> value (profile.keys.keys: --help's defaults)."""
+    from operator import attrgetter
+
+    from orchestrator.profile.keys import schema_keys
+
+    cfg = load_profile([])
+    return {k.name: attrgetter(k.name)(cfg) for k in schema_keys()}
+
+
 def _used_files(dirs: Sequence[Path], choices: Any) -> list[Path]:
     """The files of `dirs` a composed profile read: GROUP/CHOICE.yaml for each choice."""
     out = []
@@ -581,8 +592,8 @@ def _composes(combos: list[list[str]], dirs: list[Path], one: bool, rules: bool)
         except ProfileError as exc:
             return str(exc)
     if rules:
+        from orchestrator.job.check import check_profile
         from orchestrator.profile.platform import detect
-        from orchestrator.profile.rules import check_profile
 
         base = combos[0]
         try:
@@ -647,7 +658,7 @@ def hydra_command(main: Callable[[], Any], argv: Sequence[str], started: Callabl
         if asked_help and exc.code in (0, None):
             from orchestrator.profile.keys import help_text, keys
 
-            print("\n" + help_text(keys(load_profile([]))), flush=True)
+            print("\n" + help_text(keys(composed_defaults())), flush=True)
         mapped = failure.hydra_exit(exc, started())
         if mapped is not exc:
             raise mapped from None

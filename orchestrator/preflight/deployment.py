@@ -6,7 +6,7 @@ Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob, LeaderWorkerSet, a
 several documents in one file). Each SGLang container becomes one :class:`Environment`.
 :func:`judge` maps it to the profile it implies (:func:`orchestrator.preflight.serving.profile_from_env`,
 the reverse of ``serving_env``), plans that profile with the rule book
-(:func:`orchestrator.profile.rules.check_profile`) for the machine a deployment runs on (GPUs, a CUDA
+(:func:`orchestrator.job.check.check_profile`) for the machine a deployment runs on (GPUs, a CUDA
 Mooncake build, an RDMA device), and names each trap as a FAIL or WARN :class:`Finding`
 that names the variable and the fix. :func:`cross_check` compares a prefill's environment
 with a decode's (pool, aux layout switches, transport, PID namespace).
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from orchestrator.job.check import check_profile
 from orchestrator.preflight.compose import ProfileError
 from orchestrator.preflight.serving import (
     NEW_POOL_VAR,
@@ -48,7 +49,6 @@ from orchestrator.profile.plan import (
     expandable_segments,
     make_plan,
 )
-from orchestrator.profile.rules import check_profile
 
 
 class InputError(Exception):

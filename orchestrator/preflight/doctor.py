@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from orchestrator.handoff.transport.ports import port_is_free, rpc_port_range
 from orchestrator.job import failure
+from orchestrator.job.check import DoctorSpec, doctor_spec
 from orchestrator.preflight.compose import (
     ProfileError,
     error_exit,
@@ -55,7 +56,6 @@ from orchestrator.profile.config import (
     LayoutConfig,
     MemPoolConfig,
     MemPoolType,
-    OrchestratorConfig,
     Role,
     TransportConfig,
     is_loopback,
@@ -71,7 +71,6 @@ from orchestrator.profile.plan import (
     expandable_segments,
     make_plan,
 )
-from orchestrator.profile.rules import check_profile
 from orchestrator.profile.sharing import MPS_CONTROL
 
 if TYPE_CHECKING:
@@ -510,8 +509,9 @@ class Report:
         return "\n".join(lines)
 
 
-def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
+def run_checks(spec: DoctorSpec, overrides: Sequence[str],
                env: Optional[Mapping[str, str]] = None, peer_address: Optional[str] = None) -> Report:
+    """The doctor's checks of the profile `spec` describes (job.check.doctor_spec) on this machine."""
     from orchestrator.profile.platform import detect
 
     platform = detect()
@@ -521,23 +521,23 @@ def run_checks(cfg: OrchestratorConfig, overrides: Sequence[str],
     plan: Optional[Plan] = None
     error: Optional[ConfigError] = None
     try:
-        plan = check_profile(cfg, platform)  # the rule book, exactly as the run applies it
+        plan = spec.check(platform)  # the rule book, exactly as the run applies it
     except ConfigError as exc:
         error = exc
-    intent = plan or intended_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
+    intent = plan or intended_plan(spec.mem_pool, spec.transport, spec.endpoints, spec.role, platform)
     device = intent.buffer_device if intent else Device.cpu
     uses_engine = intent is not None and intent.route is Route.engine
     wants_nvlink = intent is not None and intent.engine_transport is EngineTransport.nvlink_intra
     prefill_gpu = intent.prefill_gpus[0] if intent and intent.prefill_gpus else None
     decode_gpu = intent.decode_gpus[0] if intent and intent.decode_gpus else None
     cuda = probe_cuda(prefill_gpu, decode_gpu) if device is Device.cuda else None
-    host = cfg.transport.host if cfg.transport.host != "auto" else "0.0.0.0"
+    host = spec.transport.host if spec.transport.host != "auto" else "0.0.0.0"
     checks = [
         check_mooncake(probe_mooncake(), uses_engine, wants_nvlink),
         check_plan(plan, error),
         check_cuda(device, prefill_gpu, decode_gpu, cuda),
         check_mc_env(env, wants_nvlink, plan.mc_env if plan else {},
-                     intra_profile=cfg.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK),
+                     intra_profile=spec.mem_pool.type is MemPoolType.INTRA_NODE_NVLINK),
         check_alloc_conf(env, wants_nvlink),
         check_rpc_ports(env, host, uses_engine=uses_engine),
         check_host(host, uses_engine=uses_engine),
@@ -845,7 +845,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ipaddress.ip_address(args.peer_address)
         except ValueError:
             error_exit(f"--peer-address={args.peer_address} is not an IP address")
-    report = run_checks(cfg, args.overrides, peer_address=args.peer_address)
+    report = run_checks(doctor_spec(cfg), args.overrides, peer_address=args.peer_address)
     mine = versions.local(cfg.layout.name)
     label = ""
     if peer_versions is None and peer is not None:

@@ -2,7 +2,7 @@
 environment a serving engine (SGLang on Mooncake) needs to reproduce a profile.
 
 The profile is composed and validated like the main CLI does, judged by the rule book
-(:func:`orchestrator.profile.rules.check_profile`, which the run and the doctor apply too) against
+(:func:`orchestrator.job.check.check_profile`, which the run and the doctor apply too) against
 this machine, or with ``--assume-gpus N`` against N CUDA devices and a CUDA Mooncake build
 (so a GPU profile can be exported from a laptop), and mapped by the pure
 :func:`orchestrator.preflight.serving.serving_env`.
@@ -23,11 +23,11 @@ import os
 import shlex
 from typing import Optional, Sequence
 
+from orchestrator.job.check import check_profile
 from orchestrator.preflight.compose import ProfileError, error_exit, load_profile, profile_label, profile_parser
 from orchestrator.preflight.serving import serving_env
 from orchestrator.profile.config import ConfigError
 from orchestrator.profile.plan import Plan, Platform
-from orchestrator.profile.rules import check_profile
 
 
 def assumed_platform(gpus: int) -> Platform:

@@ -653,9 +653,14 @@ def with_seed(workload: WorkloadConfig) -> WorkloadConfig:
     gives the section itself."""
     if workload.seed is not None:
         return workload
+    return dataclasses.replace(workload, seed=draw_seed())
+
+
+def draw_seed() -> int:
+    """A run's own seed, for workload.seed=null."""
     import secrets
 
-    return dataclasses.replace(workload, seed=secrets.randbelow(MAX_SEED + 1))
+    return secrets.randbelow(MAX_SEED + 1)
 
 
 def with_host(transport: TransportConfig) -> TransportConfig:

@@ -16,7 +16,7 @@ import tokenize
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from orchestrator.profile.config import OrchestratorConfig
 
@@ -128,15 +128,10 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def keys(cfg: OrchestratorConfig) -> list[Key]:
-    """Every key with the default of `cfg` (the composed conf/ with no overrides, for --help)."""
-    out = []
-    for k in schema_keys():
-        value: Any = cfg
-        for part in k.name.split("."):
-            value = getattr(value, part)
-        out.append(dataclasses.replace(k, default=value))
-    return out
+def keys(defaults: Mapping[str, Any]) -> list[Key]:
+    """Every key with its default in `defaults` (dotted key -> value: the composed conf/ with
+    no overrides, preflight.compose.composed_defaults, for --help)."""
+    return [dataclasses.replace(k, default=defaults[k.name]) for k in schema_keys()]
 
 
 def first_sentence(text: str) -> str:

@@ -1,9 +1,10 @@
 """The rule book: can this profile run on this machine, and how? One function answers it
 for the run, the doctor and export_env alike, so they can never disagree.
 
-check_profile(cfg, platform) takes a validated config (orchestrator.profile.config.validate
-ran every section's own range and form checks, once) and returns the Plan or raises
-ConfigError (one line: key, value, what is allowed). It applies, in order:
+Each rule reads the sections it judges; orchestrator.job.check.check_profile(cfg, platform)
+feeds them a validated config (orchestrator.profile.config.validate ran every section's own
+range and form checks, once) and returns the Plan or raises ConfigError (one line: key,
+value, what is allowed). It applies, in order:
   1. a named secret must be set;
   2. the plan's rules: device, route, engine transport, fallback, GPU placement,
      allocator settings (orchestrator.profile.plan);
@@ -29,15 +30,18 @@ from orchestrator.profile.config import (
     EndpointsConfig,
     FallbackPolicy,
     FaultKind,
+    FaultsConfig,
+    GateConfig,
     LayoutConfig,
-    OrchestratorConfig,
+    MooncakeConfig,
     Role,
+    TransportConfig,
     WorkloadConfig,
     is_loopback,
 )
 from orchestrator.profile.fault_table import FAULTS
 from orchestrator.profile.kinds import secret_from_env
-from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
+from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route
 
 MAX_REQUEST_ID = (1 << 63) - 1  # request ids travel as signed 64-bit numbers (rooms: 63 bits)
 MAX_OPEN_LOOP_REQUESTS = 100_000_000  # arrival times are drawn up front (8 bytes each)
@@ -65,63 +69,73 @@ def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:
                           f"transport.timeout_s={t:g}")
 
 
-def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
-    t = cfg.transport
+def check_inputs(t: TransportConfig, w: WorkloadConfig, e: EndpointsConfig, g: GateConfig,
+                 platform: Platform) -> None:
+    """Before the plan: a named secret is set, the workload's ids and first arrival fit, and
+    gate.never_landed_s stays within transport.timeout_s."""
     if t.secret_env is not None:  # the variable it names holds a usable secret
         secret_from_env(t.secret_env, platform.env)
-    _check_workload(cfg.workload, cfg.endpoints.prefill_ranks, cfg.transport.timeout_s)
-    held = cfg.gate.never_landed_s
-    if held is not None and held > cfg.transport.timeout_s:
+    _check_workload(w, e.prefill_ranks, t.timeout_s)
+    held = g.never_landed_s
+    if held is not None and held > t.timeout_s:
         raise ConfigError("gate.never_landed_s", held,
-                          f"null or at most transport.timeout_s={cfg.transport.timeout_s:g} (it only shortens "
+                          f"null or at most transport.timeout_s={t.timeout_s:g} (it only shortens "
                           "the hold of a room that never lands)")
-    plan = make_plan(cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role, platform)
-    f = cfg.faults
+
+
+def check_fault(f: FaultsConfig, e: EndpointsConfig, role: Role, plan: Plan) -> None:
+    """What the fault needs: the engine route (some), a decode TP rank, both sides at once."""
     if FAULTS[f.kind].engine_only and plan.route is not Route.engine:
         allowed = sorted(k.value for k in FaultKind if not FAULTS[k].engine_only)
         raise ConfigError("faults.kind", f.kind.value,
                           f"one of {', '.join(allowed)} with the tcp route (the others need the "
                           "engine route)")
-    if f.kind is FaultKind.status_first and f.rank >= cfg.endpoints.decode_tp:
+    if f.kind is FaultKind.status_first and f.rank >= e.decode_tp:
         raise ConfigError("faults.rank", f.rank,
-                          f"a decode TP rank below endpoints.decode_tp={cfg.endpoints.decode_tp}")
-    if cfg.role is not Role.both and not FAULTS[f.kind].split:
+                          f"a decode TP rank below endpoints.decode_tp={e.decode_tp}")
+    if role is not Role.both and not FAULTS[f.kind].split:
         split = sorted(k.value for k in FaultKind if FAULTS[k].split)
         raise ConfigError("faults.kind", f.kind.value,
                           f"one of {', '.join(split)} with "
-                          f"role={cfg.role.value} (the other faults act on both sides at once)")
+                          f"role={role.value} (the other faults act on both sides at once)")
+
+
+def check_hosts(t: TransportConfig, role: Role, plan: Plan, platform: Platform) -> None:
+    """Across hosts: a run must name a secret; rdma needs an RDMA device unless it may degrade;
+    NVLink stays on one host."""
     remote = not is_loopback(t.host)  # auto too: an address on the default route
-    if (remote or cfg.role is not Role.both) and t.secret_env is None:
-        why = "a non-loopback transport.host" if remote else f"role={cfg.role.value}"
+    if (remote or role is not Role.both) and t.secret_env is None:
+        why = "a non-loopback transport.host" if remote else f"role={role.value}"
         raise ConfigError("transport.secret_env", None,
                           f"the name of an environment variable holding a secret shared by both "
                           f"sides: {why} means two hosts, and a run's own generated secret "
                           "cannot cross to the other one")
     if (plan.route is Route.engine and plan.engine_transport is EngineTransport.rdma
-            and not platform.rdma_devices and cfg.transport.fallback is FallbackPolicy.strict):
+            and not platform.rdma_devices and t.fallback is FallbackPolicy.strict):
         raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
                           "tcp, or rdma with transport.fallback=degrade: this host has no RDMA "
                           "device (/sys/class/infiniband is empty) and the engine would quietly "
                           "come up on TCP")
-    if (remote and cfg.role is not Role.both and plan.route is Route.engine
+    if (remote and role is not Role.both and plan.route is Route.engine
             and plan.engine_transport is EngineTransport.nvlink_intra):
         raise ConfigError("transport.mooncake.transport", t.mooncake.transport.value,
-                          f"tcp or rdma with role={cfg.role.value} and transport.host={t.host}: "
+                          f"tcp or rdma with role={role.value} and transport.host={t.host}: "
                           "it gives nvlink_intra here, and NVLink joins GPUs of one host (use a "
                           "loopback transport.host when both sides run on this one)")
-    if cfg.verify.digest is DigestKind.blake2b and plan.buffer_device is not Device.cpu:
+
+
+def check_digest_and_metadata(digest: DigestKind, mc: MooncakeConfig, plan: Plan) -> None:
+    """blake2b reads rows on the host; the metadata service the runner would start is its own."""
+    if digest is DigestKind.blake2b and plan.buffer_device is not Device.cpu:
         raise ConfigError("verify.digest", "blake2b",
                           f"linear with {plan.buffer_device.value} buffers (blake2b reads rows "
                           "on the host)")
-    mc = t.mooncake
     if mc.start_metadata_server:
         url = urlsplit(mc.metadata_server)
         if url.scheme != "http" or not is_loopback(url.hostname):
             raise ConfigError("transport.mooncake.start_metadata_server", True,
                               "false unless transport.mooncake.metadata_server is an "
                               "http://127.x.x.x:PORT/metadata address the run can serve itself")
-    _check_memory(cfg.endpoints, cfg.role, cfg.buffers, buffer_bytes(cfg.buffers, cfg.layout), plan, platform)
-    return plan
 
 
 def buffer_bytes(b: BuffersConfig, layout: LayoutConfig) -> int:
@@ -147,7 +161,7 @@ def _memory_key(b: BuffersConfig) -> tuple[str, int]:
     return key, value
 
 
-def _check_memory(e: EndpointsConfig, role: Role, b: BuffersConfig, each: int, plan: Plan,
+def check_memory(e: EndpointsConfig, role: Role, b: BuffersConfig, each: int, plan: Plan,
                   platform: Platform) -> None:
     """Every process's buffers (`each` bytes, buffers.size slots) fit where they live; what
     does not is blamed on the key furthest above its default, with the product named."""

@@ -1,5 +1,5 @@
 """What a run's report reads of the config: `ReportSpec`, frozen, built once by the job from
-the checked config (orchestrator.job.report_spec) and read by the report (results.json and the
+the checked config (orchestrator.job.specs.build_specs) and read by the report (results.json and the
 summary: orchestrator.results.reporting), the job's own outputs (latency.png) and the
 accounting of a rank that could not report (orchestrator.job.recovery). It holds the values
 read, never a config section: what the report depends on is this file."""

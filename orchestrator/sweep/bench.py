@@ -41,7 +41,8 @@ from orchestrator.handoff.endpoints.prefill import PrefillEndpoint
 from orchestrator.handoff.endpoints.prefill_loop import PhaseSpec
 from orchestrator.job import failure
 from orchestrator.job.runner import run_handoffs
-from orchestrator.profile.config import FillMode, OrchestratorConfig, SetBufMode, StatusMode
+from orchestrator.job.specs import JobSpecs
+from orchestrator.profile.config import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.plan import Plan, Route
 from orchestrator.profile.sharing import sharing_warning
 from orchestrator.results.logs import configure
@@ -277,13 +278,16 @@ class BenchDriver:
 # ---- paths -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Path_:
-    """One route measured: its label, the job that runs it (its config, with the bench's
-    sizes: handed to the job layer, runner.run_handoffs, never read here) and that job's plan."""
+    """One route measured: its label and the job that runs it (its specs, plan included, with
+    the bench's sizes: built by the entry, job.specs.build_specs, handed to runner.run_handoffs)."""
 
     name: str
-    job: OrchestratorConfig
-    plan: Plan
+    job: JobSpecs
     only: Optional[tuple[str, ...]] = None  # BenchDriver.only
+
+    @property
+    def plan(self) -> Plan:
+        return self.job.plan
 
 
 @dataclass(frozen=True)
@@ -340,7 +344,7 @@ def _run_path(spec: BenchSpec, ph: Path_, run_dir: Path, progress: "_BenchProgre
     driver = BenchDriver(ph.name, spec.handoffs, spec.requests, spec.batch_size, spec.iters, engine, bulk,
                          ph.only)
     progress.say("starting its processes")
-    out = run_handoffs(ph.job, ph.plan, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
+    out = run_handoffs(ph.job, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
     sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())
     progress.say(f"done; start-up {out.startup_s} s ({sides})" if out.startup_s is not None else
                  f"ended: {out.error or out.lost or 'no result'}")

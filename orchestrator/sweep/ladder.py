@@ -62,7 +62,8 @@ from orchestrator.job import failure, warmstart
 from orchestrator.job.lifecycle import spawn
 from orchestrator.job.mps import mps_for
 from orchestrator.job.runner import run_handoffs
-from orchestrator.profile.config import ConfigError, OrchestratorConfig, RouteSetting
+from orchestrator.job.specs import JobSpecs
+from orchestrator.profile.config import ConfigError, RouteSetting
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import write_atomic, write_tables
@@ -154,7 +155,7 @@ class LadderSpec:
     every rung runs it: one in flight, rows filled ahead, bench.ladder_handoffs requests."""
 
     pair: PairSpec  # R0-R5: what the ladder's own pair reads (with the rungs' plan)
-    job: OrchestratorConfig  # R6: that profile as a job (handed to the job layer, never read here)
+    job: JobSpecs  # R6: that profile as a job (its specs, handed to the job layer, never read here)
     route: RouteSetting  # transport.route (the rungs need the engine route)
     rounds: int  # bench.ladder_rounds
     yardstick: Optional[str]  # bench.yardstick
@@ -364,7 +365,7 @@ def _bench_rung(spec: LadderSpec, rdir: Path) -> RungRun:
     n = spec.handoffs
     t0 = time.monotonic()
     driver = BenchDriver("R6", n, 1, 1, 1, False, 0, (phase,))
-    out = run_handoffs(spec.job, spec.plan, rdir, driver=driver)
+    out = run_handoffs(spec.job, rdir, driver=driver)
     if out.interrupted:  # Ctrl-C reached the runner first: end the ladder as the bench does
         raise KeyboardInterrupt
     res = next(iter(out.paths.values()), None)

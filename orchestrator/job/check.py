@@ -1,0 +1,59 @@
+"""The rule book applied to a whole config: `check_profile` feeds each rule of orchestrator.
+profile.rules the sections it judges, in the book's order, and returns the Plan (or raises
+ConfigError). The run (job.app), the bench, the doctor, export_env and the command line's
+precheck all call it, so they can never disagree; `doctor_spec` is what the doctor reads of a
+profile (the rule book bound to it, and what its intended plan is drawn from)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator.profile.config import (
+    EndpointsConfig,
+    MemPoolConfig,
+    OrchestratorConfig,
+    TransportConfig,
+)
+from orchestrator.profile.kinds import Role
+from orchestrator.profile.plan import Plan, Platform, make_plan
+from orchestrator.profile.rules import (
+    buffer_bytes,
+    check_digest_and_metadata,
+    check_fault,
+    check_hosts,
+    check_inputs,
+    check_memory,
+)
+
+
+def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
+    """Can `cfg` (validated) run on `platform`, and how: its Plan, or ConfigError naming the
+    first rule it breaks (orchestrator.profile.rules, whose docstring lists them in order)."""
+    t, e, role = cfg.transport, cfg.endpoints, cfg.role
+    check_inputs(t, cfg.workload, e, cfg.gate, platform)
+    plan = make_plan(cfg.mem_pool, t, e, role, platform)
+    check_fault(cfg.faults, e, role, plan)
+    check_hosts(t, role, plan, platform)
+    check_digest_and_metadata(cfg.verify.digest, t.mooncake, plan)
+    check_memory(e, role, cfg.buffers, buffer_bytes(cfg.buffers, cfg.layout), plan, platform)
+    return plan
+
+
+@dataclass(frozen=True)
+class DoctorSpec:
+    """What the doctor's checks read of a profile: the rule book bound to it (`check`, on the
+    platform the doctor sees) and the sections its intended plan comes from when the rule
+    book refuses it (preflight.doctor.intended_plan)."""
+
+    check: Callable[[Platform], Plan]
+    mem_pool: MemPoolConfig
+    transport: TransportConfig
+    endpoints: EndpointsConfig
+    role: Role
+
+
+def doctor_spec(cfg: OrchestratorConfig) -> DoctorSpec:
+    """The doctor's spec of the validated config `cfg`."""
+    return DoctorSpec(functools.partial(check_profile, cfg), cfg.mem_pool, cfg.transport, cfg.endpoints, cfg.role)
