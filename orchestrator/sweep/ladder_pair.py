@@ -265,24 +265,33 @@ def _decode_framed(rung: int, d: _Decode) -> dict[str, Any]:
             slots.take(st.slot)
             g = Grant(0, st.rid, st.room, st.slot, keys.pad(0, st.rid), t_status, int(KVPoll.Success),
                       tag=st.tag, t_status=t_status)
-            while True:
-                checks, _, _, _ = rows.read_pass([g], time.perf_counter())
-                now = time.monotonic()
-                polled = judge.poll(g, checks[0], now)
-                if polled != KVPoll.Transferring:
-                    break
-                held += 1
-            v = judge.verdict(g, checks[0], polled, now)
-            assert v is not None, "Success or Failed has a verdict"
-            outcome, detail = v
-            rows.free(g.slot)
-            rows.zero_freed()
+            outcome, detail, waits = _gated(rows, judge, g)
+            held += waits
         ok = outcome is Outcome.verified
         verified += ok
         bad += not ok
         t_ns = time.monotonic_ns()
         pair.send(session.seal(wire.encode(wire.UpdateMsg(grants=[], v=[[st.rid, outcome.code, detail.code, t_ns,
                                                                          int(t_status * 1e9), t_ns]]))))
+
+
+def _gated(rows: Rows, judge: Judge, g: Grant) -> tuple[Outcome, Detail, int]:
+    """R3-R5: the readiness gate as configured on one granted row (Rows and Judge, as the
+    run's decode step uses them), its verdict, the slot freed and its room zeroed; with the
+    number of passes the gate held the row."""
+    held = 0
+    while True:
+        checks, _, _, _ = rows.read_pass([g], time.perf_counter())
+        now = time.monotonic()
+        polled = judge.poll(g, checks[0], now)
+        if polled != KVPoll.Transferring:
+            break
+        held += 1
+    v = judge.verdict(g, checks[0], polled, now)
+    assert v is not None, "Success or Failed has a verdict"
+    rows.free(g.slot)
+    rows.zero_freed()
+    return v[0], v[1], held
 
 
 def _decode_granted(d: _Decode) -> dict[str, Any]:
@@ -317,18 +326,8 @@ def _decode_granted(d: _Decode) -> dict[str, Any]:
         if g.slot != st.slot or g.room != st.room:
             raise RuntimeError(f"status for request {st.rid} names slot {st.slot}, granted {g.slot}")
         g.status, g.tag, g.t_status = int(KVPoll.Success), st.tag, t_status
-        while True:
-            checks, _, _, _ = rows.read_pass([g], time.perf_counter())
-            now = time.monotonic()
-            polled = judge.poll(g, checks[0], now)
-            if polled != KVPoll.Transferring:
-                break
-            held += 1
-        v = judge.verdict(g, checks[0], polled, now)
-        assert v is not None, "Success or Failed has a verdict"
-        outcome, detail = v
-        rows.free(g.slot)
-        rows.zero_freed()
+        outcome, detail, waits = _gated(rows, judge, g)
+        held += waits
         ok = outcome is Outcome.verified
         verified += ok
         bad += not ok
