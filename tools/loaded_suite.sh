@@ -49,7 +49,7 @@ bad=$(grep -vc '^0$' "$OUT"/loop*.rc 2>/dev/null | awk -F: '{s += $NF} END {prin
 load=$(sort -n "$OUT/load" | awk '{a[NR] = $1} END {printf "median %s max %s (%d samples)", a[int((NR + 1) / 2)], a[NR], NR}')
 echo "commit:   $(git -C "$CLONE" rev-parse --short HEAD)"
 echo "load:     $load"
-echo "suite:    exit $suite_rc in $(( (t1 - t0) / 60 )) min $(( (t1 - t0) % 60 )) s: $(grep -E '(passed|failed)' "$OUT/suite.log" | tail -1)"
+echo "suite:    exit $suite_rc in $(( (t1 - t0) / 60 )) min $(( (t1 - t0) % 60 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/suite.log" | tail -1)"
 echo "4x4:      exit $four_rc: $(grep -m1 '^requests' "$OUT/4x4.log"), $(grep -o 'start-up [0-9.]* s' "$OUT/4x4.log" | head -1)"
 echo "loops:    $runs runs, $bad not exit 0"
 echo "logs:     $OUT"
