@@ -174,13 +174,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _adopt(env: dict[str, str]) -> None:
+    """The parent's environment as it was at Process.start (a forked child has the
+    forkserver's), as spawn's exec would have given it."""
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
 def driver_main(target: str, env: dict[str, str], *args: Any) -> None:
     """A warm child for a driver that owns its pipe and its messages (the cost ladder's pairs):
     the parent's environment, then `target` ("module:function") called with `args`; no
     start-up marks."""
-    if os.environ != env:
-        os.environ.clear()
-        os.environ.update(env)
+    _adopt(env)
     module, _, func = target.partition(":")
     getattr(importlib.import_module(module), func)(*args)
 
@@ -192,9 +198,7 @@ def child_main(target: str, env: dict[str, str], *args: Any, **kwargs: Any) -> N
     from orchestrator.handoff.endpoints import control
     from orchestrator.job import protocol
 
-    if os.environ != env:
-        os.environ.clear()
-        os.environ.update(env)
+    _adopt(env)
     conn: Connection = args[3]
     control.marks_to(protocol.Channel(conn))
     control.mark("interpreter")
