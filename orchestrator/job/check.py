@@ -1,8 +1,9 @@
-"""The rule book applied to a whole config: `check_profile` feeds each rule of orchestrator.
-profile.rules the sections it judges, in the book's order, and returns the Plan (or raises
-ConfigError). The run (job.app), the bench, the doctor, export_env and the command line's
-precheck all call it, so they can never disagree; `doctor_spec` is what the doctor reads of a
-profile (the rule book bound to it, and what its intended plan is drawn from)."""
+"""The rule book applied to a whole config: `check_profile` hands orchestrator.profile.rules
+the sections it judges (rules.check applies every rule, in the book's order) and returns the
+Plan (or raises ConfigError). The run (job.app), the bench, the doctor, export_env and the
+command line's precheck all call it, so they can never disagree; `doctor_spec` is what the
+doctor reads of a profile (the rule book bound to it, and what its intended plan is drawn
+from)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+from orchestrator.profile import rules
 from orchestrator.profile.config import (
     EndpointsConfig,
     MemPoolConfig,
@@ -17,28 +19,15 @@ from orchestrator.profile.config import (
     TransportConfig,
 )
 from orchestrator.profile.kinds import Role
-from orchestrator.profile.plan import Plan, Platform, make_plan
-from orchestrator.profile.rules import (
-    buffer_bytes,
-    check_digest_and_metadata,
-    check_fault,
-    check_hosts,
-    check_inputs,
-    check_memory,
-)
+from orchestrator.profile.plan import Plan, Platform
 
 
 def check_profile(cfg: OrchestratorConfig, platform: Platform) -> Plan:
     """Can `cfg` (validated) run on `platform`, and how: its Plan, or ConfigError naming the
     first rule it breaks (orchestrator.profile.rules, whose docstring lists them in order)."""
-    t, e, role = cfg.transport, cfg.endpoints, cfg.role
-    check_inputs(t, cfg.workload, e, cfg.gate, platform)
-    plan = make_plan(cfg.mem_pool, t, e, role, platform)
-    check_fault(cfg.faults, e, role, plan)
-    check_hosts(t, role, plan, platform)
-    check_digest_and_metadata(cfg.verify.digest, t.mooncake, plan)
-    check_memory(e, role, cfg.buffers, buffer_bytes(cfg.buffers, cfg.layout), plan, platform)
-    return plan
+    return rules.check(transport=cfg.transport, workload=cfg.workload, endpoints=cfg.endpoints, gate=cfg.gate,
+                       mem_pool=cfg.mem_pool, role=cfg.role, faults=cfg.faults, digest=cfg.verify.digest,
+                       buffers=cfg.buffers, layout=cfg.layout, platform=platform)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The rule book: can this profile run on this machine, and how? One function answers it
 for the run, the doctor and export_env alike, so they can never disagree.
 
-Each rule reads the sections it judges; orchestrator.job.check.check_profile(cfg, platform)
-feeds them a validated config (orchestrator.profile.config.validate ran every section's own
-range and form checks, once) and returns the Plan or raises ConfigError (one line: key,
-value, what is allowed). It applies, in order:
+Each rule reads the sections it judges; `check` applies them all to the sections of a
+validated config (orchestrator.profile.config.validate ran every section's own range and
+form checks, once; orchestrator.job.check.check_profile hands them over) and returns the Plan
+or raises ConfigError (one line: key, value, what is allowed). It applies, in order:
   1. a named secret must be set;
   2. the plan's rules: device, route, engine transport, fallback, GPU placement,
      allocator settings (orchestrator.profile.plan);
@@ -33,6 +33,7 @@ from orchestrator.profile.config import (
     FaultsConfig,
     GateConfig,
     LayoutConfig,
+    MemPoolConfig,
     MooncakeConfig,
     Role,
     TransportConfig,
@@ -41,11 +42,26 @@ from orchestrator.profile.config import (
 )
 from orchestrator.profile.fault_table import FAULTS
 from orchestrator.profile.kinds import secret_from_env
-from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route
+from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
 MAX_REQUEST_ID = (1 << 63) - 1  # request ids travel as signed 64-bit numbers (rooms: 63 bits)
 MAX_OPEN_LOOP_REQUESTS = 100_000_000  # arrival times are drawn up front (8 bytes each)
 RATE_WAIT_TIMEOUTS = 100  # the first arrival expected within this many transport.timeout_s
+
+
+def check(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: EndpointsConfig,
+          gate: GateConfig, mem_pool: MemPoolConfig, role: Role, faults: FaultsConfig, digest: DigestKind,
+          buffers: BuffersConfig, layout: LayoutConfig, platform: Platform) -> Plan:
+    """The rule book, in its order (the module's docstring), over the sections it judges: the
+    Plan of this profile on `platform`, or ConfigError naming the first rule it breaks."""
+    t, e = transport, endpoints
+    check_inputs(t, workload, e, gate, platform)
+    plan = make_plan(mem_pool, t, e, role, platform)
+    check_fault(faults, e, role, plan)
+    check_hosts(t, role, plan, platform)
+    check_digest_and_metadata(digest, t.mooncake, plan)
+    check_memory(e, role, buffers, buffer_bytes(buffers, layout), plan, platform)
+    return plan
 
 
 def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:
