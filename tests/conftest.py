@@ -108,7 +108,7 @@ class JobRunner:
         specs = build_specs(cfg, plan)
         self.out = out = run_handoffs(specs, run_dir)
         self.wall_s = time.monotonic() - t0
-        return build_results(specs.report, plan, out)
+        return build_results(specs.report, out)
 
 
 @pytest.fixture

@@ -286,7 +286,7 @@ def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
     plan = plan_of(cfg, CPU)
     assert plan.mc_env["MC_FORCE_TCP"] is None and plan.declared_transport == "mooncake-rdma"
     specs = build_specs(cfg, plan)
-    res = build_results(specs.report, plan, run_handoffs(specs, tmp_path / "strict"))
+    res = build_results(specs.report, run_handoffs(specs, tmp_path / "strict"))
     assert res.verified == 0 and res.exit_code == 3
     assert "came up on mooncake-tcp, declared mooncake-rdma" in res.error
 
@@ -294,6 +294,6 @@ def test_effective_transport_differs_from_declared(cfg_factory, tmp_path):
                       "workload.requests=50")
     plan = plan_of(cfg, CPU)
     specs = build_specs(cfg, plan)
-    res = build_results(specs.report, plan, run_handoffs(specs, tmp_path / "degrade"))
+    res = build_results(specs.report, run_handoffs(specs, tmp_path / "degrade"))
     assert res.verified == 50 and res.transports.effective_transport == "mooncake-tcp"
     assert "effective_transport_differs" in (tmp_path / "degrade" / "decode.log").read_text()

@@ -32,6 +32,7 @@ from orchestrator.profile.config import (
     FaultsConfig,
     GateConfig,
     LayoutConfig,
+    LoggingConfig,
     OrchestratorConfig,
     TransportConfig,
     VerifyConfig,
@@ -41,6 +42,7 @@ from orchestrator.profile.config import (
 from orchestrator.profile.kinds import Role
 from orchestrator.profile.plan import Plan
 from orchestrator.results.report_spec import (
+    ReportConsole,
     ReportGate,
     ReportLoad,
     ReportRanks,
@@ -48,6 +50,7 @@ from orchestrator.results.report_spec import (
     ReportSend,
     ReportSpec,
 )
+from orchestrator.results.schema import PlanInfo
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,11 @@ def build_specs(cfg: OrchestratorConfig, plan: Plan) -> JobSpecs:
         startup_timeout_s=e.startup_timeout_s, watch_prefills=cfg.role is Role.decode,
         console=cfg.logging.console)
     report = ReportSpec(
-        role=cfg.role, load=report_load(cfg.workload), ranks=ReportRanks(e.prefill_ranks, e.decode_ranks, e.decode_tp),
-        rows=report_rows(cfg.buffers, cfg.layout, cfg.verify), send=report_send(t), gate=report_gate(cfg.gate),
+        role=cfg.role, rows=report_rows(cfg.buffers, cfg.layout, cfg.verify), plan=PlanInfo(plan.as_dict()),
+        load=report_load(cfg.workload), ranks=ReportRanks(e.prefill_ranks, e.decode_ranks, e.decode_tp),
+        send=report_send(t), gate=report_gate(cfg.gate),
         fault=cfg.faults.kind, fault_at=cfg.faults.at_request, fault_every=cfg.faults.every,
-        percentiles=tuple(cfg.report.percentiles))
+        percentiles=tuple(cfg.report.percentiles), console=report_console(cfg.logging))
     return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults)
 
 
@@ -159,3 +163,7 @@ def report_send(t: TransportConfig) -> ReportSend:
 
 def report_gate(g: GateConfig) -> ReportGate:
     return ReportGate(g.read, g.readiness, g.zero_room_on_free, g.settle_ms)
+
+
+def report_console(lg: LoggingConfig) -> ReportConsole:
+    return ReportConsole(lg.console, lg.progress, lg.progress_every_s)

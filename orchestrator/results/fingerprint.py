@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from orchestrator.profile.config import WorkloadConfig
-from orchestrator.profile.plan import Plan
 from orchestrator.profile.platform import mooncake_distribution, no_gpu_possible, torch_build
 from orchestrator.profile.versions import installed_version
+from orchestrator.results.schema import PlanInfo
 
 PACKAGES = ("hydra-core", "omegaconf", "structlog", "pyzmq", "torch", "numpy")
 REPO = Path(__file__).resolve().parents[2]
@@ -66,8 +65,9 @@ def host_load() -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "cpus_usable": usable, "load_avg": load}
 
 
-def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
-    """fingerprint.json: versions, machine, git commit, the plan's MC_* env and the run's seed."""
+def collect(seed: Optional[int], plan: PlanInfo) -> dict[str, Any]:
+    """fingerprint.json: versions, machine, git commit, the plan's MC_* env and the run's seed
+    (workload.seed)."""
     build = torch_build()  # torch's version.py: what torch.__version__ and torch.version.cuda say
     packages = {name: installed_version(name) for name in PACKAGES}
     dist = mooncake_distribution()
@@ -81,8 +81,8 @@ def collect(workload: WorkloadConfig, plan: Plan) -> dict[str, Any]:
         "torch": build.get("__version__"),
         "cuda": build.get("cuda"),
         "gpus": gpus(),
-        "mc_env": dict(plan.mc_env),
-        "gpu_sharing": plan.sharing.as_dict(),  # as planned (results.json: as the run had it)
+        "mc_env": dict(plan.data["mc_env"]),
+        "gpu_sharing": dict(plan.data["gpu_sharing"]),  # as planned (results.json: as the run had it)
         "git": git_commit(),
-        "seeds": {"workload.seed": workload.seed},
+        "seeds": {"workload.seed": seed},
     }

@@ -1,8 +1,9 @@
 """What a run's report reads of the config: `ReportSpec`, frozen, built once by the job from
 the checked config (orchestrator.job.specs.build_specs) and read by the report (results.json and the
-summary: orchestrator.results.reporting), the job's own outputs (latency.png) and the
-accounting of a rank that could not report (orchestrator.job.recovery). It holds the values
-read, never a config section: what the report depends on is this file."""
+summary: orchestrator.results.reporting), the run's other outputs (its log, progress line and
+latency.png: orchestrator.results.outputs) and the accounting of a rank that could not report
+(orchestrator.job.recovery). It holds the values read, never a config section: what the
+report depends on is this file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from orchestrator.profile.kinds import DigestKind, FaultKind, FillMode, GateRead, Role, StatusMode
+from orchestrator.results.schema import PlanInfo
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,20 @@ class ReportGate:
 
 
 @dataclass(frozen=True)
+class ReportConsole:
+    """logging: what the console shows of a run."""
+
+    console: bool  # logging.console: the structured log lines too
+    progress: Optional[bool]  # logging.progress (null: a live line on a terminal)
+    progress_every_s: float  # logging.progress_every_s
+
+
+@dataclass(frozen=True)
 class ReportSpec:
     """Everything the report reads of one run's config (see the module's docstring)."""
 
     role: Role
+    plan: PlanInfo  # the run's plan as its log, fingerprint.json and results.json show it (Plan.as_dict)
     load: ReportLoad
     ranks: ReportRanks
     rows: ReportRows
@@ -86,3 +98,4 @@ class ReportSpec:
     fault_at: int  # faults.at_request
     fault_every: int  # faults.every
     percentiles: tuple[float, ...]  # report.percentiles
+    console: ReportConsole

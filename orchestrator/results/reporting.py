@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from orchestrator.profile.kinds import FaultKind
-from orchestrator.profile.plan import Plan
 from orchestrator.profile.sharing import sharing_line, sharing_warning
 from orchestrator.results.escape import printable
 from orchestrator.results.outcomes import Detail, Outcome
@@ -51,7 +50,6 @@ from orchestrator.results.schema import (
     LatencyUs,
     Pair,
     Percentiles,
-    PlanInfo,
     Results,
     Timing,
     TpGate,
@@ -153,7 +151,7 @@ def _authenticated(secret_env: Optional[str], out: RunResult, m: _Merged) -> Aut
                          sum(d.hijack_refused for d in decodes))
 
 
-def build_results(spec: ReportSpec, plan: Plan, out: RunResult) -> JobResults:
+def build_results(spec: ReportSpec, out: RunResult) -> JobResults:
     m = _Merged()
     for r in out.ranks.values():
         m.add(r)
@@ -181,11 +179,12 @@ def build_results(spec: ReportSpec, plan: Plan, out: RunResult) -> JobResults:
         counter_dict(m.routes), counter_dict(m.details), m.latency_us(spec.percentiles),
         ranks[0].clock if ranks else None,
         {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
-        Transports(_effective(out), plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
+        Transports(_effective(out), spec.plan.declared_transport, out.transports, out.engine_exposed,
+                   out.gpu_sharing),
         m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
         Agreement(decode_verified), {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
-        Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp, gate)
+        Ending.of(out), spec.plan, out.error, tp, gate)
     res.ending.warnings += warnings
     res.sglang_0_5_23 = _held(spec, res)
     for d in out.decodes.values():
@@ -323,7 +322,7 @@ def _tp(decode_tp: int, g: ReportGate, out: RunResult) -> Optional[TpSummary]:
         {d.name: d.tp.get("allreduce_us") for d in ranks})
 
 
-def build_decode_side(spec: ReportSpec, plan: Plan, out: RunResult) -> DecodeSideResults:
+def build_decode_side(spec: ReportSpec, out: RunResult) -> DecodeSideResults:
     """role=decode: what this side judged (the whole run's verdicts are the prefill side's)."""
     outcomes: Counter[Outcome] = Counter()
     details: Counter[Detail] = Counter()
@@ -339,8 +338,8 @@ def build_decode_side(spec: ReportSpec, plan: Plan, out: RunResult) -> DecodeSid
         outcomes[Outcome.corrupted], outcomes[Outcome.failed], counter_dict(details),
         {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
         Timing(startup_s=out.startup_s, startup_phases=out.startup_phases),
-        Transports(effective, plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
-        Ending.of(out), PlanInfo(plan.as_dict()), out.error, tp)
+        Transports(effective, spec.plan.declared_transport, out.transports, out.engine_exposed, out.gpu_sharing),
+        Ending.of(out), spec.plan, out.error, tp)
 
 
 def write(run_dir: Path, results: Results) -> None:
