@@ -10,8 +10,9 @@ import pytest
 import zmq
 
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.auth import Authenticator, run_secret, secret_from_env
+from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.profile.config import ConfigError, validate
+from orchestrator.profile.kinds import run_secret, secret_from_env
 from orchestrator.profile.plan import Platform
 
 from .conftest import DecodeProcess, compose_cfg

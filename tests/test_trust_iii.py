@@ -486,7 +486,8 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
     t0 = time.monotonic()
     try:
         with Signals() as signals, pytest.raises(RunFailed) as failed:
-            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", secret, signals)
+            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", Authenticator(secret),
+                   signals)
     finally:
         closed.set()
         peer.join(70)

@@ -1093,7 +1093,7 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
                "transport": "tcp", "session_id": None}]]
     import structlog
 
-    side = bootstrap._Bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, secret,
+    side = bootstrap._Bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, Authenticator(secret),
                                 [[DecodeAdvert(**i) for i in inst] for inst in infos], [], out,
                                 structlog.get_logger("test"))
     signals = Signals()  # not entered: the test ends the loop by setting caught
@@ -1173,7 +1173,8 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     cfg = typed_cfg("endpoints.startup_timeout_s=4", "transport.address_check=warn")
     try:
         with Signals() as signals, pytest.raises(RunFailed) as failed:
-            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", secret, signals)
+            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", Authenticator(secret),
+                   signals)
     finally:
         stop.set()
         thread.join(5)

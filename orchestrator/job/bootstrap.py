@@ -39,6 +39,7 @@ import structlog
 
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.advert import Adverts
+from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.job import protocol
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals
 from orchestrator.job.peercheck import PeerCheck
@@ -88,26 +89,26 @@ def _unauthentic_lookup(frame: bytes) -> bool:
         return False
 
 
-def serve_bootstrap(t: TransportConfig, e: EndpointsConfig, layout: str, secret: bytes, infos: Infos,
+def serve_bootstrap(t: TransportConfig, e: EndpointsConfig, layout: str, auth: Authenticator, infos: Infos,
                     decodes: Sequence[DecodeProc], out: RunResult, log: structlog.stdlib.BoundLogger,
                     signals: Signals) -> None:
     """role=decode: serve the decode endpoints at transport.host:transport.bootstrap_port to
     authenticated prefill sides, until every prefill rank said bye to every instance.
     `decodes` are the runner's decode processes; `layout`: layout.name (a peer check)."""
-    _Bootstrap(t, e, layout, secret, infos, decodes, out, log).serve(signals)
+    _Bootstrap(t, e, layout, auth, infos, decodes, out, log).serve(signals)
 
 
 class _Bootstrap:
     """The bootstrap socket of one role=decode run and what the decodes told the runner."""
 
-    def __init__(self, t: TransportConfig, e: EndpointsConfig, layout: str, secret: bytes, infos: Infos,
+    def __init__(self, t: TransportConfig, e: EndpointsConfig, layout: str, auth: Authenticator, infos: Infos,
                  decodes: Sequence[DecodeProc], out: RunResult, log: structlog.stdlib.BoundLogger):
-        from orchestrator.handoff.transport.auth import Authenticator, new_nonce
+        from orchestrator.handoff.transport.auth import new_nonce
 
         self.transport, self.endpoints, self.out, self.log, self.decodes = t, e, out, log, decodes
-        self.auth = Authenticator(secret)
+        self.auth = auth
         self.want = e.prefill_ranks
-        self.check = PeerCheck(t, layout, "decode", secret, log)
+        self.check = PeerCheck(t, layout, "decode", self.auth, log)
         self.challenge = new_nonce()  # this run's: a lookup must carry it to be judged
         # the peer checks' verdict per prefill side (its lookup nonce), and when
         self.judged: dict[str, tuple[Optional[str], float]] = {}
@@ -323,7 +324,7 @@ class _Bootstrap:
             raise RunFailed(f"{d.name} exited with code {d.proc.exitcode}")
 
 
-def lookup(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[str], secret: bytes,
+def lookup(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[str], auth: Authenticator,
            signals: Signals, out: Optional[RunResult] = None,
            log: Optional[structlog.stdlib.BoundLogger] = None) -> Infos:
     """role=prefill: the decode endpoints, from the decode side's bootstrap address (asked
@@ -331,17 +332,17 @@ def lookup(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[s
     two sides' peer checks (handoff.peercheck: versions, the address SGLang would advertise)
     run on the way; warnings go to `out`. `peer`: the address to ask (None: the one in
     transport.bootstrap_file); `layout`: layout.name (a peer check)."""
-    check = PeerCheck(t, layout, "prefill", secret, log or structlog.get_logger())
+    check = PeerCheck(t, layout, "prefill", auth, log or structlog.get_logger())
     try:
-        return _lookup(t, e, peer, secret, signals, check, out if out is not None else RunResult())
+        return _lookup(t, e, peer, auth, signals, check, out if out is not None else RunResult())
     finally:
         check.close()
 
 
-def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], secret: bytes, signals: Signals,
+def _lookup(t: TransportConfig, e: EndpointsConfig, peer: Optional[str], auth: Authenticator, signals: Signals,
             check: PeerCheck, out: RunResult) -> Infos:
     deadline = _clock() + e.startup_timeout_s
-    asker = _Asker(t, e, secret, check, _await_address(t, e, peer, deadline, signals))
+    asker = _Asker(t, e, auth, check, _await_address(t, e, peer, deadline, signals))
     try:
         while _clock() < deadline and not signals.caught:
             if peer is None:  # a decode side restarted meanwhile writes a new address
@@ -368,14 +369,14 @@ class _Asker:
     answer it takes echoes it), the decode side's challenge once it said it, the socket it
     asks on, and the answers it could not take (MAC failures in a row, stale ones)."""
 
-    def __init__(self, t: TransportConfig, e: EndpointsConfig, secret: bytes, check: PeerCheck,
+    def __init__(self, t: TransportConfig, e: EndpointsConfig, auth: Authenticator, check: PeerCheck,
                  address: tuple[str, int]) -> None:
         import zmq
 
-        from orchestrator.handoff.transport.auth import Authenticator, new_nonce
+        from orchestrator.handoff.transport.auth import new_nonce
 
         self.t, self.e, self.check = t, e, check
-        self.auth = Authenticator(secret)
+        self.auth = auth
         self.host, self.port = address
         self.bad = 0  # answers in a row from the named peer that failed the MAC
         self.stale = 0  # authentic answers to another lookup than this run's (recorded: replays)

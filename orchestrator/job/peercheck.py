@@ -44,12 +44,13 @@ class PeerFields(TypedDict):
 class PeerCheck:
     """One side's part: what it sends (`fields()`), and its verdict on the peer's (`judge`)."""
 
-    def __init__(self, t: TransportConfig, layout: str, side: str, secret: bytes, log: Any,
+    def __init__(self, t: TransportConfig, layout: str, side: str, auth: Authenticator, log: Any,
                  env: Optional[Mapping[str, str]] = None) -> None:
-        """`t`: the transport section; `layout`: layout.name."""
+        """`t`: the transport section; `layout`: layout.name; `auth`: this side's (its echo's
+        and its probe's seals)."""
         self.side, self.log = side, log
         self.timeout_s = t.timeout_s
-        self.auth = Authenticator(secret)
+        self.auth = auth
         self.mode = t.address_check
         self.versions = versions.local(layout)
         self.advertised = Advertisement.off()

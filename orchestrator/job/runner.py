@@ -29,14 +29,14 @@ import structlog
 
 from orchestrator.handoff.fault_kinds import divert_control, resume, strike
 from orchestrator.handoff.transport.advert import Adverts, DecodeAdvert
-from orchestrator.handoff.transport.auth import run_secret
+from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.job import protocol, warmstart
 from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_server
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
 from orchestrator.job.specs import JobSpecs
-from orchestrator.profile.kinds import MpsMode, Role
+from orchestrator.profile.kinds import MpsMode, Role, run_secret
 from orchestrator.profile.plan import Device
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail
@@ -165,19 +165,22 @@ def run_handoffs(specs: JobSpecs, run_dir: Path, progress: Optional[_Progress] =
 
 
 class Job:
-    """One handoff job: its specs (plan included), run dir and secret, the processes it
-    started (each behind a protocol.Channel) and its outcome, `out`."""
+    """One handoff job: its specs (plan included), run dir, secret and the Authenticator of its
+    own sockets (the bootstrap or the lookup, and their peer checks: the children build theirs
+    from the secret), the processes it started (each behind a protocol.Channel) and its
+    outcome, `out`."""
 
     def __init__(self, specs: JobSpecs, run_dir: Path,
                  progress: Optional[_Progress] = None, driver: Optional[Driver] = None, bulk_bytes: int = 0,
                  secret: Optional[bytes] = None) -> None:
         # workload.seed=null: drawn here for callers other than the CLI (which draws and records it)
         self.specs = specs = specs.seeded()  # what crosses into the children: built once, by the caller
-        self.plan, self.run_dir = specs.plan, run_dir
+        self.run_dir = run_dir
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.secret = secret if secret is not None else run_secret(specs.transport.secret_env)
+        self.auth = Authenticator(self.secret)  # its own sockets' (the bootstrap, the lookup, the peer checks)
         self.out = RunResult()
         self.out.run_dir = str(run_dir)
         self.signals = Signals()
@@ -205,7 +208,7 @@ class Job:
         if self.specs.endpoints.decode_tp > 1:  # children inherit it: NVLink multicast (NVLS) stays off
             os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                               NVSHMEM_DISABLE_NVLS="1")
-        sharing = self.plan.sharing
+        sharing = self.specs.plan.sharing
         with (signals or self.signals) as self.signals, \
                 mps_for(sharing, self.run_dir, self.log) as out.gpu_sharing:
             try:
@@ -238,16 +241,16 @@ class Job:
             self.metadata = start_metadata_server(sp.transport.mooncake.metadata_server, self.run_dir)
         self._spawn()
         infos = self._startup()
-        record_servers(out.gpu_sharing, self.plan.sharing)  # (every process has its CUDA context now)
+        record_servers(out.gpu_sharing, sp.plan.sharing)  # (every process has its CUDA context now)
         layout = sp.decode.side.layout.name  # the aux layout both sides' bootstrap compares
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
             self._phases()
-            serve_bootstrap(sp.transport, sp.endpoints, layout, self.secret, infos, self.decodes, out,
+            serve_bootstrap(sp.transport, sp.endpoints, layout, self.auth, infos, self.decodes, out,
                             self.log, self.signals)
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
-            infos = lookup(sp.transport, sp.endpoints, layout, sp.peer, self.secret, self.signals,
+            infos = lookup(sp.transport, sp.endpoints, layout, sp.peer, self.auth, self.signals,
                            out, self.log)
         self.silent, applied = divert_control(sp.faults.kind, sp.transport.host, infos)
         out.faults_applied.extend(applied)
@@ -315,7 +318,7 @@ class Job:
             name = proc_name("prefill", r, e.prefill_ranks)
             self.prefills.append(self._start(name, "prefill", r, 0, prefill_main, kwargs=kwargs))
         if e.decode_tp > 1:
-            backend = "nccl" if self.plan.buffer_device is Device.cuda else "gloo"
+            backend = "nccl" if sp.plan.buffer_device is Device.cuda else "gloo"
             for i in range(e.decode_ranks):
                 init = f"tcp://{sp.transport.host}:{_free_port(sp.transport.host)}"
                 for p in self.decodes:
@@ -599,7 +602,7 @@ class Job:
                 out.ranks[p.name] = reconstruct(report, self.run_dir, p.index, p.name,
                                                 Detail.interrupted if out.interrupted and not reason else
                                                 Detail.prefill_lost if reason else Detail.run_error,
-                                                route=self.plan.route.value, ran=p.running,
+                                                route=self.specs.plan.route.value, ran=p.running,
                                                 phase=(out.t_phase, out.t_stop), full=full)
                 if full:  # the records kept their complete lines; the run says which file
                     out.no_space = out.no_space or str(full[0].path)

@@ -7,6 +7,8 @@ floor (handoff's byte path included) may read it without reading the schema's se
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
 from enum import Enum
 from typing import Any, Mapping, Optional
 
@@ -64,6 +66,14 @@ def secret_from_env(secret_env: str, env: Mapping[str, str]) -> bytes:
         raise ConfigError("transport.secret_env", secret_env,
                           "the name of a set, non-empty environment variable holding the secret")
     return value.encode()
+
+
+def run_secret(secret_env: Optional[str], env: Optional[Mapping[str, str]] = None) -> bytes:
+    """The secret of a run: the one transport.secret_env names (read from `env`, else this
+    process's environment), or a fresh random one for this run alone."""
+    if secret_env is not None:
+        return secret_from_env(secret_env, os.environ if env is None else env)
+    return secrets.token_bytes(32)
 
 
 # ---- enums (typed as users type them) ------------------------------------------------------

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-from typing import Mapping, Optional, Sequence, cast
-
-from orchestrator.profile.kinds import secret_from_env  # the rule book's too
+from typing import Optional, Sequence, cast
 
 MAC_BYTES = 16
 NONCE_BYTES = 16
@@ -142,10 +139,3 @@ class Session(Authenticator):
             raise Replayed(f"control message {seq} after {self._seen}")
         self._seen = seq
         return body[_SEQ:]
-
-
-def run_secret(secret_env: Optional[str], env: Optional[Mapping[str, str]] = None) -> bytes:
-    """The secret of a run: the configured one, or a fresh random one for this run alone."""
-    if secret_env is not None:
-        return secret_from_env(secret_env, os.environ if env is None else env)
-    return secrets.token_bytes(32)
