@@ -1,16 +1,19 @@
 """The wire formats: SGLang's AUX_DATA and status messages byte for byte, this tool's
-identity frame and step status, strict receipt, and MACs."""
+identity frame and step status, the binary arrive and update frames, strict receipt, and MACs."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.transport.auth import Authenticator
-from orchestrator.results.outcomes import KVPoll
+from orchestrator.handoff.transport.auth import Authenticator, Replayed
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 
 LENS = [64, 64, 512]
 
@@ -81,3 +84,150 @@ def test_mac_rejects_missing_wrong_and_foreign():
     assert a.unseal(sealed) == b'{"type":"bye"}'
     assert a.unseal(b'{"type":"bye"}') is None and b.unseal(sealed) is None
     assert a.unseal(sealed[:-1] + bytes([sealed[-1] ^ 1])) is None
+
+
+# ---- the hot control frames: arrive and update, binary ------------------------------------
+T = (1 << 64) - 1  # the largest time a verdict carries
+REQS = [[0, 0], [7, 123], [T, T]]
+GRANTS = [[0, 0], [9, 3], [T, (1 << 32) - 1]]
+VERDICTS = [[9, 2, 0, 10, 11, 12], [T, 0, len(Detail) - 1, T, T, 0]]
+
+
+def _rows(msg_rows):
+    return [list(r) for r in msg_rows]
+
+
+@pytest.mark.parametrize("n", [0, 1, 64])
+def test_hot_frames_round_trip(n):
+    reqs = [[i, 1000 + i] for i in range(n)]
+    for contiguous in (False, True):
+        msg = wire.decode(wire.encode(wire.ArriveMsg(reqs=reqs, contiguous=contiguous)))
+        assert isinstance(msg, wire.ArriveMsg) and _rows(msg.reqs) == reqs and msg.contiguous is contiguous
+    grants = [[i, i % 7] for i in range(n)]
+    v = [[i, i % 3, i % len(Detail), i, i + 1, i + 2] for i in range(n)]
+    msg = wire.decode(wire.encode(wire.UpdateMsg(grants=grants, v=v)))
+    assert isinstance(msg, wire.UpdateMsg) and _rows(msg.grants) == grants and _rows(msg.v) == v
+    assert all(type(x) is int for r in msg.grants + msg.v for x in r)  # plain ints, not numpy's
+
+
+def test_hot_frames_carry_every_value_their_fields_hold():
+    assert _rows(wire.decode(wire.encode("arrive", reqs=REQS, contiguous=False)).reqs) == REQS
+    msg = wire.decode(wire.encode("update", grants=GRANTS, v=VERDICTS))
+    assert (_rows(msg.grants), _rows(msg.v)) == (GRANTS, VERDICTS)
+
+
+def test_hot_frame_layout_is_fixed():
+    """A header (magic, two u32), then the entries unpadded, little-endian, as the dtypes."""
+    assert wire.encode(wire.ArriveMsg(reqs=[[1, 2]], contiguous=True)) == (
+        b"ORA1" + struct.pack("<II", 1, 1) + struct.pack("<QQ", 1, 2))
+    assert wire.encode(wire.UpdateMsg(grants=[[3, 4]], v=[[5, 2, 1, 6, 7, 8]])) == (
+        b"ORU1" + struct.pack("<II", 1, 1) + struct.pack("<QI", 3, 4) + struct.pack("<QBBQQQ", 5, 2, 1, 6, 7, 8))
+    assert wire.encode(wire.UpdateMsg(grants=[], v=[])) == b"ORU1" + bytes(8)  # the heartbeat: 12 B
+    assert (wire.ARRIVE_DTYPE.itemsize, wire.GRANT_DTYPE.itemsize, wire.VERDICT_DTYPE.itemsize) == (16, 12, 34)
+
+
+def test_hot_frames_from_arrays_are_the_same_bytes():
+    reqs = np.array([tuple(r) for r in REQS], dtype=wire.ARRIVE_DTYPE)
+    grants = np.array([tuple(r) for r in GRANTS], dtype=wire.GRANT_DTYPE)
+    v = np.array([tuple(r) for r in VERDICTS], dtype=wire.VERDICT_DTYPE)
+    assert wire.arrive_frame(reqs, True) == wire.encode(wire.ArriveMsg(reqs=REQS, contiguous=True))
+    assert wire.update_frame(grants, v) == wire.encode(wire.UpdateMsg(grants=GRANTS, v=VERDICTS))
+    assert wire.update_frame(grants[:0], v) == wire.encode(wire.UpdateMsg(grants=[], v=VERDICTS))
+
+
+@pytest.mark.parametrize("what", [
+    lambda: wire.arrive_frame([[-1, 0]], False),  # negative
+    lambda: wire.arrive_frame([[1 << 64, 0]], False),  # past u64
+    lambda: wire.arrive_frame([[1, 2, 3]], False),  # a row of another width
+    lambda: wire.update_frame([[1, 1 << 32]], []),  # a slot past u32
+    lambda: wire.update_frame([], [[1, 256, 0, 0, 0, 0]]),  # an outcome past its byte
+    lambda: wire.update_frame(np.zeros(2, dtype=wire.ARRIVE_DTYPE), []),  # an array of another dtype
+    lambda: wire.update_frame(np.zeros((2, 2), dtype=wire.GRANT_DTYPE), []),  # not 1-d
+    lambda: wire.update_frame([[0, 0]] * (wire.MAX_LIST + 1), []),  # over MAX_LIST entries
+    lambda: wire.update_frame([], [[0] * 6] * 40_000),  # over MAX_MESSAGE_BYTES
+])
+def test_a_hot_frame_that_cannot_be_sent_is_refused_at_encoding(what):
+    with pytest.raises(wire.WireError):
+        what()
+
+
+_HEAD = struct.Struct("<4sII")
+_ARRIVE = wire.encode("arrive", reqs=REQS, contiguous=False)
+_UPDATE = wire.encode("update", grants=GRANTS, v=VERDICTS)
+_VAT = 12 + len(GRANTS) * 12  # where the verdicts start
+
+
+def _with(raw: bytes, at: int, value: int) -> bytes:
+    return raw[:at] + bytes([value]) + raw[at + 1:]
+
+
+@pytest.mark.parametrize("raw", [
+    b"ORA1", b"ORU1" + bytes(7),  # shorter than the header
+    _ARRIVE[:-1], _ARRIVE + b"\x00", _ARRIVE[:-16],  # a byte short, a byte over, an entry short
+    _HEAD.pack(b"ORA1", 4, 0) + _ARRIVE[12:],  # counts 4, carries 3
+    _HEAD.pack(b"ORA1", 3, 2) + _ARRIVE[12:],  # unknown flags
+    _HEAD.pack(b"ORA1", 3, 1 << 31) + _ARRIVE[12:],
+    _UPDATE[:-1], _UPDATE + b"\x00", _UPDATE[:-34],
+    _HEAD.pack(b"ORU1", 3, 1) + _UPDATE[12:],  # the same bytes split another way
+    _HEAD.pack(b"ORU1", 2, 2) + _UPDATE[12:],
+    _HEAD.pack(b"ORU1", (1 << 32) - 1, 0) + _UPDATE[12:],
+    _with(_UPDATE, _VAT + 8, len(Outcome)),  # the first verdict's outcome out of range
+    _with(_UPDATE, _VAT + 34 + 8, 255),  # the last one's
+    _with(_UPDATE, _VAT + 9, len(Detail)),  # a detail out of range
+    _with(_UPDATE, _VAT + 34 + 9, 255),
+    _HEAD.pack(b"ORU1", wire.MAX_LIST + 1, 0) + bytes(12 * (wire.MAX_LIST + 1)),  # the right length, too many
+    _HEAD.pack(b"ORA1", wire.MAX_LIST, 0) + bytes(16 * wire.MAX_LIST),  # over MAX_MESSAGE_BYTES
+    b'{"type":"arrive","reqs":[[1,2]],"contiguous":false}',  # the JSON they were before
+    b'{"type":"update","grants":[],"v":[]}',
+    b"ORA2" + bytes(8), b"ora1" + bytes(8),  # no such frame: not JSON either
+])
+def test_malformed_hot_frames_are_refused(raw):
+    with pytest.raises(wire.WireError):
+        wire.decode(raw)
+
+
+def test_every_truncation_of_a_hot_frame_is_refused():
+    for raw in (_ARRIVE, _UPDATE):
+        for n in range(len(raw)):
+            with pytest.raises(wire.WireError):
+                wire.decode(raw[:n])
+
+
+def test_the_largest_legal_hot_frames_fit_a_control_frame():
+    most = (wire.MAX_MESSAGE_BYTES - 12) // 34
+    raw = wire.update_frame([], [[1, 2, 0, 3, 4, 5]] * most)
+    assert len(raw) <= wire.MAX_MESSAGE_BYTES and len(wire.decode(raw).v) == most
+    raw = wire.arrive_frame([[1, 2]] * ((wire.MAX_MESSAGE_BYTES - 12) // 16), False)
+    assert len(raw) + 8 + 16 <= wire.CONTROL_FRAME_BYTES  # with its sequence number and MAC
+
+
+@given(st.binary(max_size=200), st.sampled_from([b"ORA1", b"ORU1"]))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_behind_a_hot_magic_decode_or_raise_wire_error(tail, magic):
+    try:
+        msg = wire.decode(magic + tail)
+    except wire.WireError:
+        return
+    assert isinstance(msg, wire.ArriveMsg if magic == b"ORA1" else wire.UpdateMsg)
+
+
+def test_a_sealed_hot_frame_opens_once_under_its_session_only():
+    base = Authenticator(b"s3cret")
+    tx, rx = base.session(0, "a" * 32, "b" * 32, "decode"), base.session(0, "a" * 32, "b" * 32, "prefill")
+    sealed = tx.seal(_UPDATE)
+    assert rx.unseal(sealed) == _UPDATE
+    with pytest.raises(Replayed):
+        rx.unseal(sealed)
+    assert rx.unseal(sealed[:-1] + bytes([sealed[-1] ^ 1])) is None
+    assert tx.unseal(tx.seal(_UPDATE)) is None  # reflected back: the other direction's key
+
+
+def test_mac_bytes_are_the_keyed_blake2b_of_the_length_prefixed_frames():
+    """The MAC is what it was: keyed once per authenticator changes no byte of it."""
+    key = hashlib.blake2b(b"s3cret", digest_size=32, person=b"orch-mac-v1").digest()
+    frames = wire.encode_status(7, KVPoll.Success, 2, rid=11, slot=3, tag=5)
+    h = hashlib.blake2b(key=key, digest_size=16)
+    for f in frames:
+        h.update(len(f).to_bytes(4, "big") + f)
+    a = Authenticator(b"s3cret")
+    assert a.sign(frames)[-1] == h.digest() == a.sign(frames)[-1]

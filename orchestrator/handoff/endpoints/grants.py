@@ -30,7 +30,7 @@ class Grants:
         self.replies, self.drop, self.log = replies, drop, log
         self.group_size, self.leader = group_size, leader
 
-    def arrive(self, prank: int, reqs: list[list[int]], contiguous: bool) -> None:
+    def arrive(self, prank: int, reqs: wire.Rows, contiguous: bool) -> None:
         """Arrivals wait for a slot (and are granted what is free); past the waiting cap one
         is shed, failed at once as decode_overloaded."""
         led = self.ledger

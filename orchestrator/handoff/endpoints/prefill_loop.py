@@ -245,7 +245,7 @@ class PrefillLoop:
                     self.judged_unsent -= 1
                 self.finish(req)
 
-    def judged(self, inst: Instance, verdicts: list[list[int]]) -> None:
+    def judged(self, inst: Instance, verdicts: wire.Rows) -> None:
         """Verdicts are taken only for a request in the state that expects one: judged
         (verified, corrupted or failed) once this prefill handed its row to the transfer
         thread (its status goes out behind the write); failed unsent only while it waits
@@ -505,7 +505,7 @@ class PrefillLoop:
                 case _:
                     self.res.rejected += 1
 
-    def granted(self, inst: Instance, grants: list[list[int]]) -> None:
+    def granted(self, inst: Instance, grants: wire.Rows) -> None:
         """Slots granted: each request granted once, by its own instance, while it waits."""
         for rid, slot in grants:
             req = self.outstanding.get(rid)

@@ -53,13 +53,15 @@ class Authenticator:
         self._key = key if key is not None else (
             hashlib.blake2b(secret, digest_size=32, person=b"orch-mac-v1").digest()
             if secret is not None else None)
+        # keyed once: each MAC starts from a copy (the key block is hashed here, not per frame)
+        self._keyed = hashlib.blake2b(key=self._key, digest_size=MAC_BYTES) if self._key is not None else None
 
     @property
     def enabled(self) -> bool:
         return self._key is not None
 
     def _mac(self, frames: Sequence[bytes]) -> bytes:
-        h = hashlib.blake2b(key=cast(bytes, self._key), digest_size=MAC_BYTES)  # callers: no key, no MAC
+        h = cast("hashlib._Hash", self._keyed).copy()  # callers: no key, no MAC
         for frame in frames:
             h.update(len(frame).to_bytes(4, "big"))
             h.update(frame)
