@@ -73,6 +73,18 @@ IDLE_MS = 50  # the longest a pass sleeps in the poll
 _POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
 
 
+def poll_wait_ms(busy: bool, held: bool, due: float, now: float) -> int:
+    """How long a pass of the decode's loop sleeps in its poll: never when it spins (or a
+    forward loop runs); 1 ms while the readiness gate holds a request (re-checked every
+    step) or a TP group steps; else until the timers are `due`, at most IDLE_MS (a SIGTERM's
+    flag is seen within it), at least 1 ms."""
+    if busy:
+        return 0
+    if held:
+        return 1
+    return max(1, min(IDLE_MS, int((due - now) * 1e3) + 1))
+
+
 def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None], most: int) -> None:
     """Up to `most` messages off a socket the poll found readable (no zmq.Again raised per
     drain: whether more wait is asked after each)."""
@@ -234,9 +246,7 @@ class DecodeEndpoint:
             if stop:
                 self.on_stop(lockstep)
                 return
-            # the gate re-checks held requests (and a TP group steps) every ms; else sleep
-            # until the next timer, at most IDLE_MS (a SIGTERM's flag is seen within it)
-            wait = 0 if busy else 1 if (led.ready or lockstep) else min(IDLE_MS, int((due - now) * 1e3) + 1)
+            wait = poll_wait_ms(busy, bool(led.ready) or lockstep, due, now)
 
     def on_timer(self, now: float) -> float:
         """The periodic work, when due: the leader's heartbeats to the prefills that wait on
