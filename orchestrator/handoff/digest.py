@@ -11,9 +11,10 @@ on the host, torch on CUDA) gives every column for a whole step; longer rows are
 8,192-word chunks. Changing any one byte changes one word by a nonzero amount below
 2^16 < P, which changes every c_j: a single flipped byte is always caught.
 
-The same product also returns the room's and the landed tag's words (one-hot weight
-columns), so reading a step's rows costs one gather, one product and one small copy to the
-host, whatever the number of rows.
+On device rows the same product also returns the room's and the landed tag's words (one-hot
+weight columns), so reading a step's rows costs one gather, one product and one small copy to
+the host, whatever the number of rows; host rows take those words from the gathered rows as
+they lie.
 
 Columns 0 and 1 use weights drawn from the run's secret and are masked with a pad that
 depends on the secret and the request's identity (prefill rank, request id):
@@ -39,7 +40,8 @@ same bytes again or reads them again):
   - the sender's seal: upload (slots, room positions, rooms, pads), [buffers.set_buf=staged:
     the step's packed rows, scattered to their slots], the rooms written, the digest taken,
     the tags computed and written into kv_checksum, tags and fingerprints copied back;
-  - the receiver's read: upload the slots, gather, digest, copy back.
+  - the receiver's read: upload the slots (and the freed slots' room and tag words, which
+    it zeroes first: the bucket holds both), gather, digest, copy back.
 Nothing in either waits: the caller's one wait per step covers it (a stream sync, or on the
 sender the engine's own ordering; see orchestrator.handoff.endpoints.prefill).
 """
