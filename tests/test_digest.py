@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orchestrator import MetadataBuffers
-from orchestrator.handoff.digest import MARK, Keys, RowDigest
+from orchestrator.handoff.digest import MARK, Keys, P, RowDigest, _u64
 from orchestrator.profile.config import DigestKind
 
 SECRET = b"k" * 32
@@ -129,3 +129,23 @@ def test_frozen_rows_of_a_large_step_equal_the_full_digest():
     pads = [Keys(SECRET).pad(*i) for i in idents]
     b.write_rooms(slots, rooms)
     assert d.sign_rooms(slots, rooms, pads, idents) == d.sign(slots, idents, pads)
+
+
+@pytest.mark.parametrize("hidden,kv_checksum", [(24, False), (24, True), (20000, True)])
+def test_a_host_read_gives_what_the_device_reads_product_gives(hidden, kv_checksum):
+    """Host rows read the room and the landed tag as they lie, not through the one-hot
+    columns of the product (device rows): the same checks, short and chunked rows alike."""
+    b = _filled(hidden=hidden, dtype=torch.float32, kv_checksum_enabled=kv_checksum)
+    d = RowDigest(b, Keys(SECRET))
+    b.write_rooms([2, 5], [(1 << 63) + 3, 77])
+    if kv_checksum:
+        b.write_checksums([2, 5], [MARK | 12345, MARK | (1 << 61)], 99)
+    slots = [5, 0, 2]
+    sums = d._sums(slots)  # the product every column comes from (device rows read it back)
+    want = [(tuple(np.mod(s[:2], P).tolist()), f"{int(s[2]) % P | (int(s[3]) % P) << 24:012x}",
+             _u64(s[4:8]), _u64(s[8:12]) if kv_checksum else 0) for s in sums.tolist()]
+    got = d.read(slots, [(0, s) for s in slots])
+    assert [(r.keyed, r.content, r.room, r.landed_tag) for r in got] == want
+    assert got[2].room == (1 << 63) + 3 and got[0].room == 77 == b.room(5)
+    if kv_checksum:
+        assert got[0].landed_tag == MARK | (1 << 61) == b.get_kv_checksum(5)[0]

@@ -65,9 +65,72 @@ def test_read_graph_zeroes_freed_rooms_in_the_same_pass(clear):
     dd, hd = RowDigest(dev, Keys(SECRET)), RowDigest(host, Keys(SECRET))
     dd.warm()
     idents = [(0, i) for i in range(2)]
-    # two slots read: a bucket of 2 zeroes two freed slots in its replay, a third is queued before it
+    # two slots read, two or three freed: one replay of the bucket that holds them (2 or 4) zeroes them
     assert dd.read([0, 2], idents, clear=clear) == hd.read([0, 2], idents, clear=clear)
     assert all(dev.room(s) == 0 and dev.get_kv_checksum(s) == (0, 0) for s in clear)
+    assert torch.equal(dev.arena.cpu(), host.arena)
+
+
+def test_read_graph_zeroes_more_freed_slots_than_it_reads_in_its_one_replay(monkeypatch):
+    """The read's bucket holds its reads and its freed slots: five zeroed beside one read,
+    no zeroing queued outside the replay, one wait."""
+    dev, host = _filled("cuda", size=8, kv_checksum_enabled=True), _filled("cpu", size=8, kv_checksum_enabled=True)
+    dd, hd = RowDigest(dev, Keys(SECRET)), RowDigest(host, Keys(SECRET))
+    dd.warm()
+    clear = [1, 3, 4, 6, 7]
+    want = hd.read([2], [(0, 2)], clear=clear)
+    monkeypatch.setattr(dev, "clear_slots", lambda slots: pytest.fail(f"zeroed outside the replay: {slots}"))
+    waits = _count_waits(monkeypatch)
+    assert dd.read([2], [(0, 2)], clear=clear) == want
+    assert waits == [1]
+    assert all(dev.room(s) == 0 and dev.get_kv_checksum(s) == (0, 0) for s in clear)
+    assert torch.equal(dev.arena.cpu(), host.arena)
+
+
+def _count_waits(monkeypatch) -> list[int]:
+    """[n]: the stream and device syncs since (one list, counted in place)."""
+    n = [0]
+    for owner, name in ((torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")):
+        real = getattr(owner, name)
+
+        def counted(*a, _real=real, **kw):
+            n[0] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(owner, name, counted)
+    return n
+
+
+def test_a_tp_ranks_freed_slots_are_zeroed_in_its_next_pass_and_freed_after_its_one_wait(monkeypatch):
+    """Device rows of a TP rank (read_plain): a freed slot stays held until the next step's
+    pass zeroed it (the read's replay, or a pass of its own when nothing is read), one wait
+    a step either way."""
+    from orchestrator.handoff.buffers import SlotAllocator
+    from orchestrator.handoff.endpoints.decode_state import Grant
+    from orchestrator.handoff.endpoints.judge import Rows
+    from orchestrator.profile.kinds import GateRead
+    from orchestrator.results.outcomes import KVPoll
+
+    dev, host = _filled("cuda", size=8, kv_checksum_enabled=True), _filled("cpu", size=8, kv_checksum_enabled=True)
+    dd, hd = RowDigest(dev, Keys(SECRET)), RowDigest(host, Keys(SECRET))
+    dd.warm()
+    slots = SlotAllocator(8)
+    for s in range(8):
+        slots.take(s)
+    rows = Rows(dev, dd, slots, GateRead.batched, True)
+    done = Grant(0, 5, 55, 5, (0, 0), 0.0, status=int(KVPoll.Success))
+    waiting = Grant(0, 6, 66, 6, (0, 0), 0.0)
+    rows.free(3)
+    rows.zero_freed()  # the step's end: nothing zeroed, nothing freed yet
+    assert slots.available == 0 and dev.room(3) != 0
+    waits = _count_waits(monkeypatch)
+    got = rows.read_plain([waiting, done])  # the next step reads slot 5 and zeroes slot 3
+    assert waits == [1] and slots.available == 1 and dev.room(3) == 0 and dev.get_kv_checksum(3) == (0, 0)
+    assert got[0] is None and got[1] == hd.read([5], [(0, 5)])[0]
+    rows.free(5)
+    assert rows.read_plain([waiting]) == [None]  # nothing to read: a pass of its own
+    assert waits == [2] and slots.available == 2 and dev.room(5) == 0
+    host.clear_slots([3, 5])
     assert torch.equal(dev.arena.cpu(), host.arena)
 
 

@@ -11,9 +11,10 @@ on the host, torch on CUDA) gives every column for a whole step; longer rows are
 8,192-word chunks. Changing any one byte changes one word by a nonzero amount below
 2^16 < P, which changes every c_j: a single flipped byte is always caught.
 
-The same product also returns the room's and the landed tag's words (one-hot weight
-columns), so reading a step's rows costs one gather, one product and one small copy to the
-host, whatever the number of rows.
+On device rows the same product also returns the room's and the landed tag's words (one-hot
+weight columns), so reading a step's rows costs one gather, one product and one small copy to
+the host, whatever the number of rows; host rows take those words from the gathered rows as
+they lie.
 
 Columns 0 and 1 use weights drawn from the run's secret and are masked with a pad that
 depends on the secret and the request's identity (prefill rank, request id):
@@ -39,7 +40,8 @@ same bytes again or reads them again):
   - the sender's seal: upload (slots, room positions, rooms, pads), [buffers.set_buf=staged:
     the step's packed rows, scattered to their slots], the rooms written, the digest taken,
     the tags computed and written into kv_checksum, tags and fingerprints copied back;
-  - the receiver's read: upload the slots, gather, digest, copy back.
+  - the receiver's read: upload the slots (and the freed slots' room and tag words, which
+    it zeroes first: the bucket holds both), gather, digest, copy back.
 Nothing in either waits: the caller's one wait per step covers it (a stream sync, or on the
 sender the engine's own ordering; see orchestrator.handoff.endpoints.prefill).
 """
@@ -51,7 +53,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -76,7 +78,8 @@ def buckets(n: int) -> list[int]:
     return out
 
 
-def bucket_of(k: int, sizes: Sequence[int]) -> int:
+def bucket_of(k: int, sizes: Iterable[int]) -> int:
+    """The first of `sizes` (ascending) that holds k."""
     return next(b for b in sizes if b >= k)
 
 
@@ -233,6 +236,30 @@ class Keys:
         return int.from_bytes(raw[:4], "little") % P, int.from_bytes(raw[4:], "little") % P
 
 
+def _gather_layout(b: MetadataBuffers) -> tuple[np.ndarray, np.ndarray, int, Optional[int]]:
+    """Where a slot's words lie in the arena, as 16-bit words: every field but kv_checksum
+    (the digested words), then kv_checksum's. Returns (base, step): slot s's words are at
+    base + s * step; and where the room's and the tag's words start among them (None: no
+    kv_checksum field)."""
+    base: list[np.ndarray] = []
+    step: list[np.ndarray] = []
+    room_at: Optional[int] = None
+    tag_at: Optional[int] = None
+    covered = [i for i in range(len(b.specs)) if i != b.checksum_field]
+    for i in covered + ([b.checksum_field] if b.checksum_field is not None else []):
+        n = b.item_lens[i]
+        assert n % 2 == 0 and b.offsets[i] % 2 == 0, "fields hold 16-bit words"
+        if i == b.room_field:
+            room_at = sum(len(x) for x in base)
+        if i == b.checksum_field:
+            tag_at = sum(len(x) for x in base)
+        start = b.offsets[i] // 2
+        base.append(np.arange(start, start + n // 2, dtype=np.int64))
+        step.append(np.full(n // 2, n // 2, dtype=np.int64))
+    assert room_at is not None, "every layout has a room field"
+    return np.concatenate(base), np.concatenate(step), room_at, tag_at
+
+
 class RowDigest:
     """Digests of a batch of slots of one MetadataBuffers, on its device."""
 
@@ -248,26 +275,10 @@ class RowDigest:
             if self.device.type != "cpu":
                 raise ValueError("verify.digest=blake2b reads rows on the host: host buffers only")
             return
-        covered = [i for i in range(len(buffers.specs)) if i != buffers.checksum_field]
-        base: list[np.ndarray] = []
-        step: list[np.ndarray] = []
-        room_at: Optional[int] = None
-        tag_at: Optional[int] = None
-        for i in covered + ([buffers.checksum_field] if buffers.checksum_field is not None else []):
-            n = buffers.item_lens[i]
-            assert n % 2 == 0 and buffers.offsets[i] % 2 == 0, "fields hold 16-bit words"
-            if i == buffers.room_field:
-                room_at = sum(len(b) for b in base)
-            if i == buffers.checksum_field:
-                tag_at = sum(len(b) for b in base)
-            start = buffers.offsets[i] // 2
-            base.append(np.arange(start, start + n // 2, dtype=np.int64))
-            step.append(np.full(n // 2, n // 2, dtype=np.int64))
-        self.base, self.step = np.concatenate(base), np.concatenate(step)
+        self.base, self.step, room_at, tag_at = _gather_layout(buffers)
         n_idx = len(self.base)
         self.words = tag_at if tag_at is not None else n_idx  # the digested words come first
         weights = np.zeros((n_idx, 12), dtype=np.float64)
-        assert room_at is not None, "every layout has a room field"
         weights[:self.words, :2] = _weights(keys.weight_seed, self.words, 2)
         weights[:self.words, 2:4] = _weights(_PUBLIC_SEED ^ self.words, self.words, 2)
         for j in range(4):  # one-hot columns: the room's words, and the landed tag's
@@ -284,6 +295,8 @@ class RowDigest:
             self._w = weights
             # every slot's gather positions, taken once (a step indexes rows of this table)
             self._idx = np.arange(buffers.size, dtype=np.int64)[:, None] * self.step + self.base
+            # the receiver's read: the digest's columns, and where the room and tag lie in a row
+            self._host_read = (np.ascontiguousarray(weights[:self.words, :4]), room_at, tag_at)
         else:
             dev = self.device
             self._u16 = buffers.arena.view(torch.int16)
@@ -575,8 +588,8 @@ class RowDigest:
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
             return out
         if self.device.type == "cpu":
-            sums = self._sums(slots)
-        elif stream is None:
+            return self._read_host(slots)
+        if stream is None:
             sums = self._read_graph(slots, clear)
         else:
             with torch.cuda.stream(stream):
@@ -586,20 +599,41 @@ class RowDigest:
                          _u64(s[8:12]) if self.has_tag else 0)
                 for row, s in zip(c, sums.tolist())]
 
+    def _read_host(self, slots: Sequence[int]) -> list[RowCheck]:
+        """Host rows: the digest's four columns in one product; the room's and the landed
+        tag's words read as they lie (what the one-hot columns give on device rows)."""
+        w, room_at, tag_at = self._host_read
+        x = self._u16[self._idx[slots]]
+        n = self.words
+        if n <= CHUNK_WORDS + 8:  # one product, exact in float64
+            sums = (x[:, :n].astype(np.float64) @ w).astype(np.int64)
+        else:
+            sums = np.zeros((len(x), 4), dtype=np.int64)
+            for lo in range(0, n, CHUNK_WORDS):
+                hi = min(n, lo + CHUNK_WORDS)
+                sums += (x[:, lo:hi].astype(np.float64) @ w[lo:hi]).astype(np.int64)
+        c = np.mod(sums, P).tolist()
+        rooms = np.ascontiguousarray(x[:, room_at:room_at + 4]).view(np.uint64)[:, 0].tolist()
+        tags = (np.ascontiguousarray(x[:, tag_at:tag_at + 4]).view(np.uint64)[:, 0].tolist()
+                if tag_at is not None else [0] * len(c))
+        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", room, tag)
+                for row, room, tag in zip(c, rooms, tags)]
+
     def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
-        """Device rows: one graph replay (zeroing up to a bucket's worth of `clear` too),
-        then the step's one wait."""
+        """Device rows: one graph replay, whose bucket holds the slots to read and those in
+        `clear` to zero (a step padded to its bucket reads its first slot again), then the
+        step's one wait."""
         if not self._judge:  # not warmed: the eager path
             return self._sums(slots)
         b = self.b
         k = len(slots)
-        kb = bucket_of(k, list(self._judge))
+        kb = bucket_of(max(k, len(clear)), self._judge)
         graph, inp, out = self._judge[kb]
         inp[:k] = slots
         if kb > k:
             inp[k:kb] = inp[0]
         inside, rest = list(clear[:kb]), list(clear[kb:])
-        if rest:  # more freed slots than the bucket zeroes: queued before it
+        if rest:  # (never: the largest bucket holds every slot) queued before it, the same wait
             b.clear_slots(rest)
         parts = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
         if b.checksum_field is not None:

@@ -39,11 +39,12 @@ speaks the runner's pipe around it, is orchestrator.job.children.decode_main.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import structlog
 import torch
 import zmq
+from zmq.backend import zmq_poll
 
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
 from orchestrator.handoff.digest import RowDigest
@@ -67,6 +68,34 @@ from orchestrator.profile.platform import clock as _clock
 from orchestrator.profile.platform import usable_cores
 from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile, RunFiles, proc_name
+
+IDLE_MS = 50  # the longest a pass sleeps in the poll
+_POLLIN, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.EVENTS), int(zmq.NOBLOCK)
+
+
+def poll_wait_ms(busy: bool, held: bool, due: float, now: float) -> int:
+    """How long a pass of the decode's loop sleeps in its poll: never when it spins (or a
+    forward loop runs); 1 ms while the readiness gate holds a request (re-checked every
+    step) or a TP group steps; else until the timers are `due`, at most IDLE_MS (a SIGTERM's
+    flag is seen within it), at least 1 ms."""
+    if busy:
+        return 0
+    if held:
+        return 1
+    return max(1, min(IDLE_MS, int((due - now) * 1e3) + 1))
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None], most: int) -> None:
+    """Up to `most` messages off a socket the poll found readable (no zmq.Again raised per
+    drain: whether more wait is asked after each)."""
+    for _ in range(most):
+        try:
+            frames = sock.recv_multipart(_NOBLOCK)
+        except zmq.Again:
+            return
+        handle(frames)
+        if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+            return
 
 
 class Sockets:
@@ -145,7 +174,7 @@ class DecodeEndpoint:
         self.records = RunFile(RunFiles(run_dir).verdicts(self.name), "w", buffering=1 << 16)  # NoSpace names it
         # gate.read: how the readiness gate reads rooms on device rows (host rows: a plain read)
         rows = Rows(buffers, digest, slots, spec.gate.read,
-                    decode_setup(buffers, spec.faults, spec.gate.zero_room_on_free), self.group.size == 1)
+                    decode_setup(buffers, spec.faults, spec.gate.zero_room_on_free))
         self.load = _forward_loop(spec, buffers, rows.host_rows, instance * spec.tp + tp_rank, log)
         self.net = Sockets(spec.host, spec.timeout_s, spec.faults, wire.max_frame_bytes(item_lens, size))
         drop = Drops(self.res, log)
@@ -181,53 +210,74 @@ class DecodeEndpoint:
 
     def serve(self, chan: control.Pipe) -> None:
         """Take messages and step until the runner says stop (a TP group: until any rank
-        was told to, all together)."""
-        poller = zmq.Poller()
-        poller.register(self.net.control, zmq.POLLIN)
-        poller.register(self.net.data, zmq.POLLIN)
-        poller.register(chan.fileno(), zmq.POLLIN)
+        was told to, all together). Each pass blocks in one poll over everything this process
+        serves (control, data and the runner's pipe) for no longer than its next timer (the
+        leader's heartbeats, the prefills' liveness) or the readiness gate's re-check allows;
+        the timers' work runs when it is due, not on every pass."""
+        pipe = chan.fileno()
+        # (zmq_poll takes a plain fd beside its sockets)
+        items = cast("list[tuple[zmq.Socket, int]]", [(self.net.control, _POLLIN), (self.net.data, _POLLIN),
+                                                      (pipe, _POLLIN)])
         lockstep = self.group.size > 1
         spin = self.spec.poll.spins(usable_cores())
-        watch = self.spec.watch_prefills and self.leader  # role=both: the runner watches them
         self.log.info("decode_loop", poll="spin" if spin else "block")
         load = self.load
         if load is not None:
             load.start()
+        busy = spin or load is not None  # a pass never sleeps in the poll
+        led, notices = self.ledger, self.notices
+        due = 0.0  # when the timers' work is next due (clock seconds): at the first pass
+        wait = 0
         while True:
             if load is not None:
                 load.tick()  # the next forward is queued before the poll, as SGLang's overlap scheduler does
-            events = dict(poller.poll(0 if spin or load else 1 if (self.ledger.ready or lockstep) else 50))
-            self.take(events)
+            piped = self.take(zmq_poll(items, wait))
             self.stepper.step()
-            if self.ledger.verdicts or any(g.shared for gs in self.ledger.granted.values() for g in gs):
+            if led.verdicts or (led.granted and any(g.shared for gs in led.granted.values() for g in gs)):
                 self.grants.flush()
-            if self.leader:
-                self.grants.heartbeat()
-            if watch:
-                self.watch_prefills()
-            self.notices.send(chan)
-            stop = chan.fileno() in events and chan.poll() and self.on_pipe(chan.recv())
-            stop = stop or Shutdown.requested
+            now = _clock()  # the pass's one clock read of its own
+            if now >= due:
+                due = self.on_timer(now)
+            if notices.pending:
+                notices.send(chan)
+            stop = (piped and chan.poll() and self.on_pipe(chan.recv())) or Shutdown.requested
             if lockstep:
                 stop = self.group.any(stop)
             if stop:
-                self.res.memory["rss_kb_end"] = rss_kb()
-                if load is not None:
-                    self.res.load = load.summary(self.spec.load.step_ms)
-                if lockstep:
-                    assert isinstance(self.group, TorchGroup)  # (size > 1)
-                    self.res.tp = self.group.summary()
+                self.on_stop(lockstep)
                 return
+            wait = poll_wait_ms(busy, bool(led.ready) or lockstep, due, now)
 
-    def take(self, events: dict[Any, int]) -> None:
-        """What arrived: up to 1024 control messages, then up to 4096 data frames."""
-        for sock, handle, most in ((self.net.control, self.control.on_control, 1024),
-                                   (self.net.data, self.data.on_data, 4096)):
-            if sock in events:
-                for _ in range(most):
-                    if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:  # (no zmq.Again raised per take)
-                        break
-                    handle(sock.recv_multipart(zmq.NOBLOCK))
+    def on_timer(self, now: float) -> float:
+        """The periodic work, when due: the leader's heartbeats to the prefills that wait on
+        it, and (role=decode) the prefills' liveness. Returns when it is next due."""
+        due = now + self.peers.heartbeat_s
+        if self.leader:
+            due = min(due, self.grants.heartbeat(now))
+        if self.spec.watch_prefills and self.leader:  # role=both: the runner watches them
+            due = min(due, self.watch_prefills(now))
+        return max(due, now + 1e-3)  # (a reply that failed is tried again, not in a spin)
+
+    def on_stop(self, lockstep: bool) -> None:
+        self.res.memory["rss_kb_end"] = rss_kb()
+        if self.load is not None:
+            self.res.load = self.load.summary(self.spec.load.step_ms)
+        if lockstep:
+            assert isinstance(self.group, TorchGroup)  # (size > 1)
+            self.res.tp = self.group.summary()
+
+    def take(self, events: list[tuple[Any, int]]) -> bool:
+        """What the poll found: up to 1024 control messages, then up to 4096 data frames.
+        True when the runner's pipe has something."""
+        piped = False
+        for sock, _ in events:
+            if sock is self.net.control:
+                _drain(sock, self.control.on_control, 1024)
+            elif sock is self.net.data:
+                _drain(sock, self.data.on_data, 4096)
+            else:
+                piped = True
+        return piped
 
     def on_pipe(self, msg: object) -> bool:
         """A message from the runner; True for Stop."""
@@ -240,15 +290,15 @@ class DecodeEndpoint:
             case _:
                 raise control.ProtocolError(f"a decode does not take {type(msg).__name__}")
 
-    def watch_prefills(self) -> None:
+    def watch_prefills(self, now: float) -> float:
         """role=decode: a prefill rank whose loop runs (or that holds granted slots) and has
         sent nothing for transport.timeout_s is lost, and so is one bound at hello whose loop
         never started within endpoints.startup_timeout_s (the runner on this host cannot see
-        its process; a live loop says something at least every min(1 s, timeout_s/4))."""
-        now = _clock()
+        its process; a live loop says something at least every min(1 s, timeout_s/4)).
+        Returns when it is next due."""
         peers = self.peers
         if now - peers.watched_at < peers.heartbeat_s:  # nobody can have gone silent since
-            return
+            return peers.watched_at + peers.heartbeat_s
         if now - peers.watched_at > self.timeout_s / 2:  # WE were stalled: nobody could be heard
             peers.heard = {rank: now for rank in peers.heard}
         peers.watched_at = now
@@ -265,6 +315,7 @@ class DecodeEndpoint:
                 peers.done.add(prank)
                 self.grants.release(prank, why)
                 self.notices.lost.append((prank, why))
+        return now + peers.heartbeat_s
 
     def close(self) -> None:
         self.group.close()

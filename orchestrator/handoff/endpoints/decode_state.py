@@ -137,6 +137,10 @@ class Notices:
         self.refused: list[tuple[int, str]] = []
         self.lost: list[tuple[int, str]] = []
 
+    @property
+    def pending(self) -> bool:
+        return bool(self.byes or self.refused or self.lost)
+
     def send(self, chan: control.Pipe) -> None:
         while self.byes:
             chan.send(control.Bye(self.byes.pop()))
@@ -144,7 +148,6 @@ class Notices:
             chan.send(control.Refused(*self.refused.pop()))
         while self.lost:
             chan.send(control.PrefillLost(*self.lost.pop()))
-
 
 
 class Drops:

@@ -39,79 +39,91 @@ class Stepper:
     def step(self) -> None:
         """One decode step: poll the requests with a status, agree on the polls, judge what
         was agreed on this rank's rows, agree on the verdicts, finish them. One rank agrees
-        with itself; a TP group (every step, in lockstep) polls every grant, in the shared
-        order, and judges at the time it agreed."""
-        self.share()
-        lockstep = self.group.size > 1
-        if not lockstep and not self.ledger.ready:
+        with itself (a step of its own: no agreement to build); a TP group (every step, in
+        lockstep) polls every grant, in the shared order, and judges at the time it agreed."""
+        if self.group.size > 1:
+            self.step_group()
+            return
+        if not self.ledger.ready:
             if self.rows.quarantine and (self.ledger.waiting
                                          or 4 * len(self.rows.quarantine) >= self.slots):
                 self.rows.clear_pass()  # slots are wanted: a pass of its own
                 self.grants.flush()
             return
+        self.step_one()
+
+    def step_one(self) -> None:
+        """One rank's step over the requests with a status: one read pass, then each judged
+        (its poll is its agreed poll, its verdict the one given). Times: when each was judged
+        and taken (the sglang gate's read, else the step's), failures never taken."""
         t0 = time.perf_counter()
-        rows: Sequence[Optional[RowCheck]]
-        if lockstep:
-            cands = list(self.ledger.grants.values())
-            rows, taken_at = self.rows.read_plain(cands), None
-        else:
-            cands = list(self.ledger.ready.values())
-            rows, taken_at, gate_s, stall_s = self.rows.read_pass(cands, t0)
-            self.res.gate_read_us.add(gate_s * 1e6)
-            self.res.stall_us.add(stall_s * 1e6)
+        cands = list(self.ledger.ready.values())
+        rows, taken_at, gate_s, stall_s = self.rows.read_pass(cands, t0)
+        res, judge = self.res, self.judge
+        res.gate_read_us.add(gate_s * 1e6)
+        res.stall_us.add(stall_s * 1e6)
         now, now_ns = _clock(), time.monotonic_ns()
+        waits = 0
+        for g, r in zip(cands, rows):
+            polled = judge.poll(g, r, now)
+            v = judge.verdict(g, r, polled, now)
+            if v is None:
+                waits += 1
+            elif polled == KVPoll.Success:
+                taken = taken_at.get(g.slot, now_ns) if taken_at is not None else now_ns
+                self.finish(g, v[0], v[1], time.monotonic_ns(), t_taken_ns=taken)
+            else:
+                self.finish(g, v[0], v[1], now_ns)
+        res.gate_waits += waits
+        res.verify_us.add((time.perf_counter() - t0) * 1e6)
+        res.batch.add(len(cands))
+        res.steps += 1
+        self.grants.flush()
+
+    def step_group(self) -> None:
+        """A TP rank's step, in lockstep with its group: the leader's grants shared, every
+        grant polled (a read of those with a status), the polls and the verdicts agreed."""
+        self.share()
+        cands = list(self.ledger.grants.values())
+        rows = self.rows.read_plain(cands)
+        now = _clock()
         polls = [self.judge.poll(g, r, now) for g, r in zip(cands, rows)]
         agreed = self.group.agree_polls(polls)
-        if lockstep:  # the group judges at the time it agreed
-            now, now_ns = _clock(), time.monotonic_ns()
-        own, waits = self.own_verdicts(cands, rows, agreed, now, now_ns, taken_at)
+        now, now_ns = _clock(), time.monotonic_ns()  # the group judges at the time it agreed
+        own, waits = self.own_verdicts(cands, rows, agreed, now, now_ns)
         worst = self.group.agree_verdicts([NOT_TAKEN if v is None else v.code for v in own])
         for g, v, code in zip(cands, own, worst):
             if code != NOT_TAKEN:
                 assert v is not None  # every rank took the same positions (TorchGroup.agree_verdicts)
                 self.finish(g, Outcome.of(code // 256), Detail.of(code % 256), v.t_ns,
                             own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
-        if lockstep:  # the TP log's counts (one rank keeps none)
-            taken = [v for v in own if v is not None]
-            self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
-                             unready=sum(v.detail is Detail.taken_unready for v in taken),
-                             wrong_room=0 if self.judge.readiness else
-                             sum(v.detail is Detail.room_mismatch for v in taken))
-        else:
-            self.res.gate_waits += waits
-            self.res.verify_us.add((time.perf_counter() - t0) * 1e6)
-            self.res.batch.add(len(cands))
+        taken = [v for v in own if v is not None]  # the TP log's counts
+        self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
+                         unready=sum(v.detail is Detail.taken_unready for v in taken),
+                         wrong_room=0 if self.judge.readiness else
+                         sum(v.detail is Detail.room_mismatch for v in taken))
         self.res.steps += 1
         self.grants.flush()
 
     def own_verdicts(self, cands: list[Grant], rows: Sequence[Optional[RowCheck]], agreed: list[int], now: float,
-                     now_ns: int, taken_at: Optional[dict[int, int]]) -> tuple[list[Optional[Verdict]], int]:
-        """This rank's verdict on each candidate (None: not this step) and how many the gate
-        holds. Times: a TP group's verdicts carry the agreed step's; one rank's, when each was
-        judged and taken (the sglang gate's read, else the step's), failures never taken."""
+                     now_ns: int) -> tuple[list[Optional[Verdict]], int]:
+        """A TP rank's verdict on each candidate (None: not this step) and how many the gate
+        holds; they carry the agreed step's time."""
         out: list[Optional[Verdict]] = []
         waits = 0
-        lockstep = self.group.size > 1
         for g, r, a in zip(cands, rows, agreed):
             v = self.judge.verdict(g, r, a, now)
             if v is None:
                 out.append(None)
                 if r is not None:
                     waits += 1
-            elif lockstep:
-                out.append(Verdict(*v, now_ns, now_ns))
-            elif a == KVPoll.Success:
-                taken = taken_at.get(g.slot, now_ns) if taken_at is not None else now_ns
-                out.append(Verdict(*v, time.monotonic_ns(), taken))
             else:
-                out.append(Verdict(*v, now_ns, 0))
+                out.append(Verdict(*v, now_ns, now_ns))
         return out, waits
 
     def share(self) -> None:
         """The leader's grants and releases since the last step, on every rank (a TP group's
         ranks then hold the same grants, in the same order)."""
-        if self.group.size == 1:  # its grants are shared when made, its releases done at once
-            return
         led = self.ledger
         grants, releases = self.group.share([(g.prank, g.rid, g.slot, g.room) for g in led.new_grants],
                                             list(led.pending_releases))

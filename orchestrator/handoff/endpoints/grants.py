@@ -126,18 +126,20 @@ class Grants:
             else:
                 led.granted.pop(prank, None)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, now: float) -> float:
         """The leader's word (an empty update) to every bound prefill that waits on this
         process (a grant or an arrival of its is here) and has heard nothing for a while:
         the prefill's liveness check of this process rests on this process alone, not on
-        what other prefills make it wait for."""
-        now = _clock()
-        due = [s for s in self.peers.ranks.values() if now - s.told >= self.peers.heartbeat_s]
-        if not due:
-            return
-        waiting = {g.prank for g in self.ledger.grants.values()} | {w[0] for w in self.ledger.waiting}
-        for sess in due:
-            if sess.rank in waiting:
-                self.replies.send(sess.identity, wire.encode(wire.UpdateMsg(grants=[], v=[])))
-            else:
-                sess.told = now  # nothing owed: look again in a while
+        what other prefills make it wait for. Returns when the next one can be due (a rank
+        is told something at least that often: a reply only moves its time on)."""
+        every = self.peers.heartbeat_s
+        ranks = self.peers.ranks.values()
+        due = [s for s in ranks if now - s.told >= every]
+        if due:
+            waiting = {g.prank for g in self.ledger.grants.values()} | {w[0] for w in self.ledger.waiting}
+            for sess in due:
+                if sess.rank in waiting:
+                    self.replies.send(sess.identity, wire.encode(wire.UpdateMsg(grants=[], v=[])))
+                else:
+                    sess.told = now  # nothing owed: look again in a while
+        return min((s.told for s in ranks), default=now) + every

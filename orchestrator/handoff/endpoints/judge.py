@@ -24,16 +24,19 @@ class Rows:
     (gate.zero_room_on_free).
 
     One rank reads as gate.read says (host rows: a plain read); a TP group's ranks read
-    plainly (gate.read does not apply). Device rows of one rank queue a freed slot's zeroing
-    with the next step's read pass and free the slot only after that pass's one wait; TP
-    groups and host rows zero at the step's end and free at once."""
+    plainly (gate.read does not apply). Device rows queue a freed slot's zeroing with the next
+    step's read pass and free the slot only after that pass's one wait (at most one wait a
+    step): a pass of its own when that step reads nothing, which one rank runs when slots
+    are wanted and a TP group's ranks in their next step, all of them (the same slots were
+    freed on every rank, so each rank's allocator frees them in the same step). Host rows
+    zero at the step's end and free at once."""
 
     def __init__(self, buffers: MetadataBuffers, digest: RowDigest, slots: SlotAllocator, mode: GateRead,
-                 zero_on_free: bool, one_rank: bool):
+                 zero_on_free: bool):
         self.buffers, self.digest, self.slots, self.mode = buffers, digest, slots, mode
         self.zero_on_free = zero_on_free
         self.host_rows = buffers.device.type == Device.cpu.value
-        self.defer_clears = not self.host_rows and one_rank
+        self.defer_clears = not self.host_rows
         self.quarantine: list[int] = []  # freed, zeroed with the next read pass (defer_clears)
         self.to_clear: list[int] = []  # freed, zeroed at the step's end
         self.stream: Optional[torch.cuda.Stream] = None  # the step's device pass (None: the current one)
@@ -41,9 +44,17 @@ class Rows:
             self.stream = torch.cuda.Stream(buffers.device, priority=-1)
 
     def read_plain(self, cands: list[Grant]) -> list[Optional[RowCheck]]:
-        """A TP rank's read: the rows of the requests with a status (None for the others)."""
+        """A TP rank's read: the rows of the requests with a status (None for the others),
+        zeroing the quarantined slots in the same pass (a pass of its own when none has a
+        status)."""
         have = [g for g in cands if g.status is not None]
-        rows = self.digest.read([g.slot for g in have], [(g.prank, g.rid) for g in have]) if have else []
+        if not have:
+            if self.quarantine:
+                self.clear_pass()
+            return [None] * len(cands)
+        cleared, self.quarantine = self.quarantine, []
+        rows = self.digest.read([g.slot for g in have], [(g.prank, g.rid) for g in have], clear=cleared)
+        self._release(cleared)  # zeroed in the read's pass, covered by its wait
         got = {id(g): r for g, r in zip(have, rows)}
         return [got.get(id(g)) for g in cands]
 
@@ -101,16 +112,13 @@ class Rows:
         self.slots.free(slot)
 
     def zero_freed(self) -> None:
-        """End of a step: zero the rooms of the slots freed in it."""
+        """End of a step, host rows: zero the rooms of the slots freed in it (device rows
+        hold theirs until the next pass has zeroed them: a freed slot is granted only after
+        that pass's wait, so the next owner's row, written by the prefill's engine outside
+        this process's stream, never lands before the zero does)."""
         if self.to_clear:
             self.buffers.clear_slots(self.to_clear)
             self.to_clear = []
-            if not self.host_rows:
-                # Device rows: the zeroing is a kernel on this process's stream, and a freed
-                # slot is granted after this; the next owner's row, written by the prefill's
-                # engine outside this stream, must not land before the zero does (once a
-                # step, not per request).
-                self.buffers.sync()
 
 
 class Judge:
