@@ -56,8 +56,8 @@ class _Held:
 class _Delayer(threading.Thread):
     """status_first: starts a target rank's sends once their statuses went out and either
     `margin` passed or every request of the send has its verdict back (the decode judged the
-    row before it landed: without the readiness gate, whatever the load), off the transfer
-    thread (which goes on with the other ranks). The tcp route's frames go on a socket of its
+    row before it landed: without the readiness gate, whatever the load), off the thread that
+    drives the sends (which goes on with the other ranks). The tcp route's frames go on a socket of its
     own (a ZMQ socket belongs to one thread)."""
 
     def __init__(self, inner: AuxRouter):
@@ -91,7 +91,7 @@ class FaultyRouter(SendPath):
         self._lead: dict[int, list[Transfer]] = {}  # status_first: a step's first hit send
         self._held: dict[int, _Held] = {}  # status_first: sends the delayer starts, by id(send)
         self._by_rid: dict[int, _Held] = {}  # status_first: held sends by request, until judged
-        self._lock = threading.Lock()  # _by_rid: the transfer thread adds, the main loop takes
+        self._lock = threading.Lock()  # _by_rid: the sends' driver adds, the main loop takes
         self._delayer: Optional[_Delayer] = None
 
     # ---- what the fault leaves to the real router --------------------------------------
@@ -101,7 +101,7 @@ class FaultyRouter(SendPath):
 
     @property
     def starts_in_caller(self) -> bool:  # type: ignore[override]  # read-only here: always False
-        return False  # a fault may sleep or alter the send: the transfer thread does it
+        return False  # a fault may sleep or alter the send: the queue's driver does it
 
     def connect(self, peer: Peer) -> None:
         self.inner.connect(peer)

@@ -96,9 +96,11 @@ Blocks = tuple[list[int], list[int], list[int]]  # sources, destinations, length
 
 class SendPath(ABC):
     """The send path to ONE decode process (a TP rank of a decode instance): what the prefill's
-    handshake (connect), loop (sends, start, judged) and transfer thread (start, ready,
-    finish, after_send, after_step) call. `item_lens`: the fields' row lengths (a send moves
-    one block per field); `starts_in_caller`: whether start() may run on the loop's thread."""
+    handshake (connect), loop (sends, start, judged) and send queue (start, ready, finish,
+    after_send, after_step: endpoints.sender, driven by the loop's thread or the transfer
+    thread, one at a time) call. `item_lens`: the fields' row lengths (a send moves one block
+    per field); `starts_in_caller`: whether start() may run on the loop's thread while the
+    transfer thread drives the queue."""
 
     item_lens: list[int]
     starts_in_caller: bool

@@ -9,7 +9,7 @@ source and destination slots (one block per field for the whole run, in SGLang's
 field-major layout, so the peer sees nothing new).
 
 A send is started (the engine route: the batch write submitted; the tcp route: the AUX_DATA
-frames pushed) and later finished (waited for), so the transfer thread can keep several
+frames pushed) and later finished (waited for), so the prefill can keep several
 writes in flight as SGLang's transfer workers do. After a send finishes, the status of its
 requests goes out on the data socket behind it: SGLang's per-request status message, or, with
 the phase's `status=per_step` (passed to sends(), carried by each Send), one message for the

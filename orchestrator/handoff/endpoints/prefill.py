@@ -9,11 +9,15 @@ at a time by a forward step, which
      ahead: every slot was filled before the timed phase, a request writes its room only),
   2. takes one digest pass over the whole step on the buffers' device (orchestrator.handoff.digest)
      and writes each tag into the row's kv_checksum field where the layout has one,
-  3. hands the step to the transfer thread and goes on with the next step.
+  3. sends it: a step alone in flight runs to completion on the loop's thread (its write
+     submitted and waited for, its status sent, no thread hop); a step that overlaps others
+     is handed to the transfer thread, and the loop goes on with the next step.
 
-The transfer thread runs the sends (orchestrator.handoff.backends: one batch write per request, or per
-run of consecutive slots) and the status messages, overlapping with the next step's fill as
-SGLang's transfer workers overlap its scheduler. Verdicts come back in batches. A decode
+The sends (orchestrator.handoff.backends: one batch write per request, or per run of
+consecutive slots) and the status messages, each behind its send, go through one queue
+(endpoints.sender.SendQueue) that one thread drives at a time: the loop's own while a step is
+alone in flight, else the transfer thread, overlapping with the next step's fill as SGLang's
+transfer workers overlap its scheduler. Verdicts come back in batches. A decode
 instance silent for `transport.timeout_s` while it owes us something is declared lost; its
 requests fail with a reason, and the run goes on with the others. The other way round, the
 loop tells every live instance something (an empty arrive when nothing else is due) at least
@@ -24,10 +28,10 @@ Requests are identified by (prefill rank, request id) everywhere, never by room:
 rooms (retries, n>1 sampling) each get their own slot and verdict.
 
 Where the parts live: the hello/bootstrap exchange in endpoints.handshake, the decodes and
-the control channel in endpoints.links, the transfer thread and its ForwardStep in
-endpoints.sender, a phase's main loop in endpoints.prefill_loop; this module builds them from
-the rank's spec (orchestrator.handoff.specs.PrefillSpec). The process's entry, which speaks the
-runner's pipe around it, is orchestrator.job.children.prefill_main.
+the control channel in endpoints.links, the send queue, the transfer thread and the
+ForwardStep in endpoints.sender, a phase's main loop in endpoints.prefill_loop; this module
+builds them from the rank's spec (orchestrator.handoff.specs.PrefillSpec). The process's
+entry, which speaks the runner's pipe around it, is orchestrator.job.children.prefill_main.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class PrefillEndpoint:
 
     @property
     def sender(self) -> Sender:
-        """The transfer thread (connect() starts it)."""
+        """The send path: its queue and the transfer thread (connect() starts it)."""
         assert self._sender is not None, "connect() first"
         return self._sender
 
@@ -156,12 +160,12 @@ class PrefillEndpoint:
         nap_s = spec.nap_us / 1e6 if self.plan.completion is CompletionSetting.nap else 0.0
         self._sender = Sender(self.ctx, self.links.wake_addr, self.log_decisions, nap_s,
                               spec.max_inflight_sends, self.buffers.device, spin)
-        self.log.info("prefill_loop", transfer_thread="spin" if spin else "block")
+        self.log.info("prefill_loop", transfer_thread="spin" if spin else "block", alone_in_flight="inline")
         self._sender.start()
 
     def log_decisions(self, step: ForwardStep) -> None:
         """One route_decision line per request and decode process, a step's in one write
-        (transfer thread)."""
+        (once the step's sends finished)."""
         lines = []
         rank = self.rank
         for link, send in step.sends:  # what a send's requests share, rendered once
@@ -185,13 +189,11 @@ class PrefillEndpoint:
                            faults or LoopFaults(spec.faults, self.rank)).run()
 
     def close(self) -> None:
-        if self._sender is not None and self._sender.is_alive():
-            self._sender.submit(None)
-            self._sender.join(self.spec.timeout_s)
-            if self._sender.is_alive():  # blocked inside the engine (an unreachable peer)
-                self.log.warning("sender_stuck", detail="a write never returned from the engine")
-                self.stuck = True
-                return
+        # what is still in flight (the loop's too) is finished by the thread, within timeout_s
+        if self._sender is not None and not self._sender.close(self.spec.timeout_s):
+            self.log.warning("sender_stuck", detail="a write never returned from the engine")
+            self.stuck = True
+            return
         self.links.close()
         self.decisions.close()
         self.ctx.term()

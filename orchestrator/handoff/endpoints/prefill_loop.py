@@ -1,8 +1,9 @@
 """The prefill's main loop, one phase of it: requests arrive, are announced to their decode
-instance, take a slot when it grants one, are filled and sealed a forward step at a time and
-handed to the transfer thread; verdicts come back in batches. The loop owns the phase; it
-reaches the decodes through Links, its rows through SourceRows, the transfer thread through
-the Sender, and nothing else of the endpoint."""
+instance, take a slot when it grants one, are filled and sealed a forward step at a time, and
+sent: a step alone in flight by the loop itself (run to completion: its write, completion
+and status with no thread hop), steps that overlap by the transfer thread; verdicts come back
+in batches. The loop owns the phase; it reaches the decodes through Links, its rows through
+SourceRows, its sends through the Sender, and nothing else of the endpoint."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from orchestrator.results.records import RankResult, Record
 from orchestrator.results.rundir import RunFile
 
 ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see PrefillLoop.issue)
+HEAR_MS = 50  # the longest the loop waits in its poll
 
 
 @dataclass
@@ -215,19 +217,29 @@ class PrefillLoop:
         t_ready = _clock()
         for req in reqs:
             req.t_ready = t_ready
-        # Rows sealed on the host side (host rows; fill=ahead, signed on the host): submitted
-        # here, the write starts before any thread hop. Rows still being sealed on the device:
-        # the transfer thread submits, so the engine's wait for that device work is not the
-        # scheduler thread's (it fills the next step meanwhile).
-        if step.sealed is None and all(link.router.starts_in_caller for link, _, _ in work):
-            for link, _, sends in work:
-                for send in sends:
-                    link.router.start(send)
-            step.started = True
-        self.sender.submit(step)
+        # alone in flight (no other request outstanding): the loop sends it itself, no hop
+        self.sender.submit(step, alone=len(self.outstanding) == len(reqs))
+
+    def pump(self) -> int:
+        """The sends the loop drives itself: finished in order with their statuses, a step a
+        call; the steps finished (by it or by the transfer thread) taken. The milliseconds the
+        loop may then wait in its poll: none while its sends wait to be finished, at most one
+        while a fault holds them back, else the loop's longest."""
+        sender = self.sender
+        finished = sender.pump()
+        self.take_sent()
+        return (0 if finished else 1) if sender.busy else HEAR_MS
+
+    def take_sent(self) -> None:
+        """The steps whose sends finished, by the loop or by the transfer thread."""
+        sender = self.sender
+        if sender.error:
+            raise RuntimeError(f"transfer thread failed: {sender.error}")
+        while sender.done:
+            self.sent(sender.done.popleft())
 
     def sent(self, step: ForwardStep) -> None:
-        """The transfer thread finished a step: free its source slots, note send times."""
+        """A step's sends finished: free its source slots, note send times."""
         by_rid = {r.rid: r for r in step.reqs}
         for _, send in step.sends:
             self.res.sends += 1
@@ -247,9 +259,9 @@ class PrefillLoop:
 
     def judged(self, inst: Instance, verdicts: wire.Rows) -> None:
         """Verdicts are taken only for a request in the state that expects one: judged
-        (verified, corrupted or failed) once this prefill handed its row to the transfer
-        thread (its status goes out behind the write); failed unsent only while it waits
-        for a slot (the decode shed it). Anything else is counted and changes nothing."""
+        (verified, corrupted or failed) once this prefill submitted its row's send (its status
+        goes out behind the write); failed unsent only while it waits for a slot (the decode
+        shed it). Anything else is counted and changes nothing."""
         now = _clock()
         for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
             req = self.outstanding.get(rid)
@@ -371,20 +383,17 @@ class PrefillLoop:
                 self.issue(now, t0)
                 while self.can_form():
                     self.form_step()
-                wait = self.wait_ms(now, t0)
+                wait = min(self.pump(), self.wait_ms(now, t0))
                 if wait:
                     # set before looking at sender.done: either the transfer thread sees the
                     # flag after it appends a step, or this loop sees the step (no lost wake)
-                    sender.want_wake = self.waits_for_sender()
-                    if sender.want_wake and sender.done:
+                    sender.want_wake(self.waits_for_sender())
+                    if sender.done:
                         wait = 0
                 events = links.poll(wait)
                 if links.wake in events:
                     links.drain_wake()
-                if sender.error:
-                    raise RuntimeError(f"transfer thread failed: {sender.error}")
-                while sender.done:
-                    self.sent(sender.done.popleft())
+                self.take_sent()
                 for inst in links.instances:
                     if inst.control in events:
                         self.drain(inst)
@@ -465,7 +474,7 @@ class PrefillLoop:
         self.flush_arrivals()
 
     def can_form(self) -> bool:
-        """A step may form: requests ready, source rows free, the transfer thread not behind,
+        """A step may form: requests ready, source rows free, the sends not behind,
         and the engine's queue not past transport.max_inflight_blocks with this step (one
         step always may when nothing is in flight)."""
         if not (self.ready and self.rows.src.available and self.sender.backlog < 2):
@@ -477,16 +486,16 @@ class PrefillLoop:
 
     def waits_for_sender(self) -> bool:
         """Whether only a finished step lets this loop go on: a judged request waits for its
-        send to finish, or a ready step waits for rows, the transfer thread's backlog or the
-        engine's queue (what the transfer thread frees)."""
+        send to finish, or a ready step waits for rows, the sends' backlog or the engine's
+        queue (what a finished send frees)."""
         return self.judged_unsent > 0 or bool(self.ready) or self.stopping
 
     def wait_ms(self, now: float, t0: float) -> int:
         if self.can_form() or self.more_now:
             return 0
         if self.offsets is not None and self.next_i < self.total and not self.stopping:
-            return max(0, min(50, int((t0 + self.offsets[self.next_i] - now) * 1000)))
-        return 50
+            return max(0, min(HEAR_MS, int((t0 + self.offsets[self.next_i] - now) * 1000)))
+        return HEAR_MS
 
     def drain(self, inst: Instance) -> None:
         """Every control message that has already arrived from this instance."""
@@ -526,9 +535,8 @@ class PrefillLoop:
         self.res.interrupted = True
         deadline = _clock() + 0.3
         while self.outstanding and _clock() < deadline:
-            events = self.links.poll(20)
-            while self.sender.done:
-                self.sent(self.sender.done.popleft())
+            events = self.links.poll(min(self.pump(), 20))
+            self.take_sent()
             for inst in self.links.instances:
                 if inst.control in events:
                     self.drain(inst)

@@ -1,6 +1,10 @@
-"""The prefill's transfer thread and the step it carries: a ForwardStep is one forward step's
-requests and, per decode process, its sends; the Sender starts them as they come, finishes
-them in order, sends each status behind its send, and wakes the main loop."""
+"""The prefill's send path as its main loop drives it. A ForwardStep is one forward step's
+requests and, per decode process, its sends. SendQueue starts a step's sends, finishes them in
+order, sends each status behind its send and hands the finished step back, on whichever thread
+drives it. Sender picks that thread per step: a step alone in flight runs to completion on the
+loop's own thread (no thread hop between its write, its completion and its status); steps that
+overlap go to the transfer thread, which finishes each write as it lands while the loop fills
+the next (Mooncake's wait releases the GIL; it has no non-blocking completion for a batch)."""
 
 from __future__ import annotations
 
@@ -27,15 +31,15 @@ class ForwardStep:
 
     reqs: list[Req]
     work: list[tuple[Link, list[Transfer], list[Send]]]  # per decode process: its sends
-    started: bool = False  # the engine sends were submitted by the main thread already
+    started: bool = False  # its sends were started already (by the loop, before a hand-over)
     sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
     open: int = 0  # sends started and not finished
     sealed: Optional[Sealed] = None  # until its tags and fingerprints are read
 
     def take_seal(self) -> None:
         """The tags (for statuses) and fingerprints (for records) of the step's rows. Device
-        rows: the transfer thread takes them before it starts the step's sends (the engine
-        would wait for the same device work before reading the rows)."""
+        rows: taken when the step's sends start (the engine would wait for the same device
+        work before reading the rows)."""
         if self.sealed is None:
             return
         tags, contents = self.sealed.result()
@@ -49,73 +53,172 @@ class ForwardStep:
                 t.tag = by_rid[t.rid]
 
 
-class Sender(threading.Thread):
-    """The transfer thread: starts each step's sends as it comes (up to `max_inflight`
-    writes in flight, as SGLang's transfer workers keep several), finishes them in order,
-    sends each status behind its send, then wakes the main loop. Mooncake's calls release
-    the GIL, so the scheduler thread fills the next step meanwhile. The main loop is woken only when it
-    waits for a finished step (want_wake), not per step: it takes finished steps on every pass,
-    and a verdict, which follows the step's status, wakes it anyway."""
+class SendQueue:
+    """A prefill rank's sends, thread-free: driven by one thread at a time (Sender says which).
+    submit() takes a sealed step: one whose tags are known starts its sends at once (the write
+    is in the engine's hands before the caller goes on); one still sealed on the device starts
+    at the next pump(). pump() starts what may start (up to `max_inflight` writes in flight,
+    as SGLang's transfer workers keep several), then finishes sends in order (a send a fault
+    holds back lets the ones behind it go first), each status behind its send, until a step is
+    done; a finished step lands in `done` (`landed` is called, then its decisions are logged).
+    Finishing an engine write waits for it to land."""
 
-    def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
-                 nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
-                 spin: bool = False):
+    def __init__(self, log_decisions: Callable[[ForwardStep], None], nap_s: float = 0.0,
+                 max_inflight: int = 16):
+        self.log_decisions = log_decisions
+        self.landed: Callable[[], None] = lambda: None  # a step landed in `done` (before its log)
+        self.nap_s = nap_s  # completion=nap: leave the core to Mooncake's transport threads first
+        self.max_inflight = max_inflight
+        self.queue: collections.deque[ForwardStep] = collections.deque()  # submitted, not started
+        self.pending: Pending = collections.deque()  # started, not finished
+        self.done: collections.deque[ForwardStep] = collections.deque()  # finished, not yet taken
+        self.inflight = 0  # sends started, not finished
+        self.blocks_done = 0  # blocks of finished sends
+
+    @property
+    def backlog(self) -> int:
+        """Steps submitted and not yet started."""
+        return len(self.queue)
+
+    @property
+    def busy(self) -> bool:
+        """Sends submitted and not finished (pump() finished what it could: a fault holds them)."""
+        return bool(self.queue or self.pending)
+
+    def submit(self, step: ForwardStep) -> None:
+        self.queue.append(step)
+        if step.sealed is None:  # the tags are known: the write goes now
+            self.start_queued()
+
+    def start_queued(self) -> None:
+        """Start submitted steps in order, while fewer than max_inflight sends are in flight
+        (one step always may when none is)."""
+        queue = self.queue
+        while queue and (self.inflight < self.max_inflight or not self.pending):
+            self._start(queue.popleft())
+
+    def pump(self) -> bool:
+        """Start what may start, then finish sends in order until a step is done or none can
+        finish now (the loop then hears its sockets and forms what it can before it waits for
+        the next write: the engine's queue stays fed). Whether any send finished."""
+        self.start_queued()
+        done, finished = len(self.done), False
+        while self.pending and len(self.done) == done:
+            if not self._finish_oldest():
+                break
+            finished = True
+            if self.queue:
+                self.start_queued()
+        return finished
+
+    def _start(self, step: ForwardStep) -> None:
+        step.take_seal()  # tags before any status can go (a fault may send it at start)
+        pending = self.pending
+        for link, transfers, sends in step.work:
+            for send in sends:
+                if not step.started:
+                    link.router.start(send)
+                pending.append((step, link, transfers, send))
+                step.open += 1
+                self.inflight += 1
+        step.started = True
+
+    def _finish_oldest(self) -> bool:
+        """Finish the oldest send that can be finished (in order, unless a send is held
+        back: then the ones behind it go first); False when none can."""
+        pending = self.pending
+        i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
+        if i is None:
+            return False
+        step, link, transfers, send = pending[i]
+        if self.nap_s:
+            left = send.t0 + self.nap_s - time.monotonic()
+            if left > 0:
+                time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
+        router = link.router
+        router.finish(send)
+        del pending[i]
+        self.inflight -= 1
+        self.blocks_done += len(router.item_lens)
+        router.after_send(send)
+        send.t_status = time.monotonic()
+        step.sends.append((link, send))
+        step.open -= 1
+        if not any(p[0] is step and p[1] is link for p in pending):
+            router.after_step(transfers, send.per_step)
+        if step.open == 0:
+            self.done.append(step)
+            self.landed()
+            self.log_decisions(step)
+        return True
+
+
+class TransferThread(threading.Thread):
+    """Drives a SendQueue for the steps handed to it (Sender.submit), and holds it from the
+    first hand-over until it is empty again (`holds`: only then may the loop drive it itself).
+    It wakes the main loop only when the loop waits for a finished step (want_wake), not per
+    step: the loop takes finished steps on every pass, and a verdict, which follows the step's
+    status, wakes it anyway."""
+
+    def __init__(self, sends: SendQueue, ctx: zmq.Context, wake_addr: str,
+                 device: Optional[torch.device] = None, spin: bool = False):
         super().__init__(name="sender", daemon=True)
+        self.sends = sends
         self.spin = spin  # endpoints.poll: wait for work by polling (GIL released in between)
         self.device = device
-        self.queue: collections.deque[Optional[ForwardStep]] = collections.deque()
-        self.done: collections.deque[ForwardStep] = collections.deque()
+        self.inbox: collections.deque[Optional[ForwardStep]] = collections.deque()
         self.ready = threading.Condition()
         self.wake = ctx.socket(zmq.PAIR)
         self.wake.connect(wake_addr)
-        self.log_decisions = log_decisions
-        self.nap_s = nap_s
-        self.max_inflight = max_inflight
-        self.inflight = 0  # sends started, not finished
-        self.blocks_done = 0  # blocks of finished sends (written by this thread only)
-        self.idle = False  # waiting for a step (a submit must notify)
+        self.holds = False  # the queue is this thread's (set and cleared under `ready`)
         # the main loop waits for a step to finish (it set this before it polls): wake it
         # then, and only then (it drains finished steps on every pass anyway)
         self.want_wake = False
         self.error: Optional[str] = None
-
-    @property
-    def backlog(self) -> int:
-        """Steps handed over and not yet started."""
-        return len(self.queue)
+        sends.landed = self._landed
 
     def submit(self, step: Optional[ForwardStep]) -> None:
         with self.ready:
-            self.queue.append(step)
-            if self.idle:
-                self.ready.notify()
+            self.inbox.append(step)
+            self.ready.notify()
+
+    def _landed(self) -> None:
+        # after the step's append: a loop that saw no step finished set the flag first
+        if self.want_wake and self.holds:
+            self.want_wake = False
+            self.wake.send(b"", zmq.NOBLOCK)
+
+    def _take(self, closing: bool) -> Optional[list[Optional[ForwardStep]]]:
+        """The steps handed over since the last look (waiting for some while the queue is
+        empty: it is the loop's meanwhile); None when closing and nothing is left."""
+        sends = self.sends
+        if self.spin:
+            while not self.inbox and not (self.holds and sends.busy) and not closing:
+                time.sleep(0)
+        with self.ready:
+            while not self.inbox and not (self.holds and sends.busy):
+                if closing:
+                    return None
+                self.holds = False
+                self.ready.wait()
+            self.holds = True
+            new = list(self.inbox)
+            self.inbox.clear()
+        return new
 
     def run(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
-        pending: Pending = collections.deque()
-        closing = False
+        sends, closing = self.sends, False
         try:
-            while not (closing and not pending):
-                if self.spin:
-                    while not self.queue and not pending and not closing:
-                        time.sleep(0)
-                with self.ready:
-                    while not self.queue and not pending and not closing:
-                        self.idle = True
-                        self.ready.wait()
-                        self.idle = False
-                    new = []
-                    while self.queue and (self.inflight < self.max_inflight or not pending):
-                        step = self.queue.popleft()
-                        if step is None:
-                            closing = True
-                            break
-                        new.append(step)
+            while (new := self._take(closing)) is not None:
                 for step in new:
-                    self._start(step, pending)
-                if pending:
-                    self._finish_oldest(pending)
+                    if step is None:
+                        closing = True
+                    else:
+                        sends.submit(step)
+                if sends.busy and not sends.pump():
+                    time.sleep(0 if self.spin else 50e-6)
         except Exception as exc:  # noqa: BLE001 - reported by the main loop
             self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             try:
@@ -125,42 +228,80 @@ class Sender(threading.Thread):
         finally:
             self.wake.close(0)
 
-    def _start(self, step: ForwardStep, pending: Pending) -> None:
-        step.take_seal()  # tags before any status can go (a fault may send it at start)
-        for link, transfers, sends in step.work:
-            for send in sends:
-                if not step.started:
-                    link.router.start(send)
-                pending.append((step, link, transfers, send))
-                step.open += 1
-                self.inflight += 1
 
-    def _finish_oldest(self, pending: Pending) -> None:
-        """Finish the oldest send that can be finished (in order, unless a send is held
-        back: then the ones behind it go first)."""
-        i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
-        if i is None:
-            time.sleep(0 if self.spin else 50e-6)
+class Sender:
+    """The send path as the prefill's loop sees it: a SendQueue and the transfer thread.
+    submit(step, alone): a step alone in flight (`alone`: no other request outstanding) while
+    the thread holds nothing runs to completion on the loop's thread (its sends start now,
+    pump() finishes them); any other goes to the thread, with the queue and whatever the
+    loop left in it. The thread pays for itself only where steps overlap (the loop fills the
+    next one while it waits for a write: BENCHMARKS.md, "run to completion")."""
+
+    def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
+                 nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
+                 spin: bool = False):
+        self.queue = SendQueue(log_decisions, nap_s, max_inflight)
+        self.thread = TransferThread(self.queue, ctx, wake_addr, device, spin)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def done(self) -> collections.deque[ForwardStep]:
+        """Finished steps, not yet taken by the loop."""
+        return self.queue.done
+
+    @property
+    def blocks_done(self) -> int:
+        return self.queue.blocks_done
+
+    @property
+    def backlog(self) -> int:
+        """Steps handed over and not yet started."""
+        return len(self.thread.inbox) + self.queue.backlog
+
+    @property
+    def loop_drives(self) -> bool:
+        """Whether the queue is the loop's: nothing handed to the thread is left there (the
+        thread takes it only from a hand-over, which only the loop makes)."""
+        return not self.thread.holds and not self.thread.inbox
+
+    @property
+    def busy(self) -> bool:
+        """Sends the loop itself has to finish (none while the thread holds the queue)."""
+        return self.loop_drives and self.queue.busy
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.thread.error
+
+    def want_wake(self, wants: bool) -> None:
+        """The loop waits for a step the thread finishes (set before it looks at `done`)."""
+        self.thread.want_wake = wants
+
+    def submit(self, step: ForwardStep, alone: bool) -> None:
+        if alone and self.loop_drives:
+            self.queue.submit(step)
             return
-        step, link, transfers, send = pending[i]
-        if self.nap_s:
-            left = send.t0 + self.nap_s - time.monotonic()
-            if left > 0:
-                time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
-        link.router.finish(send)
-        del pending[i]
-        self.inflight -= 1
-        self.blocks_done += len(link.router.item_lens)
-        link.router.after_send(send)
-        send.t_status = time.monotonic()
-        step.sends.append((link, send))
-        step.open -= 1
-        if not any(p[0] is step and p[1] is link for p in pending):
-            link.router.after_step(transfers, send.per_step)
-        if step.open == 0:
-            self.done.append(step)
-            if self.want_wake:  # after the append: a loop that saw no step finished set it first
-                self.want_wake = False
-                self.wake.send(b"", zmq.NOBLOCK)
-            self.log_decisions(step)
+        # Rows sealed on the host side (host rows; fill=ahead, signed on the host): started
+        # here, the write starts before the thread hop. Rows still being sealed on the device:
+        # the thread starts them, so the engine's wait for that device work is not the loop's.
+        if step.sealed is None and all(link.router.starts_in_caller for link, _, _ in step.work):
+            for link, _, sends in step.work:
+                for send in sends:
+                    link.router.start(send)
+            step.started = True
+        self.thread.submit(step)
 
+    def pump(self) -> bool:
+        """The loop drives the queue while the thread holds none of it: whether a send finished."""
+        return self.queue.pump() if self.loop_drives else False
+
+    def close(self, timeout_s: float) -> bool:
+        """The thread finishes what is left (the loop's too) and ends; False when a write
+        never returned from the engine within `timeout_s` (the process must exit hard)."""
+        if not self.thread.is_alive():
+            return True
+        self.thread.submit(None)
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
