@@ -7,7 +7,7 @@ handoff verified (a rung with any handoff not verified is FAILED). Rungs:
 
   R0..R5  the ladder's own pair (orchestrator.sweep.ladder_pair, whose docstring says what
           each rung holds): the yardstick's loop from our pieces, + authenticated frames,
-          + our seal, + the readiness gate, + the transfer thread, + slot grants
+          + our seal, + the readiness gate, + the send path as the run drives it, + slot grants
   R6      the bench's own harness: its `handoff 1-in-flight` phase (orchestrator.sweep.bench,
           BenchDriver) between the real endpoints: everything of R5 inside the run's
           PrefillLoop and decode loop (Links, heartbeats, the decode's step), plus records
@@ -77,7 +77,7 @@ RUNGS: list[tuple[str, str]] = [
     ("R1", "+ authenticated frames: MAC'd status (PUSH->PULL, wire.parse), sealed UpdateMsg verdict"),
     ("R2", "+ our seal per request: room written, keyed digest and tag (RowDigest.seal), room zeroed"),
     ("R3", "+ readiness gate as configured (judge.Rows/Judge: gate.read, settle_ms, zero on free)"),
-    ("R4", "+ transfer thread: Sender and AuxRouter start/finish/after_send"),
+    ("R4", "+ send path as the run, alone in flight: Sender submit/pump on the loop's thread, AuxRouter"),
     ("R5", "+ slot grants: sealed arrive -> grant on DEALER/ROUTER, SlotAllocators, Grant table"),
     ("R6", "bench harness 'handoff 1-in-flight': real endpoints (loop, Links) + records, decisions, progress"),
     ("R7", "full `python -m orchestrator` run, same profile (results.json handoff p50)"),

@@ -19,8 +19,11 @@ this project's own pieces, each rung adding one component to the one below:
   R3  + the readiness gate as configured: the decode reads through endpoints.judge.Rows
       (gate.read, zero_room_on_free) and judges with endpoints.judge.Judge (gate.readiness,
       gate.settle_ms), a held row read again until the gate lets it through
-  R4  + the transfer thread: the prefill's write and status go through endpoints.sender.Sender
-      and our send path (AuxRouter: start, finish, after_send), as the run's loop hands a step over
+  R4  + the send path as the run composes it: the prefill's step goes through
+      endpoints.sender.Sender as the run's loop hands it over, alone in flight (submit: the
+      write started; pump: waited for, the status behind it, the finished step handed back,
+      on the loop's own thread: no hop to the transfer thread, which is up and idle as in the
+      run), and our send path (AuxRouter: start, finish, after_send)
   R5  + slot grants: each request announced (sealed ArriveMsg on a DEALER -> ROUTER control
       channel), its slot granted by the decode's SlotAllocator (sealed UpdateMsg grants), the
       prefill's source slot from its own SlotAllocator, the decode's Grant table looked up by
@@ -433,8 +436,7 @@ def _prefill(rung: int, spec: PairSpec, run_dir: str, secret: bytes, conn: Conne
         hand, verified = _prefill_direct(rung, p, n, corrupt)
     else:
         hand, verified = _prefill_sent(rung, p, path, src, n, corrupt)
-        path.sender.submit(None)
-        path.sender.join(10)
+        path.sender.close(10)
     if rung >= 5:
         p.ctl.send(p.session.seal(wire.encode(wire.ByeMsg())))
     elif rung >= 1:
@@ -492,12 +494,12 @@ def _prefill_setup(spec: PairSpec, run_dir: str, secret: bytes, conn: Connection
 @dataclass
 class _SendPath:
     """R4+: the run's send path to the decode (the backend's AuxRouter behind a Link) and its
-    transfer thread."""
+    Sender (the queue, and the transfer thread for steps that overlap)."""
 
     router: SendPath
     link: Link
     sender: Sender
-    wake: zmq.Socket  # the sender's wake-up socket's bound end (kept open while it runs)
+    wake: zmq.Socket  # the transfer thread's wake-up socket's bound end (kept open while it runs)
 
 
 def _send_path(spec: PairSpec, p: _Prefill) -> _SendPath:
@@ -580,7 +582,8 @@ def _announce(p: _Prefill, src: SlotAllocator, rid: int, room: int) -> tuple[int
 
 def _prefill_sent(rung: int, p: _Prefill, path: _SendPath, src: SlotAllocator, n: int,
                   corrupt: Optional[int]) -> tuple[list[float], int]:
-    """R4+: the step handed to the transfer thread, as the run's loop does; R5 announces each
+    """R4+: the step handed to the Sender alone in flight and pumped (its write finished, its
+    status out) before the verdict is waited for, as the run's loop does; R5 announces each
     request and takes its grant first (before the row is ready, outside the timed span, as in
     the run), and has the verdict on the control channel."""
     b, spin, keys, digest, session, ctl, pair = p.b, p.spin, p.keys, p.digest, p.session, p.ctl, p.pair
@@ -608,17 +611,13 @@ def _prefill_sent(rung: int, p: _Prefill, path: _SendPath, src: SlotAllocator, n
                            [(link, transfers, router.sends(transfers))], sealed=sealed)
         if sealed.ready:
             step.take_seal()
-        if step.sealed is None and router.starts_in_caller:
-            for send in step.work[0][2]:
-                router.start(send)
-            step.started = True
-        sender.submit(step)
-        good = _verdict_ok(session, _recv(ctl if rung >= 5 else pair, spin), rid)
-        while not sender.done:  # the step is finished before its verdict can come
-            if sender.error:
-                raise RuntimeError(sender.error)
-            time.sleep(0)
+        sender.submit(step, alone=True)
+        sender.pump()  # one in flight: the write lands, its status goes out
+        if sender.error:
+            raise RuntimeError(sender.error)
+        assert sender.done and not sender.busy, "the step is finished before its verdict can come"
         sender.done.popleft()
+        good = _verdict_ok(session, _recv(ctl if rung >= 5 else pair, spin), rid)
         if rung >= 5:
             src.free(k)
         t1 = pc()
