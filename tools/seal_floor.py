@@ -1,0 +1,73 @@
+"""The device floor under a one-in-flight handoff's seal and read, each CUDA call timed alone
+(issue 39): what one wait costs on an idle device, one tiny kernel and its wait, our prefill's
+seal of one row (fill=ahead: signed on the host, one graph replay writing room and tag) and its
+wait, and our decode's read of one row (one graph replay: digest, room zeroed) with its wait.
+
+    python tools/seal_floor.py [ITERS]        # on a CUDA machine; run it under an MPS daemon too
+
+Prints the p50 of each, in microseconds (one process: no peer, no transport)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from orchestrator import MetadataBuffers
+from orchestrator.handoff.digest import Keys, RowDigest
+
+
+def _p50(f, iters: int) -> float:
+    for _ in range(50):
+        f()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return round(statistics.median(times), 1)
+
+
+def main() -> None:
+    iters = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    dev = torch.device("cuda", 0)
+    # DeepSeek-V3 MTP's rows (experiment=deepseek_v3_mtp: hidden 7168, bf16), 64 slots
+    b = MetadataBuffers(64, 7168, torch.bfloat16, 16, device=dev, kv_checksum_enabled=True)
+    d = RowDigest(b, Keys(b"k" * 32))
+    d.warm_seal(1)
+    d.warm()
+    d.freeze()
+    x = torch.zeros(1, device=dev)
+    slots, rooms, idents = [3], [12345], [(0, 7)]
+    pads = [Keys(b"k" * 32).pad(0, 7)]
+
+    def seal_host() -> None:
+        d.seal(slots, rooms, pads, idents, ahead=True)
+
+    def seal_and_wait() -> None:
+        d.seal(slots, rooms, pads, idents, ahead=True)
+        torch.cuda.synchronize()
+
+    def tiny() -> None:
+        x.add_(1)
+        torch.cuda.synchronize()
+
+    def read() -> None:
+        d.read(slots, idents, clear=[5])
+
+    rows = {
+        "torch.cuda.synchronize() on an idle device": _p50(torch.cuda.synchronize, iters),
+        "one tiny kernel + synchronize": _p50(tiny, iters),
+        "seal, host side only (sign + replay queued)": _p50(seal_host, iters),
+        "seal + synchronize (the prefill's fill_digest floor, fill=ahead)": _p50(seal_and_wait, iters),
+        "read one row + zero one freed (the decode's device pass, waited for)": _p50(read, iters),
+    }
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {iters} iterations, p50 us:")
+    for name, us in rows.items():
+        print(f"  {us:8.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
