@@ -64,6 +64,7 @@ from orchestrator.profile.kinds import DigestKind
 P = 16_777_213
 CHUNK_WORDS = 8192
 MARK = 1 << 62
+_IDENT = struct.Struct("<IQ")  # (prefill rank, request id): what a pad is keyed on
 # kv_checksum[slot, 1]: marks a digest of this tool's (an SGLang decode skips the comparison
 # of digests whose signature differs from its own KV layout signature)
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
@@ -219,6 +220,56 @@ class RowCheck:
     landed_tag: int
 
 
+def _u64s(words: np.ndarray) -> np.ndarray:
+    """_u64 over rows: each row's four signed 16-bit words as the uint64 they spell."""
+    w = words.astype(np.int64) & 0xFFFF
+    return (w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32)).astype(np.uint64) | (w[:, 3].astype(np.uint64) << np.uint64(48))
+
+
+class StepRead:
+    """What one read pass found, as arrays, row i for the i-th slot read: `c` the four sums
+    mod P (keyed, then content; blake2b: the keyed tag, then 0), `rooms` and the landed `tags`
+    (uint64; 0 when the layout has no kv_checksum field). A request's RowCheck is built only
+    when asked for (the rows a step does not take in bulk)."""
+
+    __slots__ = ("c", "rooms", "tags", "_checks", "blake")
+
+    def __init__(self, c: np.ndarray, rooms: np.ndarray, tags: np.ndarray,
+                 checks: Optional[list[RowCheck]] = None):
+        self.c, self.rooms, self.tags = c, rooms, tags
+        self._checks = checks
+        self.blake = checks is not None  # the keyed column is the tag itself (no pad)
+
+    @classmethod
+    def of_checks(cls, checks: list[RowCheck]) -> "StepRead":
+        k = len(checks)
+        c = np.zeros((k, 4), dtype=np.int64)
+        c[:, 0] = [r.keyed[0] for r in checks]
+        return cls(c, np.array([r.room for r in checks], dtype=np.uint64).reshape(k),
+                   np.array([r.landed_tag for r in checks], dtype=np.uint64).reshape(k), checks)
+
+    def __len__(self) -> int:
+        return len(self.rooms)
+
+    def check(self, i: int) -> RowCheck:
+        if self._checks is not None:
+            return self._checks[i]
+        row = self.c[i].tolist()
+        return RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", int(self.rooms[i]), int(self.tags[i]))
+
+    def checks(self) -> list[RowCheck]:
+        if self._checks is not None:
+            return self._checks
+        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", room, tag)
+                for row, room, tag in zip(self.c.tolist(), self.rooms.tolist(), self.tags.tolist())]
+
+    def expected_tags(self, pad0: np.ndarray, pad1: np.ndarray) -> np.ndarray:
+        """pack_tag over rows (uint64): the tag each row's sums give under its pads."""
+        if self.blake:
+            return self.c[:, 0].astype(np.uint64)
+        return (np.mod(self.c[:, 0] + pad0, P) | (np.mod(self.c[:, 1] + pad1, P) << 24) | MARK).astype(np.uint64)
+
+
 class Keys:
     """The secret-derived parts of the digest (weights seed, pad key). `nonce`, the prefill
     process's per-run nonce (orchestrator.handoff.transport.auth), goes into the pad key: a row and tag from
@@ -230,9 +281,12 @@ class Keys:
         self.weight_seed = int.from_bytes(material[:16], "little")
         self.pad_key = (hashlib.blake2b(nonce.encode(), key=material[16:], digest_size=16).digest()
                         if nonce else material[16:])
+        self._padder = hashlib.blake2b(key=self.pad_key, digest_size=8)  # keyed once; a pad copies it
 
     def pad(self, rank: int, rid: int) -> tuple[int, int]:
-        raw = hashlib.blake2b(struct.pack("<IQ", rank, rid), key=self.pad_key, digest_size=8).digest()
+        h = self._padder.copy()
+        h.update(_IDENT.pack(rank, rid))
+        raw = h.digest()
         return int.from_bytes(raw[:4], "little") % P, int.from_bytes(raw[4:], "little") % P
 
 
@@ -573,10 +627,15 @@ class RowDigest:
     # ---- receiver ---------------------------------------------------------------------------
     def read(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
              clear: Sequence[int] = (), stream: Optional["torch.cuda.Stream"] = None) -> list[RowCheck]:
-        """What landed in `slots`: sums, content, room and tag, in one pass (one D2H). The
-        slots in `clear` (none of `slots`) are zeroed first, as clear_slots() does (device
-        rows: in the same graph replay, covered by the same one wait). `stream`: device rows,
-        run the pass and its wait on that stream (gate.read=side_stream)."""
+        """What landed in `slots`, a RowCheck each (read_step, one row at a time)."""
+        return self.read_step(slots, idents, clear, stream).checks()
+
+    def read_step(self, slots: Sequence[int], idents: Sequence[tuple[int, int]],
+                  clear: Sequence[int] = (), stream: Optional["torch.cuda.Stream"] = None) -> "StepRead":
+        """What landed in `slots`: sums, content, room and tag, in one pass (one D2H), as
+        arrays. The slots in `clear` (none of `slots`) are zeroed first, as clear_slots()
+        does (device rows: in the same graph replay, covered by the same one wait). `stream`:
+        device rows, run the pass and its wait on that stream (gate.read=side_stream)."""
         if clear and (self.device.type == "cpu" or not self._judge):
             self.b.clear_slots(clear)
             clear = ()
@@ -586,7 +645,7 @@ class RowDigest:
                 tag, content = self._blake(slot, ident)
                 landed = self.b.get_kv_checksum(slot)[0] if self.b.checksum_field is not None else 0
                 out.append(RowCheck((tag, 0), content, self.b.room(slot), landed))
-            return out
+            return StepRead.of_checks(out)
         if self.device.type == "cpu":
             return self._read_host(slots)
         if stream is None:
@@ -594,12 +653,10 @@ class RowDigest:
         else:
             with torch.cuda.stream(stream):
                 sums = self._read_graph(slots, clear)
-        c = np.mod(sums[:, :4], P).tolist()
-        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", _u64(s[4:8]),
-                         _u64(s[8:12]) if self.has_tag else 0)
-                for row, s in zip(c, sums.tolist())]
+        return StepRead(np.mod(sums[:, :4], P), _u64s(sums[:, 4:8]),
+                        _u64s(sums[:, 8:12]) if self.has_tag else np.zeros(len(sums), dtype=np.uint64))
 
-    def _read_host(self, slots: Sequence[int]) -> list[RowCheck]:
+    def _read_host(self, slots: Sequence[int]) -> "StepRead":
         """Host rows: the digest's four columns in one product; the room's and the landed
         tag's words read as they lie (what the one-hot columns give on device rows)."""
         w, room_at, tag_at = self._host_read
@@ -612,12 +669,10 @@ class RowDigest:
             for lo in range(0, n, CHUNK_WORDS):
                 hi = min(n, lo + CHUNK_WORDS)
                 sums += (x[:, lo:hi].astype(np.float64) @ w[lo:hi]).astype(np.int64)
-        c = np.mod(sums, P).tolist()
-        rooms = np.ascontiguousarray(x[:, room_at:room_at + 4]).view(np.uint64)[:, 0].tolist()
-        tags = (np.ascontiguousarray(x[:, tag_at:tag_at + 4]).view(np.uint64)[:, 0].tolist()
-                if tag_at is not None else [0] * len(c))
-        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", room, tag)
-                for row, room, tag in zip(c, rooms, tags)]
+        rooms = np.ascontiguousarray(x[:, room_at:room_at + 4]).view(np.uint64)[:, 0]
+        tags = (np.ascontiguousarray(x[:, tag_at:tag_at + 4]).view(np.uint64)[:, 0]
+                if tag_at is not None else np.zeros(len(x), dtype=np.uint64))
+        return StepRead(np.mod(sums, P), rooms, tags)
 
     def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
         """Device rows: one graph replay, whose bucket holds the slots to read and those in

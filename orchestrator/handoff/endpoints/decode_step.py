@@ -53,18 +53,25 @@ class Stepper:
         self.step_one()
 
     def step_one(self) -> None:
-        """One rank's step over the requests with a status: one read pass, then each judged
-        (its poll is its agreed poll, its verdict the one given). Times: when each was judged
-        and taken (the sglang gate's read, else the step's), failures never taken."""
+        """One rank's step over the requests with a status: one read pass, then the rows it
+        verifies outright finished in bulk (Judge.clean), the others judged one by one (its
+        poll is its agreed poll, its verdict the one given). Times: when each was judged and
+        taken (the sglang gate's read, else the step's), failures never taken."""
         t0 = time.perf_counter()
         cands = list(self.ledger.ready.values())
-        rows, taken_at, gate_s, stall_s = self.rows.read_pass(cands, t0)
+        step, taken_at, gate_s, stall_s = self.rows.read_step(cands, t0)
         res, judge = self.res, self.judge
         res.gate_read_us.add(gate_s * 1e6)
         res.stall_us.add(stall_s * 1e6)
         now, now_ns = _clock(), time.monotonic_ns()
+        clean = judge.clean(cands, step).tolist()
         waits = 0
-        for g, r in zip(cands, rows):
+        verified = []
+        for i, (g, ok) in enumerate(zip(cands, clean)):
+            if ok:
+                verified.append(g)
+                continue
+            r = step.check(i)
             polled = judge.poll(g, r, now)
             v = judge.verdict(g, r, polled, now)
             if v is None:
@@ -74,6 +81,8 @@ class Stepper:
                 self.finish(g, v[0], v[1], time.monotonic_ns(), t_taken_ns=taken)
             else:
                 self.finish(g, v[0], v[1], now_ns)
+        if verified:
+            self.finish_verified(verified, time.monotonic_ns(), taken_at, now_ns)
         res.gate_waits += waits
         res.verify_us.add((time.perf_counter() - t0) * 1e6)
         res.batch.add(len(cands))
@@ -138,6 +147,26 @@ class Stepper:
                 self.grants.remove(g)
         led.new_grants.clear()
         led.pending_releases.clear()
+
+    def finish_verified(self, gs: list[Grant], t_ns: int, taken_at: Optional[dict[int, int]], now_ns: int) -> None:
+        """finish() for the requests one rank's step verified outright, in bulk: their
+        verdicts (made at `t_ns`, taken as the sglang gate read each, else at `now_ns`), one
+        write of their records, their slots freed."""
+        res, n = self.res, len(gs)
+        before = res.judged
+        res.outcomes[Outcome.verified] += n
+        if self.leader:
+            ok, none, verdicts = Outcome.verified.code, Detail.none.code, self.ledger.verdicts
+            for g in gs:
+                verdicts[g.prank].append([g.rid, ok, none, t_ns, int(g.t_status * 1e9),
+                                          now_ns if taken_at is None else taken_at.get(g.slot, now_ns)])
+        tail = f'"outcome": "{Outcome.verified.value}", "detail": "{Detail.none.value}"{self.tag}}}\n'
+        self.records.write("".join(f'{{"prefill": {g.prank}, "rid": {g.rid}, {tail}' for g in gs))
+        remove = self.grants.remove
+        for g in gs:
+            remove(g)
+        if before < _WARM <= before + n:
+            res.memory["rss_kb_warm"] = rss_kb()
 
     def finish(self, g: Grant, outcome: Outcome, detail: Detail, t_ns: int,
                own: Optional[tuple[Outcome, Detail]] = None, t_taken_ns: int = 0) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
-from orchestrator.handoff.digest import RowCheck, RowDigest
+from orchestrator.handoff.digest import RowCheck, RowDigest, StepRead
 from orchestrator.handoff.endpoints.decode_state import Grant
 from orchestrator.handoff.specs import GateSpec
 from orchestrator.profile.kinds import GateRead
@@ -60,17 +61,23 @@ class Rows:
 
     def read_pass(self, cands: list[Grant], t0: float
                   ) -> tuple[list[RowCheck], Optional[dict[int, int]], float, float]:
+        """read_step, a RowCheck per candidate."""
+        step, taken_at, gate_s, stall_s = self.read_step(cands, t0)
+        return step.checks(), taken_at, gate_s, stall_s
+
+    def read_step(self, cands: list[Grant], t0: float
+                  ) -> tuple[StepRead, Optional[dict[int, int]], float, float]:
         """One rank's read (every candidate has a status), zeroing the quarantined slots in
-        the same pass: the rows, when the sglang gate took each (else None), the gate's read
-        and the loop's stall since `t0` (perf_counter seconds)."""
+        the same pass: the rows (as arrays), when the sglang gate took each (else None), the
+        gate's read and the loop's stall since `t0` (perf_counter seconds)."""
         taken_at = self._sglang_gate(cands) if self.mode is GateRead.sglang and not self.host_rows else None
         t_pass = time.perf_counter()
         cleared, self.quarantine = self.quarantine, []
-        rows = self.digest.read([g.slot for g in cands], [(g.prank, g.rid) for g in cands], clear=cleared,
-                                stream=self.stream)
+        step = self.digest.read_step([g.slot for g in cands], [(g.prank, g.rid) for g in cands], clear=cleared,
+                                     stream=self.stream)
         self._release(cleared)  # zeroed in the read's pass, covered by its wait
         t_end = time.perf_counter()
-        return rows, taken_at, ((t_pass - t0) if taken_at is not None else (t_end - t_pass)), t_end - t0
+        return step, taken_at, ((t_pass - t0) if taken_at is not None else (t_end - t_pass)), t_end - t0
 
     def _sglang_gate(self, cands: list[Grant]) -> dict[int, int]:
         """gate.read=sglang on device rows: SGLang 0.5.23's `_apply_metadata_gate`, one
@@ -173,6 +180,21 @@ class Judge:
                 self.res.settled += 1
             return True
         return False
+
+    def clean(self, cands: list[Grant], step: StepRead) -> np.ndarray:
+        """Which candidates this step verifies outright, as a mask: a success status, the
+        request's own room landed, and the tag its row's sums give under its pad is the one
+        that landed (or that its status carried). Whatever the gate's settings, poll() takes
+        such a row and judge() verifies it; every other row is judged one by one."""
+        k = len(cands)
+        status = np.fromiter((-1 if g.status is None else g.status for g in cands), dtype=np.int64, count=k)
+        rooms = np.fromiter((g.room for g in cands), dtype=np.uint64, count=k)
+        pad0 = np.fromiter((g.pad[0] for g in cands), dtype=np.int64, count=k)
+        pad1 = np.fromiter((g.pad[1] for g in cands), dtype=np.int64, count=k)
+        landed = (step.tags if self.buffers.checksum_field is not None
+                  else np.fromiter((g.tag for g in cands), dtype=np.uint64, count=k))
+        return ((status == int(KVPoll.Success)) & (step.rooms == rooms) & (rooms != 0)
+                & (step.expected_tags(pad0, pad1) == landed))
 
     def _digest_ok(self, g: Grant, r: RowCheck) -> bool:
         landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
