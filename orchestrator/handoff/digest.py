@@ -223,7 +223,8 @@ class RowCheck:
 def _u64s(words: np.ndarray) -> np.ndarray:
     """_u64 over rows: each row's four signed 16-bit words as the uint64 they spell."""
     w = words.astype(np.int64) & 0xFFFF
-    return (w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32)).astype(np.uint64) | (w[:, 3].astype(np.uint64) << np.uint64(48))
+    low = (w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32)).astype(np.uint64)
+    return low | (w[:, 3].astype(np.uint64) << np.uint64(48))
 
 
 class StepRead:

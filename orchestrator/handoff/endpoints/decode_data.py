@@ -58,8 +58,7 @@ class DataPlane:
         if isinstance(msg, wire.AuxData):
             self.land(msg)
         elif isinstance(msg, wire.StepStatus):
-            for e in msg.entries.tolist():
-                self.status(msg.prefill_rank, e[1], e[3], e[0], e[2], e[4], "")
+            self.step_status(msg.prefill_rank, msg.entries.tolist())
         else:
             self.status(msg.prefill_rank, msg.room, msg.status, msg.rid, msg.slot, msg.tag, msg.reason)
 
@@ -74,6 +73,25 @@ class DataPlane:
             self.drop("unexpected", "frame_for_ungranted_slot", slot=msg.slot, room=msg.room)
             return
         wire.write_rows(self.ptrs, self.item_lens, msg)
+
+    def step_status(self, prank: int, entries: list[tuple[int, int, int, int, int]]) -> None:
+        """A step's statuses ([rid, room, slot, status, tag] each, STEP_DTYPE), as status()
+        takes each with its identity, at one clock read."""
+        now = self.peers.heard[prank] = _clock()
+        grants, ready = self.ledger.grants, self.ledger.ready
+        for rid, room, slot, status, tag in entries:
+            g = grants.get((prank, rid))
+            if g is None:  # authentic, this run's, for no live grant: judged already (a replay)
+                self.drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
+            elif g.slot != slot or g.room != room:
+                self.drop("unexpected", "status_for_no_grant", prefill=prank, rid=rid, slot=slot)
+            elif status not in (KVPoll.Success, KVPoll.Failed):
+                continue  # non-terminal: SGLang ignores those too
+            elif g.status is not None:  # a second terminal status for one grant
+                self.drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
+            else:
+                g.status, g.tag, g.reason, g.t_status = status, tag, "", now
+                ready[(prank, rid)] = g
 
     def status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
                tag: int, reason: str) -> None:

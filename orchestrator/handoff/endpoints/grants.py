@@ -50,6 +50,7 @@ class Grants:
         consecutive slots (continuing after the prefill's previous grant when it can), so a
         coalesced send covers them with one block per field."""
         led = self.ledger
+        now = _clock()
         while led.waiting and self.slots.available:
             prank, rid, room, contiguous = led.waiting[0]
             n = 1
@@ -69,7 +70,7 @@ class Grants:
                     self.slots.free(slot)
                     self.drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
-                g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), _clock(),
+                g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), now,
                           shared=self.group_size == 1)
                 self.add(g)
                 if self.group_size > 1:  # one rank has no one to share it with
