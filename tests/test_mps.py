@@ -40,6 +40,11 @@ TWO_GPUS = processes_on_gpus((0,), (1,), 1, 1)
 LOG = structlog.get_logger("test")
 
 
+def _planned(sharing):
+    """mps_for's first two arguments: the decision and its record (a job's specs hold it)."""
+    return sharing, sharing.as_dict()
+
+
 def gone(pid: int) -> bool:
     """The process ended (a zombie no one reaped counts as ended)."""
     try:
@@ -124,7 +129,7 @@ def test_a_running_daemon_is_found_by_its_control_pipe(tmp_path):
 def test_own_daemon_starts_in_the_run_dir_and_stops(tmp_path):
     before = {k: os.environ.get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}
     sharing = sharing_rule(MpsMode.auto, ONE_GPU, FAKE, None)
-    with mps_for(sharing, tmp_path, LOG) as record:
+    with mps_for(sharing, sharing.as_dict(), tmp_path, LOG) as record:
         pipe = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
         assert pipe.resolve() == (tmp_path / "mps" / "pipe").resolve()
         assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == str(tmp_path / "mps" / "log")
@@ -151,7 +156,7 @@ def test_a_long_run_dir_gets_a_short_pipe_path(tmp_path):
 def test_a_daemon_that_ignores_quit_is_killed(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_STUCK", "1")
     monkeypatch.setattr(mps, "STOP_S", 0.5)
-    with mps_for(sharing_rule(MpsMode.auto, ONE_GPU, FAKE, None), tmp_path, LOG):
+    with mps_for(*_planned(sharing_rule(MpsMode.auto, ONE_GPU, FAKE, None)), tmp_path, LOG):
         pid = daemon_pid(tmp_path)
     assert wait_gone(pid)
     assert "killed" in (tmp_path / "mps" / "log" / "reaper.log").read_text()
@@ -160,7 +165,7 @@ def test_a_daemon_that_ignores_quit_is_killed(tmp_path, monkeypatch):
 def test_own_daemon_stops_when_the_run_raises(tmp_path):
     sharing = sharing_rule(MpsMode.on, ONE_GPU, FAKE, None)
     with pytest.raises(KeyboardInterrupt):
-        with mps_for(sharing, tmp_path, LOG):
+        with mps_for(sharing, sharing.as_dict(), tmp_path, LOG):
             pid = daemon_pid(tmp_path)
             raise KeyboardInterrupt
     assert wait_gone(pid)
@@ -170,20 +175,20 @@ def test_a_users_daemon_is_joined_never_started_or_stopped(tmp_path):
     (tmp_path / "control").touch()
     sharing = sharing_rule(MpsMode.auto, ONE_GPU, FAKE, running_daemon(
         {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}, os.path.exists))
-    with mps_for(sharing, tmp_path / "run", LOG) as record:
+    with mps_for(sharing, sharing.as_dict(), tmp_path / "run", LOG) as record:
         assert record["daemon"] == "user" and record["pipe_dir"] == str(tmp_path)
     assert not (tmp_path / "run" / "mps").exists() and (tmp_path / "control").exists()
 
 
 def test_off_never_starts_one(tmp_path):
-    with mps_for(sharing_rule(MpsMode.off, ONE_GPU, FAKE, None), tmp_path, LOG) as record:
+    with mps_for(*_planned(sharing_rule(MpsMode.off, ONE_GPU, FAKE, None)), tmp_path, LOG) as record:
         assert not record["mps"] and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert not (tmp_path / "mps").exists()
 
 
 def test_a_daemon_that_does_not_start_leaves_no_mps_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_FAIL", "1")
-    with mps_for(sharing_rule(MpsMode.auto, ONE_GPU, FAKE, None), tmp_path, LOG) as record:
+    with mps_for(*_planned(sharing_rule(MpsMode.auto, ONE_GPU, FAKE, None)), tmp_path, LOG) as record:
         assert not record["mps"] and "cannot start the daemon" in record["error"]
         assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     warn = sharing_warning(record)
@@ -198,7 +203,7 @@ RUNNER = textwrap.dedent("""
     from orchestrator.profile.config import MpsMode
     from orchestrator.profile.sharing import processes_on_gpus, sharing_rule
     sharing = sharing_rule(MpsMode.auto, processes_on_gpus((0,), (0,), 1, 1), sys.argv[1], None)
-    with mps_for(sharing, Path(sys.argv[2]), structlog.get_logger()):
+    with mps_for(sharing, sharing.as_dict(), Path(sys.argv[2]), structlog.get_logger()):
         print("up", flush=True)
         time.sleep(600)
 """)

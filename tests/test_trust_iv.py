@@ -457,7 +457,7 @@ def test_a_planted_reaper_log_link_is_not_followed(tmp_path, monkeypatch):
     logs.mkdir(parents=True)
     (logs / "reaper.log").symlink_to(victim)
     sharing = sharing_rule(MpsMode.auto, processes_on_gpus((0,), (0,), 1, 1), FAKE, None)
-    with mps_for(sharing, tmp_path / "run", structlog.get_logger("test")) as record:
+    with mps_for(sharing, sharing.as_dict(), tmp_path / "run", structlog.get_logger("test")) as record:
         pass
     assert victim.read_text() == "precious\n"
     assert not record["mps"] and "reaper.log" in record["error"]

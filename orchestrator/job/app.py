@@ -12,7 +12,6 @@ from typing import Any, Optional, TypeVar
 from omegaconf import DictConfig
 
 from orchestrator.job import failure, warmstart
-from orchestrator.job.check import check_profile
 from orchestrator.job.lifecycle import Signals
 from orchestrator.job.specs import build_specs
 from orchestrator.profile.config import OrchestratorConfig, typed, validate
@@ -53,9 +52,10 @@ def run_job(cfg: DictConfig | OrchestratorConfig, run_dir: Path) -> Results:
             logging.raiseExceptions = False  # a log handler on a full disk must not print tracebacks
             given = typed(cfg)
             obj = validate(given, resolve=True)  # host and seed resolved in a new config, then checked: once
-            plan = check_profile(obj, detect())
+            # the rule book on this machine (ConfigError), then what the runner, the endpoints
+            # and the report read: once
+            specs = build_specs(obj, detect())
             warmstart.start_early()  # the children's imports, beside the rest of this start-up
-            specs = build_specs(obj, plan)  # what the runner, the endpoints and the report read: once
             outputs = open_outputs(run_dir, specs.report, drawn=given.workload.seed is None)
             from orchestrator.job.runner import run_handoffs  # torch and the rest: only to run
 

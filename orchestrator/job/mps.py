@@ -191,12 +191,13 @@ def record_servers(record: dict, sharing: GpuSharing) -> None:
 
 
 @contextlib.contextmanager
-def mps_for(sharing: GpuSharing, run_dir: Path, log: BoundLogger) -> Iterator[dict]:
+def mps_for(sharing: GpuSharing, planned: dict, run_dir: Path, log: BoundLogger) -> Iterator[dict]:
     """While the run's processes are spawned and run: MPS as `sharing` decided (the run's own
     daemon started here, and stopped on the way out, however the block ends), its variables
-    in os.environ for the children. Yields the run's `gpu_sharing` record, which says what
-    was had (a daemon that did not start: `error`, and no MPS)."""
-    record = sharing.as_dict()
+    in os.environ for the children. Yields the run's `gpu_sharing` record: `planned` (the
+    decision as results.json's plan records it, GpuSharing.as_dict(): a job's specs hold it
+    rendered) with what was had (a daemon that did not start: `error`, and no MPS)."""
+    record = dict(planned)
     own: Optional[OwnDaemon] = None
     saved = {k: os.environ.get(k) for k in MPS_ENV}
     try:

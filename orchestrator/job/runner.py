@@ -36,7 +36,7 @@ from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
 from orchestrator.job.specs import JobSpecs
-from orchestrator.profile.kinds import MpsMode, Role, run_secret
+from orchestrator.profile.kinds import MpsMode, Role
 from orchestrator.profile.plan import Device
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail
@@ -179,7 +179,7 @@ class Job:
         self.progress, self.driver, self.bulk_bytes = progress, driver, bulk_bytes
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.secret = secret if secret is not None else run_secret(specs.transport.secret_env)
+        self.secret = secret if secret is not None else specs.secret
         self.auth = Authenticator(self.secret)  # its own sockets' (the bootstrap, the lookup, the peer checks)
         self.out = RunResult()
         self.out.run_dir = str(run_dir)
@@ -210,7 +210,8 @@ class Job:
                               NVSHMEM_DISABLE_NVLS="1")
         sharing = self.specs.plan.sharing
         with (signals or self.signals) as self.signals, \
-                mps_for(sharing, self.run_dir, self.log) as out.gpu_sharing:
+                mps_for(sharing, self.specs.report.plan.gpu_sharing, self.run_dir, self.log) \
+                as out.gpu_sharing:
             try:
                 if sharing.mode is MpsMode.on and not out.gpu_sharing["mps"]:
                     raise RunFailed(f"endpoints.mps=on: {out.gpu_sharing.get('error')}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from orchestrator.handoff.specs import (
     BufferSpec,
@@ -25,6 +25,7 @@ from orchestrator.handoff.specs import (
     SideSpec,
     WorkloadSpec,
 )
+from orchestrator.profile import rules
 from orchestrator.profile.config import (
     BuffersConfig,
     DecodeLoadConfig,
@@ -40,7 +41,7 @@ from orchestrator.profile.config import (
     draw_seed,
 )
 from orchestrator.profile.kinds import Role
-from orchestrator.profile.plan import Plan
+from orchestrator.profile.plan import Plan, Platform
 from orchestrator.results.report_spec import (
     ReportConsole,
     ReportGate,
@@ -57,7 +58,8 @@ from orchestrator.results.schema import PlanInfo
 class JobSpecs:
     """One job, as the runner reads it: its plan, every prefill rank's and every decode
     process's spec, the report's, and the runner's own reads (its role; the transport,
-    endpoints and peer its bootstrap and lookup read; the fault it carries out)."""
+    endpoints and peer its bootstrap and lookup read; the fault it carries out; the run's
+    secret)."""
 
     plan: Plan
     prefill: PrefillSpec
@@ -68,6 +70,7 @@ class JobSpecs:
     endpoints: EndpointsConfig  # ranks, TP and start-up bounds
     peer: Optional[str]  # role=prefill: the decode side's bootstrap address
     faults: FaultsConfig  # the process fault the runner carries out
+    secret: bytes = dataclasses.field(repr=False)  # the run's (rules.Verdict.secret): its children's too
 
     def seeded(self) -> JobSpecs:
         """workload.seed=null: these specs with this run's seed drawn (profile.config.
@@ -81,10 +84,20 @@ class JobSpecs:
                 self.prefill.workload, seed=seed)), report=dataclasses.replace(self.report, load=load))
 
 
-def build_specs(cfg: OrchestratorConfig, plan: Plan) -> JobSpecs:
-    """A job's specs, from its checked config and its plan (workload.seed as configured: a
-    null one is drawn when the job starts, JobSpecs.seeded)."""
+def build_specs(cfg: OrchestratorConfig, plan: Plan | Platform) -> JobSpecs:
+    """A job's specs, from its validated config and its plan: a Platform to plan on through
+    the rule book (the run's: ConfigError naming the first rule broken), or a Plan made
+    beforehand, taken as given (the bench's paths, a test's). What the specs read of the plan
+    comes with it, in one call: rules.Verdict. workload.seed as configured: a null one is
+    drawn when the job starts (JobSpecs.seeded)."""
     t, e = cfg.transport, cfg.endpoints
+    if isinstance(plan, Platform):
+        verdict = rules.verdict(transport=t, workload=cfg.workload, endpoints=e, gate=cfg.gate,
+                                mem_pool=cfg.mem_pool, role=cfg.role, faults=cfg.faults, digest=cfg.verify.digest,
+                                buffers=cfg.buffers, layout=cfg.layout, platform=plan)
+    else:
+        verdict = rules.verdict_of(plan, cfg.buffers, cfg.layout, t.secret_env)
+    plan = verdict.plan
     side, faults = side_spec(cfg.buffers, cfg.layout, t), fault_spec(cfg.faults)
     prefill = PrefillSpec(
         plan=plan, ranks=e.prefill_ranks, side=side, workload=workload_spec(cfg.workload), faults=faults,
@@ -98,12 +111,13 @@ def build_specs(cfg: OrchestratorConfig, plan: Plan) -> JobSpecs:
         startup_timeout_s=e.startup_timeout_s, watch_prefills=cfg.role is Role.decode,
         console=cfg.logging.console)
     report = ReportSpec(
-        role=cfg.role, rows=report_rows(cfg.buffers, cfg.layout, cfg.verify), plan=PlanInfo(plan.as_dict()),
+        role=cfg.role, rows=report_rows(cfg.buffers.size, verdict.fields, cfg.layout, cfg.verify),
+        plan=PlanInfo(verdict.record),
         load=report_load(cfg.workload), ranks=ReportRanks(e.prefill_ranks, e.decode_ranks, e.decode_tp),
         send=report_send(t), gate=report_gate(cfg.gate),
         fault=cfg.faults.kind, fault_at=cfg.faults.at_request, fault_every=cfg.faults.every,
         percentiles=tuple(cfg.report.percentiles), console=report_console(cfg.logging))
-    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults)
+    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults, verdict.secret)
 
 
 def layout_spec(layout: LayoutConfig) -> LayoutSpec:
@@ -149,12 +163,10 @@ def report_load(w: WorkloadConfig) -> ReportLoad:
                       w.duration_s, w.burstiness)
 
 
-def report_rows(b: BuffersConfig, layout: LayoutConfig, verify: VerifyConfig) -> ReportRows:
-    """The rows the report reads: slots, their bytes and fields, the layout, the digest."""
-    from orchestrator.profile.layout import profile_layout
-
-    fields = profile_layout(b, layout)
-    return ReportRows(b.size, sum(f[2] for f in fields), len(fields), layout.name, verify.digest)
+def report_rows(slots: int, fields: list[list[Any]], layout: LayoutConfig, verify: VerifyConfig) -> ReportRows:
+    """The rows the report reads: slots, their bytes and fields (`fields`: a row's present
+    ones, rules.Verdict.fields), the layout, the digest."""
+    return ReportRows(slots, sum(f[2] for f in fields), len(fields), layout.name, verify.digest)
 
 
 def report_send(t: TransportConfig) -> ReportSend:

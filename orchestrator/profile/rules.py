@@ -20,6 +20,8 @@ Pure: the machine is described by `platform` (its env snapshot included).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
 from orchestrator.profile.config import (
@@ -41,7 +43,7 @@ from orchestrator.profile.config import (
     is_loopback,
 )
 from orchestrator.profile.fault_table import FAULTS
-from orchestrator.profile.kinds import secret_from_env
+from orchestrator.profile.kinds import run_secret, secret_from_env
 from orchestrator.profile.plan import Device, EngineTransport, Plan, Platform, Route, make_plan
 
 MAX_REQUEST_ID = (1 << 63) - 1  # request ids travel as signed 64-bit numbers (rooms: 63 bits)
@@ -62,6 +64,36 @@ def check(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: En
     check_digest_and_metadata(digest, t.mooncake, plan)
     check_memory(e, role, buffers, buffer_bytes(buffers, layout), plan, platform)
     return plan
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a job reads of the rule book's verdict: its plan, that plan as results.json
+    records it (Plan.as_dict), one row's present fields as the profile lays them out
+    (layout.profile_layout: name, dtype, bytes) and the run's secret (the one
+    transport.secret_env names, read from the env the rule book judged; else a fresh one)."""
+
+    plan: Plan
+    record: dict[str, Any]
+    fields: list[list[Any]]
+    secret: bytes = field(repr=False)
+
+
+def verdict(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: EndpointsConfig,
+            gate: GateConfig, mem_pool: MemPoolConfig, role: Role, faults: FaultsConfig, digest: DigestKind,
+            buffers: BuffersConfig, layout: LayoutConfig, platform: Platform) -> Verdict:
+    """`check` (ConfigError), and what a job reads of its plan, in one call."""
+    plan = check(transport=transport, workload=workload, endpoints=endpoints, gate=gate, mem_pool=mem_pool,
+                 role=role, faults=faults, digest=digest, buffers=buffers, layout=layout, platform=platform)
+    return verdict_of(plan, buffers, layout, transport.secret_env, platform.env)
+
+
+def verdict_of(plan: Plan, buffers: BuffersConfig, layout: LayoutConfig, secret_env: Optional[str],
+               env: Optional[Mapping[str, str]] = None) -> Verdict:
+    """What a job reads of a plan made beforehand (`env`: None, this process's)."""
+    from orchestrator.profile.layout import profile_layout
+
+    return Verdict(plan, plan.as_dict(), profile_layout(buffers, layout), run_secret(secret_env, env))
 
 
 def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:

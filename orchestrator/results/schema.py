@@ -294,6 +294,7 @@ class PlanInfo:
     route = property(lambda self: self.data.get("route"))
     route_reason = property(lambda self: self.data.get("route_reason"))
     declared_transport = property(lambda self: self.data.get("declared_transport"))
+    gpu_sharing = property(lambda self: self.data.get("gpu_sharing") or {})  # GpuSharing.as_dict()
 
     @property
     def events(self) -> list[dict]:

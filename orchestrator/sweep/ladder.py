@@ -485,7 +485,7 @@ def _rung(k: int, rung: str, spec: LadderSpec, rdir: Path, timeout_s: float, ypa
     daemon where the plan shares GPUs under it."""
     plan = spec.plan
     if k <= 5:
-        with mps_for(plan.sharing, rdir, log):
+        with mps_for(plan.sharing, plan.sharing.as_dict(), rdir, log):
             return _pair(k, spec.pair, rdir, timeout_s)
     if rung == "R6":
         return _bench_rung(spec, rdir)
@@ -493,7 +493,7 @@ def _rung(k: int, rung: str, spec: LadderSpec, rdir: Path, timeout_s: float, ypa
         return _full_run(list(spec.overrides), spec.handoffs, rdir, timeout_s)
     assert ypath is not None
     mode = "gpu" if plan.buffer_device is Device.cuda else "cpu"
-    with mps_for(plan.sharing, rdir, log):
+    with mps_for(plan.sharing, plan.sharing.as_dict(), rdir, log):
         return _yardstick(ypath, mode, spec.handoffs, rdir, timeout_s)
 
 
