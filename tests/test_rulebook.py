@@ -104,3 +104,30 @@ def test_rdma_needs_a_device(cfg_factory):
     assert "no RDMA device" in str(err.value)
     plan = check_profile(cfg_factory("transport.mooncake.transport=rdma"), Platform(rdma_devices=("mlx5_0",)))
     assert plan.declared_transport == "mooncake-rdma"
+
+
+def test_a_jobs_specs_carry_the_verdict_it_was_checked_on(cfg_factory):
+    """build_specs on a Platform: the rule book's verdict, once. The run's secret is the one
+    the rule book judged (read from the platform's env, not this process's), the report's
+    plan is the plan's record, and its rows are the profile's fields; a Plan made beforehand
+    is taken as given, with a fresh secret when none is named."""
+    from orchestrator.job.specs import build_specs
+    from orchestrator.profile.kinds import ConfigError, secret_from_env
+    from orchestrator.profile.layout import profile_layout
+    from orchestrator.profile.plan import Platform
+
+    cfg = cfg_factory("transport.secret_env=ORCH_RULEBOOK_JUDGED")
+    platform = Platform(env={"ORCH_RULEBOOK_JUDGED": "the judged one"})
+    specs = build_specs(cfg, platform)
+    assert specs.secret == secret_from_env("ORCH_RULEBOOK_JUDGED", platform.env)
+    assert "the judged one" not in repr(specs)  # never in a log line
+    assert specs.report.plan.to_json() == specs.plan.as_dict()
+    assert specs.report.plan.gpu_sharing == specs.plan.sharing.as_dict()
+    fields = profile_layout(cfg.buffers, cfg.layout)
+    assert (specs.report.rows.blocks, specs.report.rows.row_bytes) == (len(fields), sum(f[2] for f in fields))
+    with pytest.raises(ConfigError, match="transport.secret_env"):
+        build_specs(cfg, Platform(env={}))  # named, not set: refused by the rule book
+    bare = cfg_factory()
+    given = build_specs(bare, specs.plan)
+    assert given.plan is specs.plan and len(given.secret) == 32
+    assert build_specs(bare, specs.plan).secret != given.secret  # drawn per job

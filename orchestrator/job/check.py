@@ -1,7 +1,9 @@
 """The rule book applied to a whole config: `check_profile` hands orchestrator.profile.rules
 the sections it judges (rules.check applies every rule, in the book's order) and returns the
-Plan (or raises ConfigError). The run (job.app), the bench, the doctor, export_env and the
-command line's precheck all call it, so they can never disagree; `doctor_spec` is what the
+Plan (or raises ConfigError). The bench, the doctor, export_env and the command line's
+precheck call it, and the run reaches the same rules.check through job.specs.build_specs
+(rules.check_job: the plan and what its specs read of it, in one call), so they can never
+disagree; `doctor_spec` is what the
 doctor reads of a profile (the rule book bound to it, and what its intended plan is drawn
 from)."""
 

@@ -70,7 +70,7 @@ class JobSpecs:
     endpoints: EndpointsConfig  # ranks, TP and start-up bounds
     peer: Optional[str]  # role=prefill: the decode side's bootstrap address
     faults: FaultsConfig  # the process fault the runner carries out
-    secret: bytes = dataclasses.field(repr=False)  # the run's (rules.Verdict.secret): its children's too
+    secret: bytes = dataclasses.field(repr=False)  # the run's (rules.Checked.secret): its children's too
 
     def seeded(self) -> JobSpecs:
         """workload.seed=null: these specs with this run's seed drawn (profile.config.
@@ -88,16 +88,16 @@ def build_specs(cfg: OrchestratorConfig, plan: Plan | Platform) -> JobSpecs:
     """A job's specs, from its validated config and its plan: a Platform to plan on through
     the rule book (the run's: ConfigError naming the first rule broken), or a Plan made
     beforehand, taken as given (the bench's paths, a test's). What the specs read of the plan
-    comes with it, in one call: rules.Verdict. workload.seed as configured: a null one is
+    comes with it, in one call: rules.Checked. workload.seed as configured: a null one is
     drawn when the job starts (JobSpecs.seeded)."""
     t, e = cfg.transport, cfg.endpoints
     if isinstance(plan, Platform):
-        verdict = rules.verdict(transport=t, workload=cfg.workload, endpoints=e, gate=cfg.gate,
-                                mem_pool=cfg.mem_pool, role=cfg.role, faults=cfg.faults, digest=cfg.verify.digest,
-                                buffers=cfg.buffers, layout=cfg.layout, platform=plan)
+        checked = rules.check_job(transport=t, workload=cfg.workload, endpoints=e, gate=cfg.gate,
+                                  mem_pool=cfg.mem_pool, role=cfg.role, faults=cfg.faults, digest=cfg.verify.digest,
+                                  buffers=cfg.buffers, layout=cfg.layout, platform=plan)
     else:
-        verdict = rules.verdict_of(plan, cfg.buffers, cfg.layout, t.secret_env)
-    plan = verdict.plan
+        checked = rules.checked(plan, cfg.buffers, cfg.layout, t.secret_env)
+    plan = checked.plan
     side, faults = side_spec(cfg.buffers, cfg.layout, t), fault_spec(cfg.faults)
     prefill = PrefillSpec(
         plan=plan, ranks=e.prefill_ranks, side=side, workload=workload_spec(cfg.workload), faults=faults,
@@ -111,13 +111,13 @@ def build_specs(cfg: OrchestratorConfig, plan: Plan | Platform) -> JobSpecs:
         startup_timeout_s=e.startup_timeout_s, watch_prefills=cfg.role is Role.decode,
         console=cfg.logging.console)
     report = ReportSpec(
-        role=cfg.role, rows=report_rows(cfg.buffers.size, verdict.fields, cfg.layout, cfg.verify),
-        plan=PlanInfo(verdict.record),
+        role=cfg.role, rows=report_rows(cfg.buffers.size, checked.fields, cfg.layout, cfg.verify),
+        plan=PlanInfo(checked.record),
         load=report_load(cfg.workload), ranks=ReportRanks(e.prefill_ranks, e.decode_ranks, e.decode_tp),
         send=report_send(t), gate=report_gate(cfg.gate),
         fault=cfg.faults.kind, fault_at=cfg.faults.at_request, fault_every=cfg.faults.every,
         percentiles=tuple(cfg.report.percentiles), console=report_console(cfg.logging))
-    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults, verdict.secret)
+    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults, checked.secret)
 
 
 def layout_spec(layout: LayoutConfig) -> LayoutSpec:
@@ -165,7 +165,7 @@ def report_load(w: WorkloadConfig) -> ReportLoad:
 
 def report_rows(slots: int, fields: list[list[Any]], layout: LayoutConfig, verify: VerifyConfig) -> ReportRows:
     """The rows the report reads: slots, their bytes and fields (`fields`: a row's present
-    ones, rules.Verdict.fields), the layout, the digest."""
+    ones, rules.Checked.fields), the layout, the digest."""
     return ReportRows(slots, sum(f[2] for f in fields), len(fields), layout.name, verify.digest)
 
 

@@ -67,8 +67,8 @@ def check(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: En
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """What a job reads of the rule book's verdict: its plan, that plan as results.json
+class Checked:
+    """What a job reads of the rule book's verdict (`check_job`): its plan, that plan as results.json
     records it (Plan.as_dict), one row's present fields as the profile lays them out
     (layout.profile_layout: name, dtype, bytes) and the run's secret (the one
     transport.secret_env names, read from the env the rule book judged; else a fresh one)."""
@@ -79,21 +79,21 @@ class Verdict:
     secret: bytes = field(repr=False)
 
 
-def verdict(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: EndpointsConfig,
-            gate: GateConfig, mem_pool: MemPoolConfig, role: Role, faults: FaultsConfig, digest: DigestKind,
-            buffers: BuffersConfig, layout: LayoutConfig, platform: Platform) -> Verdict:
+def check_job(*, transport: TransportConfig, workload: WorkloadConfig, endpoints: EndpointsConfig,
+              gate: GateConfig, mem_pool: MemPoolConfig, role: Role, faults: FaultsConfig, digest: DigestKind,
+              buffers: BuffersConfig, layout: LayoutConfig, platform: Platform) -> Checked:
     """`check` (ConfigError), and what a job reads of its plan, in one call."""
     plan = check(transport=transport, workload=workload, endpoints=endpoints, gate=gate, mem_pool=mem_pool,
                  role=role, faults=faults, digest=digest, buffers=buffers, layout=layout, platform=platform)
-    return verdict_of(plan, buffers, layout, transport.secret_env, platform.env)
+    return checked(plan, buffers, layout, transport.secret_env, platform.env)
 
 
-def verdict_of(plan: Plan, buffers: BuffersConfig, layout: LayoutConfig, secret_env: Optional[str],
-               env: Optional[Mapping[str, str]] = None) -> Verdict:
+def checked(plan: Plan, buffers: BuffersConfig, layout: LayoutConfig, secret_env: Optional[str],
+            env: Optional[Mapping[str, str]] = None) -> Checked:
     """What a job reads of a plan made beforehand (`env`: None, this process's)."""
     from orchestrator.profile.layout import profile_layout
 
-    return Verdict(plan, plan.as_dict(), profile_layout(buffers, layout), run_secret(secret_env, env))
+    return Checked(plan, plan.as_dict(), profile_layout(buffers, layout), run_secret(secret_env, env))
 
 
 def _check_workload(w: WorkloadConfig, ranks: int, t: float) -> None:
