@@ -227,6 +227,11 @@ def _u64s(words: np.ndarray) -> np.ndarray:
     return low | (w[:, 3].astype(np.uint64) << np.uint64(48))
 
 
+def _row_check(c: list[int], room: int, tag: int) -> RowCheck:
+    """One read row's RowCheck from its four sums (keyed pair, then the content's two)."""
+    return RowCheck((c[0], c[1]), f"{c[2] | c[3] << 24:012x}", room, tag)
+
+
 class StepRead:
     """What one read pass found, as arrays, row i for the i-th slot read: `c` the four sums
     mod P (keyed, then content; blake2b: the keyed tag, then 0), `rooms` and the landed `tags`
@@ -255,13 +260,12 @@ class StepRead:
     def check(self, i: int) -> RowCheck:
         if self._checks is not None:
             return self._checks[i]
-        row = self.c[i].tolist()
-        return RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", int(self.rooms[i]), int(self.tags[i]))
+        return _row_check(self.c[i].tolist(), int(self.rooms[i]), int(self.tags[i]))
 
     def checks(self) -> list[RowCheck]:
         if self._checks is not None:
             return self._checks
-        return [RowCheck((row[0], row[1]), f"{row[2] | row[3] << 24:012x}", room, tag)
+        return [_row_check(row, room, tag)
                 for row, room, tag in zip(self.c.tolist(), self.rooms.tolist(), self.tags.tolist())]
 
     def expected_tags(self, pad0: np.ndarray, pad1: np.ndarray) -> np.ndarray:
