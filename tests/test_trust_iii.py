@@ -431,7 +431,7 @@ def test_a_decode_dead_between_ready_and_hello_is_named_not_the_prefill(tmp_path
 def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(monkeypatch):
     """The decode side judges the first lookup (its address probe takes seconds) while the
     prefill side asks again every second; it then answers the asks queued meanwhile in order,
-    ends after two refusals (bootstrap._refused) and closes. Those answers reach the prefill
+    ends after two refusals (bootstrap._Bootstrap._refused) and closes. Those answers reach the prefill
     side, even when they land while it is not reading and the connection is gone before it
     reads: it ends on the refusal, not at endpoints.startup_timeout_s (seen under load in
     test_address_netns). Hooks order it: the peer answers once 4 asks arrived and the prefill
@@ -440,11 +440,11 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
 
     import zmq
 
-    from orchestrator.handoff.transport import wire
+    from orchestrator.handoff.transport import peercheck, wire
     from orchestrator.handoff.transport.auth import Authenticator
-    from orchestrator.job import peercheck
-    from orchestrator.job.bootstrap import REFUSAL_LINGER_MS, lookup
-    from orchestrator.job.lifecycle import RunFailed, Signals
+    from orchestrator.handoff.transport.bootstrap import REFUSAL_LINGER_MS, BootstrapFailed, lookup
+    from orchestrator.job.lifecycle import Signals
+    from orchestrator.job.specs import bootstrap_spec
 
     from .conftest import typed_cfg
 
@@ -485,8 +485,8 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
     cfg = typed_cfg("endpoints.startup_timeout_s=60", "transport.address_check=off")
     t0 = time.monotonic()
     try:
-        with Signals() as signals, pytest.raises(RunFailed) as failed:
-            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", Authenticator(secret),
+        with Signals() as signals, pytest.raises(BootstrapFailed) as failed:
+            lookup(bootstrap_spec(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}"), secret,
                    signals)
     finally:
         closed.set()

@@ -1068,7 +1068,7 @@ def test_a_recorded_lookup_replayed_into_a_later_run_is_refused_and_never_judged
 
 
 def _stale() -> str:
-    from orchestrator.job import bootstrap
+    from orchestrator.handoff.transport import bootstrap
 
     return getattr(bootstrap, "STALE", "")
 
@@ -1080,9 +1080,10 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
     (to the prefill side that sent it), counted, and not judged (its advertised address is
     never probed); the decode side serves on, and a fresh lookup gets the endpoints. The
     decode side's bootstrap serves in a thread here, over real sockets."""
+    from orchestrator.handoff.transport import bootstrap
     from orchestrator.handoff.transport.advert import DecodeAdvert
-    from orchestrator.job import bootstrap
     from orchestrator.job.lifecycle import Signals
+    from orchestrator.job.specs import bootstrap_spec
     from orchestrator.results.records import RunResult
 
     monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
@@ -1093,8 +1094,8 @@ def test_a_lookup_outside_the_time_window_is_refused_and_never_judged(tmp_path, 
                "transport": "tcp", "session_id": None}]]
     import structlog
 
-    side = bootstrap._Bootstrap(cfg.transport, cfg.endpoints, cfg.layout.name, Authenticator(secret),
-                                [[DecodeAdvert(**i) for i in inst] for inst in infos], [], out,
+    side = bootstrap._Bootstrap(bootstrap_spec(cfg.transport, cfg.endpoints, cfg.layout.name, None), secret,
+                                [[DecodeAdvert(**i) for i in inst] for inst in infos], out,
                                 structlog.get_logger("test"))
     signals = Signals()  # not entered: the test ends the loop by setting caught
     failed: list[BaseException] = []
@@ -1142,8 +1143,9 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     took the first (and probed 192.0.2.2). Now it takes none of them, judges none (the address
     in them is never probed), and ends at its window saying how many answers were another
     run's. The peer is a ROUTER in a thread here, over real sockets."""
-    from orchestrator.job.bootstrap import lookup
-    from orchestrator.job.lifecycle import RunFailed, Signals
+    from orchestrator.handoff.transport.bootstrap import BootstrapFailed, lookup
+    from orchestrator.job.lifecycle import Signals
+    from orchestrator.job.specs import bootstrap_spec
 
     secret = SECRET.encode()
     auth = Authenticator(secret)
@@ -1172,8 +1174,8 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
     cfg = typed_cfg("endpoints.startup_timeout_s=4", "transport.address_check=warn")
     try:
-        with Signals() as signals, pytest.raises(RunFailed) as failed:
-            lookup(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}", Authenticator(secret),
+        with Signals() as signals, pytest.raises(BootstrapFailed) as failed:
+            lookup(bootstrap_spec(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}"), secret,
                    signals)
     finally:
         stop.set()

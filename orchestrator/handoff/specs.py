@@ -4,9 +4,11 @@ The job builds them once from the checked config and its plan (orchestrator.job.
 only place that reads the config for them) and hands each child its own: a prefill rank a
 `PrefillSpec`, a decode process a `DecodeSpec`. Each holds exactly what its component reads,
 flat or in a small sub-spec: the buffers' shape and layout and the engine's address
-(`SideSpec`, with its `EngineSpec`), the synthetic requests and the configured phase (`WorkloadSpec`), the readiness
-gate (`GateSpec`), the injected fault (`FaultSpec`). A sub-spec's fields keep their config
-keys' names and types (what a value is and where a user sets it is one grep away); an endpoint
+(`SideSpec`, with its `EngineSpec`), the synthetic requests and the configured phase
+(`WorkloadSpec`), the readiness gate (`GateSpec`), the injected fault (`FaultSpec`). One spec
+here stays in the runner: a split run's bootstrap (`BootstrapSpec`,
+orchestrator.handoff.transport.bootstrap). A sub-spec's fields keep their config keys' names
+and types (what a value is and where a user sets it is one grep away); an endpoint
 spec's own fields name their key in a comment.
 
 No torch here: the runner builds and pickles these without the endpoints' imports.
@@ -181,3 +183,22 @@ class DecodeSpec:
     startup_timeout_s: float  # endpoints.startup_timeout_s
     watch_prefills: bool  # role=decode: the leader watches the prefills (the runner cannot)
     console: bool  # logging.console
+
+
+@dataclass(frozen=True)
+class BootstrapSpec:
+    """What a split run's bootstrap reads (the runner's own, never a child's): where the decode
+    side listens and tells its address, what the prefill side asks, and both sides' peer
+    checks (orchestrator.handoff.transport.bootstrap and peercheck). The run's secret is
+    handed beside it, never in it."""
+
+    host: str  # transport.host: where the bootstrap listens; the address SGLang would advertise
+    bootstrap_port: int  # transport.bootstrap_port (0: any free one)
+    bootstrap_file: Optional[str]  # transport.bootstrap_file
+    secret_env: Optional[str]  # transport.secret_env: named when the two sides' secrets differ
+    timeout_s: float  # transport.timeout_s: bounds the address probe
+    address_check: AddressCheck  # transport.address_check
+    prefill_ranks: int  # endpoints.prefill_ranks
+    startup_timeout_s: float  # endpoints.startup_timeout_s
+    layout: str  # layout.name: a peer check
+    peer: Optional[str]  # role=prefill: the decode side's address (None: transport.bootstrap_file's)

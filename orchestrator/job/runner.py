@@ -7,7 +7,7 @@ accounted for from what was recorded on disk (orchestrator.job.recovery): everyt
 already judged keeps its verdict, the rest fail with a reason. Process faults are carried
 out here when a prefill reaches the exact checkpoint the fault names. SIGINT and SIGTERM end
 the run within about two seconds with what was measured so far. role=decode and
-role=prefill meet through orchestrator.job.bootstrap.
+role=prefill meet through orchestrator.handoff.transport.bootstrap (the job's part: job.bootstrap).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import structlog
 
 from orchestrator.handoff.fault_kinds import divert_control, resume, strike
 from orchestrator.handoff.transport.advert import Adverts, DecodeAdvert
-from orchestrator.handoff.transport.auth import Authenticator
+from orchestrator.handoff.transport.bootstrap import BootstrapFailed, lookup, serve_bootstrap
 from orchestrator.job import protocol, warmstart
-from orchestrator.job.bootstrap import lookup, serve_bootstrap, start_metadata_server
+from orchestrator.job.bootstrap import DecodeWatch, start_metadata_server
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
 from orchestrator.job.mps import mps_for, record_servers
 from orchestrator.job.recovery import decode_from_disk, reconstruct
@@ -165,10 +165,9 @@ def run_handoffs(specs: JobSpecs, run_dir: Path, progress: Optional[_Progress] =
 
 
 class Job:
-    """One handoff job: its specs (plan included), run dir, secret and the Authenticator of its
-    own sockets (the bootstrap or the lookup, and their peer checks: the children build theirs
-    from the secret), the processes it started (each behind a protocol.Channel) and its
-    outcome, `out`."""
+    """One handoff job: its specs (plan included), run dir and secret (the bootstrap's and the
+    children's: each builds its own Authenticator from it), the processes it started (each
+    behind a protocol.Channel) and its outcome, `out`."""
 
     def __init__(self, specs: JobSpecs, run_dir: Path,
                  progress: Optional[_Progress] = None, driver: Optional[Driver] = None, bulk_bytes: int = 0,
@@ -180,7 +179,6 @@ class Job:
         self.log = structlog.get_logger("orchestrator.runner")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.secret = secret if secret is not None else specs.secret
-        self.auth = Authenticator(self.secret)  # its own sockets' (the bootstrap, the lookup, the peer checks)
         self.out = RunResult()
         self.out.run_dir = str(run_dir)
         self.signals = Signals()
@@ -216,7 +214,7 @@ class Job:
                 if sharing.mode is MpsMode.on and not out.gpu_sharing["mps"]:
                     raise RunFailed(f"endpoints.mps=on: {out.gpu_sharing.get('error')}")
                 self._run()
-            except RunFailed as exc:
+            except (RunFailed, BootstrapFailed) as exc:
                 out.error = str(exc)
                 self.log.error("run_failed", error=out.error)
             except (Interrupted, _Done):
@@ -243,16 +241,17 @@ class Job:
         self._spawn()
         infos = self._startup()
         record_servers(out.gpu_sharing, sp.plan.sharing)  # (every process has its CUDA context now)
-        layout = sp.decode.side.layout.name  # the aux layout both sides' bootstrap compares
         if role is Role.decode:
             out.startup_s = round(_clock() - self.t_spawn, 3)
             self._phases()
-            serve_bootstrap(sp.transport, sp.endpoints, layout, self.auth, infos, self.decodes, out,
-                            self.log, self.signals)
+            serve_bootstrap(sp.bootstrap, self.secret, infos, out, self.log, self.signals,
+                            DecodeWatch(self.decodes, sp.bootstrap.prefill_ranks, out))
             raise Interrupted if self.signals.caught else _Done
         if role is Role.prefill:
-            infos = lookup(sp.transport, sp.endpoints, layout, sp.peer, self.auth, self.signals,
-                           out, self.log)
+            asked = lookup(sp.bootstrap, self.secret, self.signals, out, self.log)
+            if asked is None:  # a signal ended the wait
+                raise Interrupted
+            infos = asked
         self.silent, applied = divert_control(sp.faults.kind, sp.transport.host, infos)
         out.faults_applied.extend(applied)
         for p in self.prefills:

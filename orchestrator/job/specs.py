@@ -3,8 +3,8 @@ the endpoints' (orchestrator.handoff.specs, which cross into the endpoint proces
 report's (orchestrator.results.report_spec) and what the runner itself reads. The one place
 that reads the config for a job: the app, the bench and the ladder build the specs here, and
 the runner (orchestrator.job.runner) is handed them, never the config. A spec copies the
-values its component reads, never a config section (the runner's own bootstrap keeps its
-transport, endpoints and peer sections: `JobSpecs`)."""
+values its component reads, never a config section (the runner's own reads keep its
+transport, endpoints and faults sections: `JobSpecs`; its bootstrap reads a BootstrapSpec)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from orchestrator.handoff.specs import (
+    BootstrapSpec,
     BufferSpec,
     DecodeLoadSpec,
     DecodeSpec,
@@ -57,18 +58,17 @@ from orchestrator.results.schema import PlanInfo
 @dataclass(frozen=True)
 class JobSpecs:
     """One job, as the runner reads it: its plan, every prefill rank's and every decode
-    process's spec, the report's, and the runner's own reads (its role; the transport,
-    endpoints and peer its bootstrap and lookup read; the fault it carries out; the run's
-    secret)."""
+    process's spec, the report's, and the runner's own reads (its role; the transport and
+    endpoints sections; its bootstrap's spec; the fault it carries out; the run's secret)."""
 
     plan: Plan
     prefill: PrefillSpec
     decode: DecodeSpec
     report: ReportSpec
     role: Role
-    transport: TransportConfig  # the runner's bootstrap, lookup, metadata server and secret
+    transport: TransportConfig  # the runner's metadata server, hosts and watchdog
     endpoints: EndpointsConfig  # ranks, TP and start-up bounds
-    peer: Optional[str]  # role=prefill: the decode side's bootstrap address
+    bootstrap: BootstrapSpec  # a split run's bootstrap (role=decode's server, role=prefill's lookup)
     faults: FaultsConfig  # the process fault the runner carries out
     secret: bytes = dataclasses.field(repr=False)  # the run's (rules.Checked.secret): its children's too
 
@@ -117,7 +117,14 @@ def build_specs(cfg: OrchestratorConfig, plan: Plan | Platform) -> JobSpecs:
         send=report_send(t), gate=report_gate(cfg.gate),
         fault=cfg.faults.kind, fault_at=cfg.faults.at_request, fault_every=cfg.faults.every,
         percentiles=tuple(cfg.report.percentiles), console=report_console(cfg.logging))
-    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, cfg.peer, cfg.faults, checked.secret)
+    return JobSpecs(plan, prefill, decode, report, cfg.role, t, e, bootstrap_spec(t, e, cfg.layout.name, cfg.peer),
+                    cfg.faults, checked.secret)
+
+
+def bootstrap_spec(t: TransportConfig, e: EndpointsConfig, layout: str, peer: Optional[str]) -> BootstrapSpec:
+    """What a split run's bootstrap reads (`layout`: layout.name; `peer`: role=prefill's)."""
+    return BootstrapSpec(t.host, t.bootstrap_port, t.bootstrap_file, t.secret_env, t.timeout_s, t.address_check,
+                         e.prefill_ranks, e.startup_timeout_s, layout, peer)
 
 
 def layout_spec(layout: LayoutConfig) -> LayoutSpec:

@@ -14,12 +14,12 @@ the two hot messages, sent per request or per step, travel as fixed-layout binar
     (infos: each decode process's DecodeAdvert, its public part; versions: what each side
     runs, profile.versions.Versions; advertised: the address SGLang would advertise on its host
     and a port it answers probes on there, an Advertisement: orchestrator.handoff.transport.
-    advert, orchestrator.job.peercheck). Fresh lookups
+    advert, orchestrator.handoff.transport.peercheck). Fresh lookups
     (issue 36): the prefill side's nonce is drawn per run; a lookup without the decode side's
     current challenge gets challenge {challenge, answer_to} back, and only a lookup that carries
     it, sent within the decode side's time window, is judged and answered; every answer echoes
     the lookup's nonce (answer_to), so a recorded lookup or answer opens nowhere else
-    (orchestrator.job.bootstrap). A lookup from a sender that predates them lacks nonce,
+    (orchestrator.handoff.transport.bootstrap). A lookup from a sender that predates them lacks nonce,
     challenge and sent_ms: it still decodes, and is refused with a line saying why.
     decode -> prefill: bootstrap {session_id, aux_ptrs, item_lens, slots, layout, fingerprint,
                        tp_rank, boot_id, scratch_ptr, nonce, hello_nonce, pid_ns}, update (binary:
@@ -306,7 +306,7 @@ class LookupMsg(Message):
     rank: int = _check(_u64)
     prefill_ranks: int = _check(_u64)
     # what the prefill side runs, and the address SGLang would advertise on its host
-    # (orchestrator.job.peercheck; a peer that predates them leaves them out)
+    # (orchestrator.handoff.transport.peercheck; a peer that predates them leaves them out)
     versions: Optional[Versions] = _check(_versions, optional=True, read=Versions.from_json)
     advertised: Optional[Advertisement] = _check(_advertised, optional=True, read=Advertisement.from_json)
     # freshness (issue 36): the prefill side's nonce for this run, the decode side's current

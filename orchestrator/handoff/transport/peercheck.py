@@ -13,19 +13,20 @@ then judges the peer's before any handoff:
   decode's Mooncake handshake port on that address with Mooncake's send_probe (the decode
   sides' DecodeAdverts carry it as `advertised`; feature-detected: an older wheel lacks it).
 
-Warnings land in RunResult.warnings (the summary and results.json); a failure is a RunFailed.
+Warnings land in RunResult.warnings (the summary and results.json); a failure is the reason
+`judge` returns (the bootstrap refuses on it: bootstrap.BootstrapFailed). What a side reads of
+the run is its BootstrapSpec (orchestrator.handoff.specs).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, TypedDict
 
+from orchestrator.handoff.specs import BootstrapSpec
 from orchestrator.handoff.transport import reach, wire
 from orchestrator.handoff.transport.advert import Advertisement
 from orchestrator.handoff.transport.auth import Authenticator
-from orchestrator.job.lifecycle import RunFailed
 from orchestrator.profile import versions
-from orchestrator.profile.config import TransportConfig
 from orchestrator.profile.kinds import AddressCheck
 from orchestrator.profile.versions import Versions
 from orchestrator.results.records import RunResult
@@ -44,20 +45,20 @@ class PeerFields(TypedDict):
 class PeerCheck:
     """One side's part: what it sends (`fields()`), and its verdict on the peer's (`judge`)."""
 
-    def __init__(self, t: TransportConfig, layout: str, side: str, auth: Authenticator, log: Any,
+    def __init__(self, spec: BootstrapSpec, side: str, auth: Authenticator, log: Any,
                  env: Optional[Mapping[str, str]] = None) -> None:
-        """`t`: the transport section; `layout`: layout.name; `auth`: this side's (its echo's
-        and its probe's seals)."""
+        """`spec`: what the run's bootstrap reads (transport.host, timeout_s and address_check,
+        layout.name); `auth`: this side's (its echo's and its probe's seals)."""
         self.side, self.log = side, log
-        self.timeout_s = t.timeout_s
+        self.timeout_s = spec.timeout_s
         self.auth = auth
-        self.mode = t.address_check
-        self.versions = versions.local(layout)
+        self.mode = spec.address_check
+        self.versions = versions.local(spec.layout)
         self.advertised = Advertisement.off()
         self.echo: Optional[reach.Echo] = None
         self.reached: Optional[Advertisement] = None  # the peer's advertisement, once probed fine
         if self.mode is not AddressCheck.off:
-            adv = reach.advertisement(env if env is not None else reach.environment(), t.host)
+            adv = reach.advertisement(env if env is not None else reach.environment(), spec.host)
             self.echo = reach.listen(adv, self.auth)  # (sets its port, or its error)
             self.advertised = Advertisement.from_json(adv)
             log.info("address_advertised", side=side, **adv)
@@ -100,6 +101,3 @@ class PeerCheck:
             self.echo.close()
             self.echo = None
 
-
-def refuse(why: str) -> RunFailed:
-    return RunFailed(f"refused before any handoff: {why}")
