@@ -442,8 +442,8 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
 
     from orchestrator.handoff.transport import peercheck, wire
     from orchestrator.handoff.transport.auth import Authenticator
-    from orchestrator.handoff.transport.bootstrap import REFUSAL_LINGER_MS, BootstrapFailed, lookup
-    from orchestrator.job.lifecycle import Signals
+    from orchestrator.handoff.transport.bootstrap import REFUSAL_LINGER_MS, lookup
+    from orchestrator.job.lifecycle import RunFailed, Signals
     from orchestrator.job.specs import bootstrap_spec
 
     from .conftest import typed_cfg
@@ -485,7 +485,7 @@ def test_a_refusal_after_a_slow_probe_reaches_the_prefill_that_asked_meanwhile(m
     cfg = typed_cfg("endpoints.startup_timeout_s=60", "transport.address_check=off")
     t0 = time.monotonic()
     try:
-        with Signals() as signals, pytest.raises(BootstrapFailed) as failed:
+        with Signals() as signals, pytest.raises(RunFailed) as failed:
             lookup(bootstrap_spec(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}"), secret,
                    signals)
     finally:

@@ -1143,8 +1143,8 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     took the first (and probed 192.0.2.2). Now it takes none of them, judges none (the address
     in them is never probed), and ends at its window saying how many answers were another
     run's. The peer is a ROUTER in a thread here, over real sockets."""
-    from orchestrator.handoff.transport.bootstrap import BootstrapFailed, lookup
-    from orchestrator.job.lifecycle import Signals
+    from orchestrator.handoff.transport.bootstrap import lookup
+    from orchestrator.job.lifecycle import RunFailed, Signals
     from orchestrator.job.specs import bootstrap_spec
 
     secret = SECRET.encode()
@@ -1174,7 +1174,7 @@ def test_a_recorded_answer_is_never_taken_by_a_prefill_side(monkeypatch):
     monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
     cfg = typed_cfg("endpoints.startup_timeout_s=4", "transport.address_check=warn")
     try:
-        with Signals() as signals, pytest.raises(BootstrapFailed) as failed:
+        with Signals() as signals, pytest.raises(RunFailed) as failed:
             lookup(bootstrap_spec(cfg.transport, cfg.endpoints, cfg.layout.name, f"127.0.0.1:{port}"), secret,
                    signals)
     finally:

@@ -10,9 +10,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any, Optional
 
-
-class RunFailed(RuntimeError):
-    """An endpoint could not start; the message says which and why."""
+from orchestrator.results.outcomes import RunFailed as RunFailed  # (the job raises it too)
 
 
 class Interrupted(Exception):

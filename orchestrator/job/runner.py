@@ -29,7 +29,7 @@ import structlog
 
 from orchestrator.handoff.fault_kinds import divert_control, resume, strike
 from orchestrator.handoff.transport.advert import Adverts, DecodeAdvert
-from orchestrator.handoff.transport.bootstrap import BootstrapFailed, lookup, serve_bootstrap
+from orchestrator.handoff.transport.bootstrap import lookup, serve_bootstrap
 from orchestrator.job import protocol, warmstart
 from orchestrator.job.bootstrap import DecodeWatch, start_metadata_server
 from orchestrator.job.lifecycle import Interrupted, RunFailed, Signals, spawn
@@ -214,7 +214,7 @@ class Job:
                 if sharing.mode is MpsMode.on and not out.gpu_sharing["mps"]:
                     raise RunFailed(f"endpoints.mps=on: {out.gpu_sharing.get('error')}")
                 self._run()
-            except (RunFailed, BootstrapFailed) as exc:
+            except RunFailed as exc:
                 out.error = str(exc)
                 self.log.error("run_failed", error=out.error)
             except (Interrupted, _Done):

@@ -6,6 +6,12 @@ from __future__ import annotations
 from enum import Enum, IntEnum
 
 
+class RunFailed(RuntimeError):
+    """A run's endpoints could not start (a bootstrap refused or unanswered, a process that
+    exited or hung at start-up); the message says which and why. Raised below the job (the
+    bootstrap) and in it (the runner); the failure policy maps it to its exit code."""
+
+
 class KVPoll(IntEnum):
     """SGLang's transfer status values (base/conn.py)."""
 

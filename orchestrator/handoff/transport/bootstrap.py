@@ -25,7 +25,7 @@ its length and the limit), to the sender too; it never counts as a MAC failure.
 
 The runner calls it once per side (orchestrator.job.runner), with what it reads (a
 BootstrapSpec, built in orchestrator.job.specs) and the run's secret, from which each side
-builds its own Authenticator. What ends the run here is a BootstrapFailed; a signal ends the
+builds its own Authenticator. What ends the run here is a RunFailed; a signal ends the
 wait (`signals.caught`). The job's own part (Mooncake's metadata server, what the decode
 processes tell the runner meanwhile) is orchestrator.job.bootstrap.
 """
@@ -47,6 +47,7 @@ from orchestrator.handoff.transport.auth import Authenticator
 from orchestrator.handoff.transport.peercheck import PeerCheck
 from orchestrator.profile.kinds import ConfigError, host_port
 from orchestrator.profile.platform import clock as _clock
+from orchestrator.results.outcomes import RunFailed
 from orchestrator.results.records import RunResult
 from orchestrator.results.rundir import NotARegularFile, read_shared
 
@@ -58,11 +59,6 @@ MAX_JUDGED = 16  # prefill sides (nonces that answered the challenge) judged per
 STALE = "a lookup for another run's challenge (recorded earlier: a replay)"
 OLD_FORMAT = ("a lookup without a nonce (a prefill side before fresh lookups, or a replay of "
               "one): run the same orchestrator version on both sides")
-
-
-class BootstrapFailed(RuntimeError):
-    """The bootstrap ends the run before any handoff (refused, unanswered, another secret, a
-    port or a bootstrap file it cannot use); the message says which and why."""
 
 
 class Caught(Protocol):
@@ -145,7 +141,7 @@ class _Bootstrap:
                     hint = (f": refused its lookups: {self.too_long}" if self.too_long else
                             f" (started with role=prefill peer={self.out.bootstrap} and the same "
                             "transport.secret_env?)")
-                    raise BootstrapFailed(f"no prefill side looked up {self.out.bootstrap} within "
+                    raise RunFailed(f"no prefill side looked up {self.out.bootstrap} within "
                                           f"endpoints.startup_timeout_s={wait_s:g}{hint}"
                                           + self._mac_note() + self._stale_note())
                 if self.sock.poll(20):
@@ -174,7 +170,7 @@ class _Bootstrap:
             else:
                 port = self.sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
-            raise BootstrapFailed(f"cannot listen on transport.bootstrap_port={sp.bootstrap_port} "
+            raise RunFailed(f"cannot listen on transport.bootstrap_port={sp.bootstrap_port} "
                                   f"at {host}: {exc.strerror} (another process holds it? pick another port, "
                                   "or 0 for any free one)") from None
         out.bootstrap = f"{host}:{port}"
@@ -188,7 +184,7 @@ class _Bootstrap:
                 raise
             except OSError as exc:
                 self.record = None  # nothing of ours there to forget
-                raise BootstrapFailed(f"cannot write transport.bootstrap_file={path}: "
+                raise RunFailed(f"cannot write transport.bootstrap_file={path}: "
                                       f"{exc.strerror or exc}") from None
         print(f"decode side up: bootstrap address {out.bootstrap} (start the prefill side with "
               f"role=prefill peer={out.bootstrap})", flush=True)
@@ -287,7 +283,7 @@ class _Bootstrap:
         probe runs, so the first answer may have gone to a socket it closed), or 3 s after."""
         for why, when in self.judged.values():
             if why is not None and (self.refusals >= 2 or _clock() > when + 3.0):
-                raise BootstrapFailed(f"refused before any handoff: {why}")
+                raise RunFailed(f"refused before any handoff: {why}")
 
     def _mac_note(self) -> str:
         if not self.mac_failed:
@@ -335,7 +331,7 @@ def _lookup(spec: BootstrapSpec, auth: Authenticator, signals: Caught, check: Pe
                 continue
             why = check.judge(msg, out)
             if why is not None:
-                raise BootstrapFailed(f"refused before any handoff: {why}")
+                raise RunFailed(f"refused before any handoff: {why}")
             if check.reached is not None:  # the endpoints' Mooncake probe of it (prefill endpoint)
                 return [[replace(i, advertised=check.reached) for i in inst] for inst in msg.infos]
             return msg.infos
@@ -409,7 +405,7 @@ class _Asker:
     def answer(self) -> Optional[wire.DecodesMsg]:
         """The decode side's answer to this run's lookup within a second, if it brought the
         endpoints; None for no answer, a challenge (taken), a MAC failure or a stale answer
-        (counted). A refusal, an answer refused, or MAC_FAILURES in a row: BootstrapFailed."""
+        (counted). A refusal, an answer refused, or MAC_FAILURES in a row: RunFailed."""
         frame = self.sock.recv() if self.sock.poll(1000) else None
         if frame is None:
             return None
@@ -417,7 +413,7 @@ class _Asker:
         if body is None:  # counted; "different secrets" only after MAC_FAILURES in a row
             self.bad += 1
             if self.bad >= MAC_FAILURES:
-                raise BootstrapFailed(f"{secret_mismatch(self.spec)} (the decode side at {self.host}:{self.port}: "
+                raise RunFailed(f"{secret_mismatch(self.spec)} (the decode side at {self.host}:{self.port}: "
                                       f"{self.bad} answers in a row failed the MAC)")
             return None
         self.bad = 0
@@ -425,7 +421,7 @@ class _Asker:
             msg = wire.decode(body)
         except wire.WireError as exc:  # authentic, malformed: said if it answers this run
             if wire.nonce_in(body, "answer_to") == self.nonce:
-                raise BootstrapFailed(f"the decode side at {self.host}:{self.port} answered with a message "
+                raise RunFailed(f"the decode side at {self.host}:{self.port} answered with a message "
                                       f"refused: {exc}") from None
             self.stale += 1
             return None
@@ -436,18 +432,18 @@ class _Asker:
             # a refusal without answer_to: to a lookup whose nonce the decode side could
             # not read (an over-long field), or from a decode side before answer_to
             case wire.ErrorMsg(detail=detail, answer_to=to) if to in (self.nonce, None):
-                raise BootstrapFailed(f"the decode side at {self.host}:{self.port} refused: {detail}")
+                raise RunFailed(f"the decode side at {self.host}:{self.port} refused: {detail}")
             case wire.DecodesMsg(answer_to=to) if to == self.nonce:
                 return msg
             case _:  # an answer to another run's lookup (recorded), or not an answer
                 self.stale += 1
                 return None
 
-    def unanswered(self) -> BootstrapFailed:
+    def unanswered(self) -> RunFailed:
         """Why the lookup ended at endpoints.startup_timeout_s."""
         note = (f"; {self.stale} authentic answers were to another run's lookup (recorded: replays?)"
                 if self.stale else "")
-        return BootstrapFailed(f"no decode side answered at {self.host}:{self.port} within endpoints.startup_timeout_s="
+        return RunFailed(f"no decode side answered at {self.host}:{self.port} within endpoints.startup_timeout_s="
                                f"{self.spec.startup_timeout_s:g} (is it up, with the same transport.secret_env and "
                                f"an orchestrator with fresh lookups?){note}")
 
@@ -492,11 +488,11 @@ def _await_address(spec: BootstrapSpec, deadline: float, signals: Caught) -> Opt
         try:
             return peer_address(spec.peer, spec.bootstrap_file)
         except NotARegularFile as exc:
-            raise BootstrapFailed(f"transport.bootstrap_file: {exc}; refused (the decode side writes a "
+            raise RunFailed(f"transport.bootstrap_file: {exc}; refused (the decode side writes a "
                                   "regular file there)") from None
         except ConfigError:
             if _clock() >= deadline:
-                raise BootstrapFailed(f"transport.bootstrap_file={spec.bootstrap_file}: no address appeared "
+                raise RunFailed(f"transport.bootstrap_file={spec.bootstrap_file}: no address appeared "
                                       f"there within endpoints.startup_timeout_s={spec.startup_timeout_s:g} "
                                       "(is the decode side, role=decode, up and writing it?)") from None
         if signals.caught:

@@ -14,7 +14,7 @@ then judges the peer's before any handoff:
   sides' DecodeAdverts carry it as `advertised`; feature-detected: an older wheel lacks it).
 
 Warnings land in RunResult.warnings (the summary and results.json); a failure is the reason
-`judge` returns (the bootstrap refuses on it: bootstrap.BootstrapFailed). What a side reads of
+`judge` returns (the bootstrap refuses on it: bootstrap.RunFailed). What a side reads of
 the run is its BootstrapSpec (orchestrator.handoff.specs).
 """
 
