@@ -17,7 +17,7 @@ import os
 import random
 import secrets
 import warnings
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ TORCH_DTYPES = {
     HiddenStatesDtype.float16: torch.float16,
 }
 _DEFAULT_LAYOUT: Optional[Declaration] = None
+Rows64 = Union[np.ndarray, torch.Tensor]  # a field's rows as int64: numpy on host rows, else torch
 
 
 def _to_torch_dtype(dtype: Any) -> torch.dtype:
@@ -145,22 +146,30 @@ class MetadataBuffers:
             layout = _DEFAULT_LAYOUT
         self.layout = layout
         self.custom_mem_pool = custom_mem_pool
-        self.output_dsa_topk_indices_dim = output_dsa_topk_indices_dim
-        self.enable_sampling_mask = (_env_flag("SGLANG_ENABLE_DISAGG_SAMPLING_MASK")
-                                     if enable_sampling_mask is None else bool(enable_sampling_mask))
         self.device = torch.device(_placement(custom_mem_pool, mem_pool) if device is None else device)
         self.size = size
+        if enable_sampling_mask is None:
+            enable_sampling_mask = _env_flag("SGLANG_ENABLE_DISAGG_SAMPLING_MASK")
         self.sizes = Sizes(hidden_size, _to_torch_dtype(hidden_states_dtype), max_sampling_mask_tokens,
                            max_top_logprobs_num, output_dsa_topk_indices_dim, kv_checksum_enabled,
-                           self.enable_sampling_mask)
+                           bool(enable_sampling_mask))
         self.specs: list[FieldSpec] = field_specs(layout, self.sizes)
         self._carve(pin_memory)
         self.item_lens = [s.item_len for s in self.specs]
-        self.index = {s.name: i for i, s in enumerate(self.specs)}
         self.room_field = next(i for i, s in enumerate(self.specs) if s.role == "room")
         self.checksum_field = next((i for i, s in enumerate(self.specs) if s.role == "checksum"), None)
         self._get_buf_names = get_buf_names(layout)
         self._views()
+
+    # SGLang 0.5.23's two attributes that repeat constructor arguments: read from `sizes`, which
+    # holds every argument the rows' shapes come from (one record, not two copies)
+    @property
+    def enable_sampling_mask(self) -> bool:
+        return self.sizes.enable_sampling_mask
+
+    @property
+    def output_dsa_topk_indices_dim(self) -> int:
+        return self.sizes.output_dsa_topk_indices_dim
 
     def _carve(self, pin_memory: bool) -> None:
         """The one backing allocation, and every present field as a (size, width) view into
@@ -193,38 +202,46 @@ class MetadataBuffers:
             self.offsets.append(off)
             setattr(self, spec.name, tensor)
         self.arena = self._arena[shift: shift + total]  # the fields, as bytes
-        self.arena_ptr = self.arena.data_ptr()
         # The fields and the scratch as one flat int64 view: the per-step writes of rooms,
         # digests and clears are one indexed kernel each over it (positions from
         # words_at), and a padded position can point into the scratch.
         self.words = self._arena[shift: shift + total + WARM_BYTES].view(torch.int64)
-        self.scratch_word = total // 8
 
     def _views(self) -> None:
-        """The room and kv_checksum rows as int64 (uint64 has few kernels, on CUDA especially),
-        as numpy on host rows (no torch op per write), and pinned staging for the per-step
-        writes on CUDA rows (no pageable copy)."""
-        self._rooms = self.fields[self.room_field].view(torch.int64)
-        self._checksums = (self.fields[self.checksum_field].view(torch.int64)
-                           if self.checksum_field is not None else None)
-        self._rooms_np = self._rooms.numpy() if self.device.type == "cpu" else None
-        self._checksums_np = (self._checksums.numpy() if self.device.type == "cpu"
-                              and self._checksums is not None else None)
+        """The room and kv_checksum rows as int64 (uint64 has few kernels, on CUDA especially):
+        numpy arrays on host rows (no torch op per write), tensors on device rows, with pinned
+        staging for their per-step writes there (no pageable copy; None: host rows)."""
+        host = self.device.type == "cpu"
+        rooms = self.fields[self.room_field].view(torch.int64)
+        self._rooms: Rows64 = rooms.numpy() if host else rooms
+        self._checksums: Optional[Rows64] = None
+        if self.checksum_field is not None:
+            sums = self.fields[self.checksum_field].view(torch.int64)
+            self._checksums = sums.numpy() if host else sums
+        self._stages: Optional[_Stages] = None
         if self.device.type == "cuda":
-            self._stages = _Stages(PinnedStage(self.device), PinnedStage(self.device),
-                                   PinnedStage(self.device))
+            self._stages = _Stages(PinnedStage(self.device), PinnedStage(self.device), PinnedStage(self.device))
 
     # Registered with the engine: the fields, then WARM_BYTES of scratch that no field covers.
     # A peer's first write into this registration is its warm-up (Mooncake opens the CUDA IPC
     # mapping or the TCP connection on a session's first write), so that one-time cost falls
     # in start-up, not on the first request.
     @property
-    def scratch_ptr(self) -> int:
-        return self.arena_ptr + self.scratch_word * 8
+    def arena_ptr(self) -> int:
+        return self.arena.data_ptr()
 
     @property
     def arena_bytes(self) -> int:
-        return self.scratch_word * 8 + WARM_BYTES
+        return self.arena.nbytes + WARM_BYTES
+
+    @property
+    def scratch_word(self) -> int:
+        """Where the scratch starts in `words`: right after the fields."""
+        return self.arena.nbytes // 8
+
+    @property
+    def scratch_ptr(self) -> int:
+        return self.arena_ptr + self.arena.nbytes
 
     @property
     def row_bytes(self) -> int:
@@ -333,8 +350,9 @@ class MetadataBuffers:
         """bootstrap_room[slot, 0] = room for a batch of slots, and with `digests`
         kv_checksum[slot] = (digest, signature) too. Device rows: one upload from pinned
         memory and one indexed kernel for all of it, queued (no wait)."""
-        if self._rooms_np is not None:
-            self._rooms_np[list(slots), 0] = [_as_i64(r) for r in rooms]
+        stages = self._stages
+        if stages is None:
+            self._rooms[list(slots), 0] = [_as_i64(r) for r in rooms]  # type: ignore[assignment]  # host: numpy
             if digests is not None:
                 self.write_checksums(slots, digests, signature)
             return
@@ -348,20 +366,22 @@ class MetadataBuffers:
             pair[:, 1] = _as_i64(signature)
             vals.append(pair.reshape(-1))
         n = sum(len(p) for p in pos)
-        staged = self._stages.rooms.upload(np.concatenate(pos + vals))
+        staged = stages.rooms.upload(np.concatenate(pos + vals))
         self.words.index_copy_(0, staged[:n], staged[n:])
 
     def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
         """kv_checksum[slot] = (digest, signature) for a batch of slots (device rows: queued)."""
-        if self._checksums_np is not None:
-            self._checksums_np[list(slots), :2] = [[_as_i64(d), _as_i64(signature)] for d in digests]
+        stages = self._stages
+        if stages is None:
+            self._checksums[list(slots), :2] = [  # type: ignore[index, assignment]  # host: numpy; no field: raises
+                [_as_i64(d), _as_i64(signature)] for d in digests]
             return
         vals = np.empty((len(slots), 2), dtype=np.int64)
         vals[:, 0] = [_as_i64(d) for d in digests]
         vals[:, 1] = _as_i64(signature)
         assert self.checksum_field is not None, "digests need the layout's checksum field"
         pos = self.words_at(self.checksum_field, slots, (0, 1))
-        staged = self._stages.sums.upload(np.concatenate([pos, vals.reshape(-1)]))
+        staged = stages.sums.upload(np.concatenate([pos, vals.reshape(-1)]))
         self.words.index_copy_(0, staged[:len(pos)], staged[len(pos):])
 
     def clear_slots(self, slots: Sequence[int]) -> None:
@@ -369,15 +389,16 @@ class MetadataBuffers:
         call sync() (a digest read syncs too) before the slots are granted again."""
         if not len(slots):
             return
-        if self._rooms_np is not None:
-            self._rooms_np[slots] = 0
-            if self._checksums_np is not None:
-                self._checksums_np[slots] = 0
+        stages = self._stages
+        if stages is None:
+            self._rooms[slots] = 0
+            if self._checksums is not None:
+                self._checksums[slots] = 0
             return
         pos = [self.words_at(self.room_field, slots, range(self.item_lens[self.room_field] // 8))]
         if self.checksum_field is not None:
             pos.append(self.words_at(self.checksum_field, slots, range(self.item_lens[self.checksum_field] // 8)))
-        self.words.index_fill_(0, self._stages.clear.upload(np.concatenate(pos)), 0)
+        self.words.index_fill_(0, stages.clear.upload(np.concatenate(pos)), 0)
 
     def warm(self) -> None:
         """Runs each write kernel of the hot path once on device rows (their first launch
