@@ -121,6 +121,7 @@ def test_live_decode_survives_garbage_and_stays_correct(cfg_factory, tmp_path):
     z.term()
     stats = peer.close()
     assert peer.decode.proc.exitcode == 0
-    dropped = stats.dropped_data + stats.unexpected + stats.dropped_control + stats.rejected_auth
+    dropped = (stats.refused.dropped_data + stats.refused.unexpected + stats.refused.dropped_control
+               + stats.refused.rejected_auth)
     assert dropped == len(bad_data) + len(bad_control) + 1  # every bad message counted once
     assert stats.outcomes[Outcome.verified] == 1 and stats.outcomes[Outcome.corrupted] == 0

@@ -53,7 +53,7 @@ def test_forged_status_is_rejected_and_never_acted_on(tmp_path):
         assert peer.verdict(1) == (Outcome.verified, Detail.none)
     finally:
         stats = peer.close()
-    assert stats.rejected_auth == 2 and stats.outcomes[Outcome.failed] == 0
+    assert stats.refused.rejected_auth == 2 and stats.outcomes[Outcome.failed] == 0
 
 
 def test_forged_frames_are_rejected_and_never_corrupt_a_handoff(tmp_path):
@@ -68,7 +68,7 @@ def test_forged_frames_are_rejected_and_never_corrupt_a_handoff(tmp_path):
         assert peer.verdict(1) == (Outcome.verified, Detail.none)
     finally:
         stats = peer.close()
-    assert stats.rejected_auth == len(garbage) and stats.outcomes[Outcome.corrupted] == 0
+    assert stats.refused.rejected_auth == len(garbage) and stats.outcomes[Outcome.corrupted] == 0
 
 
 def test_forged_row_written_through_another_mooncake_engine_is_refused(tmp_path):

@@ -72,4 +72,4 @@ def test_unauthenticated_control_is_rejected_and_counted(cfg_factory, tmp_path):
     stats = decode.stop()
     dealer.close(0)
     z.term()
-    assert stats.rejected_auth == 2
+    assert stats.refused.rejected_auth == 2

@@ -98,7 +98,7 @@ def test_replay_from_an_earlier_run_under_a_shared_secret_never_opens(tmp_path):
         assert run2.verdict(1) == (Outcome.verified, Detail.none)
     finally:
         stats = run2.close()
-    assert stats.rejected_auth == len(captured) and stats.outcomes[Outcome.verified] == 1
+    assert stats.refused.rejected_auth == len(captured) and stats.outcomes[Outcome.verified] == 1
 
 
 def test_row_from_an_earlier_run_fails_the_digest_under_a_shared_secret(tmp_path):
@@ -168,8 +168,8 @@ def test_replays_inside_a_run_are_counted_and_change_nothing(tmp_path):
         time.sleep(0.3)
     finally:
         stats = peer.close()
-    assert stats.replayed == 3  # the arrive and the two statuses
-    assert stats.rejected_auth == 2 * len(frames)  # frames under another tenant's grant
+    assert stats.refused.replayed == 3  # the arrive and the two statuses
+    assert stats.refused.rejected_auth == 2 * len(frames)  # frames under another tenant's grant
     assert stats.outcomes[Outcome.verified] == 2 and stats.grants == 2
 
 
@@ -291,7 +291,7 @@ def test_replayed_hello_cannot_take_over_a_prefill(tmp_path):
         thief.close(0)
         z.term()
         stats = peer.close()
-    assert stats.hijack_refused == 1 and stats.rejected_auth == 1
+    assert stats.refused.hijack_refused == 1 and stats.refused.rejected_auth == 1
     assert stats.outcomes[Outcome.verified] == 5 and stats.grants == 5
 
 

@@ -612,7 +612,7 @@ def test_sglang_sender_into_our_real_decode_is_refused(env, zctx, tmp_path):
         assert peer.verdict(1) == (Outcome.failed, Detail.room_never_landed)
     finally:
         stats = peer.close()
-    assert stats.rejected_auth == len(lens) + 1  # every AUX_DATA frame and the status
+    assert stats.refused.rejected_auth == len(lens) + 1  # every AUX_DATA frame and the status
 
 
 @grid

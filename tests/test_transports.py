@@ -189,7 +189,7 @@ def test_decode_judges_corruption_room_mismatch_stale_room_and_failed_sender(cfg
     finally:
         stats = peer.close()
     assert stats.outcomes[Outcome.verified] == 2 and stats.outcomes[Outcome.corrupted] == 2
-    assert stats.outcomes[Outcome.failed] == 2 and stats.rejected_auth == len(peer.buffers.fields)
+    assert stats.outcomes[Outcome.failed] == 2 and stats.refused.rejected_auth == len(peer.buffers.fields)
 
 
 @pytest.mark.slow
@@ -225,7 +225,7 @@ def test_engine_route_room_mismatch_detected(cfg_factory, tmp_path):
     finally:
         stats = peer.close()
     assert stats.outcomes[Outcome.verified] == 2 and stats.outcomes[Outcome.corrupted] == 1
-    assert stats.unexpected == len(lens)
+    assert stats.refused.unexpected == len(lens)
 
 
 @pytest.mark.slow

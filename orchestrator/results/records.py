@@ -214,13 +214,10 @@ class RankResult:
 
 
 @dataclass
-class DecodeResult:
-    """What one decode process judged, and what it refused to act on."""
+class Refusals:
+    """The messages a decode process refused to act on, by why: each is counted under its
+    name where it is dropped (orchestrator.handoff.endpoints.decode_state.Drops)."""
 
-    name: str
-    outcomes: Counter = field(default_factory=Counter)
-    details: Counter = field(default_factory=Counter)
-    tp_rank: int = 0  # its rank in its decode instance's TP group (0: the one that gives verdicts)
     rejected_auth: int = 0  # messages without a valid MAC
     dropped_data: int = 0  # malformed data-plane messages
     dropped_control: int = 0  # malformed control messages
@@ -228,6 +225,17 @@ class DecodeResult:
     replayed: int = 0  # authentic, this run's, seen before: a replay (no effect)
     hijack_refused: int = 0  # a hello for a prefill rank already bound to a connection
     ambiguous: int = 0  # a bare SGLang status whose room matches several grants
+
+
+@dataclass
+class DecodeResult:
+    """What one decode process judged, and what it refused to act on (`refused`)."""
+
+    name: str
+    outcomes: Counter = field(default_factory=Counter)
+    details: Counter = field(default_factory=Counter)
+    tp_rank: int = 0  # its rank in its decode instance's TP group (0: the one that gives verdicts)
+    refused: Refusals = field(default_factory=Refusals)
     gate_waits: int = 0  # "done" seen before the room landed (re-checked later)
     settled: int = 0  # held by the gate with the right room and a torn row (gate.settle_ms)
     held_s: dict[str, float] = field(default_factory=dict)  # slot-seconds held by failed rows, by detail

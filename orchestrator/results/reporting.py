@@ -146,9 +146,9 @@ def _workload(spec: ReportSpec) -> Workload:
 def _authenticated(secret_env: Optional[str], out: RunResult, m: _Merged) -> Authenticated:
     decodes = out.decodes.values()
     return Authenticated(f"transport.secret_env={secret_env}" if secret_env else "generated for this run",
-                         m.rejected + sum(d.rejected_auth for d in decodes),
-                         m.replayed + sum(d.replayed for d in decodes),
-                         sum(d.hijack_refused for d in decodes))
+                         m.rejected + sum(d.refused.rejected_auth for d in decodes),
+                         m.replayed + sum(d.refused.replayed for d in decodes),
+                         sum(d.refused.hijack_refused for d in decodes))
 
 
 def build_results(spec: ReportSpec, out: RunResult) -> JobResults:

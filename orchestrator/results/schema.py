@@ -181,8 +181,9 @@ class DecodeCounts:
 
     @classmethod
     def of(cls, d: DecodeResult) -> "DecodeCounts":
-        return cls(counter_dict(d.outcomes), counter_dict(d.details), d.rejected_auth, d.dropped_data,
-                   d.dropped_control, d.unexpected, d.replayed, d.hijack_refused, d.ambiguous, d.gate_waits,
+        r = d.refused
+        return cls(counter_dict(d.outcomes), counter_dict(d.details), r.rejected_auth, r.dropped_data,
+                   r.dropped_control, r.unexpected, r.replayed, r.hijack_refused, r.ambiguous, d.gate_waits,
                    d.settled, d.grants, d.steps, Percentiles.of(d.verify_us), d.batch.mean,
                    Percentiles.of(d.gate_read_us), Percentiles.of(d.stall_us), d.load, d.tp, d.memory, d.error)
 

@@ -151,15 +151,15 @@ class Notices:
 
 
 class Drops:
-    """A message not acted on: counted in the rank's result (`counter`), logged the first
-    few times of each kind, then every 1000th."""
+    """A message not acted on: counted in the rank's result (`counter`, a field of its
+    records.Refusals), logged the first few times of each kind, then every 1000th."""
 
     def __init__(self, res: DecodeResult, log: structlog.stdlib.BoundLogger):
-        self.res, self.log = res, log
+        self.refused, self.log = res.refused, log
 
     def __call__(self, counter: str, event: str, **kw: Any) -> None:
-        n = getattr(self.res, counter) + 1
-        setattr(self.res, counter, n)
+        n = getattr(self.refused, counter) + 1
+        setattr(self.refused, counter, n)
         if n <= 5 or n % 1000 == 0:
             self.log.warning(event, count=n, **kw)
 
