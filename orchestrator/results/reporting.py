@@ -41,12 +41,15 @@ from orchestrator.results.schema import (
     EXIT_SIGNAL,
     Agreement,
     Authenticated,
+    DecodeAccount,
     DecodeCounts,
     DecodeGate,
     DecodeLoad,
     DecodeSideResults,
     Ending,
+    Failures,
     JobResults,
+    Latency,
     LatencyUs,
     Pair,
     Percentiles,
@@ -101,10 +104,13 @@ class _Merged:
         self.rejected += r.rejected
         self.replayed += r.replayed
 
-    def latency_us(self, qs: Sequence[float] = ()) -> LatencyUs:
-        """Every latency's percentiles, with the chosen ones (report.percentiles) too."""
-        return LatencyUs(*(Percentiles.of(self.lat[k], qs) for k in
-                           ("set_buf_us", "send_us", "taken_us", "handoff_us", "e2e_us")))
+    def latency(self, qs: Sequence[float], ranks: Sequence[RankResult]) -> Latency:
+        """Every latency's percentiles, with the chosen ones (report.percentiles) too, the
+        clock they were taken on (the first rank's) and the stages' percentiles."""
+        return Latency(LatencyUs(*(Percentiles.of(self.lat[k], qs) for k in
+                                   ("set_buf_us", "send_us", "taken_us", "handoff_us", "e2e_us"))),
+                       ranks[0].clock if ranks else None,
+                       {k: Percentiles.of(h) for k, h in self.stages.items()})
 
 
 def _effective(out: RunResult) -> Optional[str]:
@@ -176,17 +182,16 @@ def build_results(spec: ReportSpec, out: RunResult) -> JobResults:
     gate = _gate(spec.gate, out)
     res = JobResults(
         requests, verified, corrupted, requests - verified - corrupted - m.not_started, m.not_started,
-        counter_dict(m.routes), counter_dict(m.details), m.latency_us(spec.percentiles),
-        ranks[0].clock if ranks else None,
-        {k: Percentiles.of(h) for k, h in m.stages.items()}, t, workload,
+        counter_dict(m.routes), Failures(counter_dict(m.details)), m.latency(spec.percentiles, ranks),
+        t, workload,
         Transports(_effective(out), spec.plan.declared_transport, out.transports, out.engine_exposed,
                    out.gpu_sharing),
-        m.pairs, auth, {name: DecodeCounts.of(d) for name, d in out.decodes.items()},
+        m.pairs, auth, DecodeAccount({name: DecodeCounts.of(d) for name, d in out.decodes.items()}, gate, tp),
         Agreement(decode_verified), {**{name: r.memory for name, r in out.ranks.items()},
                           **{name: d.memory for name, d in out.decodes.items()}},
-        Ending.of(out), spec.plan, out.error, tp, gate)
+        Ending.of(out), spec.plan, out.error)
     res.ending.warnings += warnings
-    res.sglang_0_5_23 = _held(spec, res)
+    res.failures.sglang_0_5_23 = _held(spec, res)
     for d in out.decodes.values():
         for why, s in (d.held_s.items() if d.tp_rank == 0 else ()):
             res.slots_held_by_failed_s[why] = round(res.slots_held_by_failed_s.get(why, 0.0) + s, 3)

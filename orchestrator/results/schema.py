@@ -377,7 +377,37 @@ class Origin:
     run_dir: Optional[str] = None
 
 
-_GROUPS = (Timing, Transports, Ending, Agreement, Origin)
+@dataclass
+class Failures:
+    """Why requests were not verified (top-level keys): how many for each reason, and what
+    SGLang 0.5.23's decode would hold in Transferring for ever of them (None: nothing)."""
+
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+    sglang_0_5_23: Optional[Held] = None
+
+
+@dataclass
+class Latency:
+    """Where the handoffs' time went (top-level keys): each latency's percentiles, the clock
+    they were taken on ("one_way", or "round_trip" when a decode's clock is not the prefill
+    host's), and the handoff's stages' percentiles (records.STAGES)."""
+
+    latency_us: LatencyUs = field(default_factory=LatencyUs)
+    latency_clock: Optional[str] = None
+    handoff_stages_us: dict[str, Percentiles] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeAccount:
+    """The decodes' own account (top-level keys): each decode process's counts, what the
+    readiness gate's reads cost the decode loop, and the TP group's (decode_tp > 1)."""
+
+    decode: dict[str, DecodeCounts] = field(default_factory=dict)
+    decode_gate: DecodeGate = field(default_factory=DecodeGate)
+    tp: Optional[TpSummary] = None
+
+
+_GROUPS = (Timing, Transports, Ending, Agreement, Origin, Failures, Latency, DecodeAccount)
 
 
 class Results:
@@ -477,26 +507,53 @@ class JobResults(Results):
     failed: int
     not_started: int  # never arrived: an interrupt came first (no requests.jsonl line)
     routes: dict[str, int]
-    failure_reasons: dict[str, int]
-    latency_us: LatencyUs
-    latency_clock: Optional[str]
-    handoff_stages_us: dict[str, Percentiles]
+    failures: Failures
+    latency: Latency
     timing: Timing
     workload: Workload
     transports: Transports
     pairs: dict[str, Pair]
     authenticated: Authenticated
-    decode: dict[str, DecodeCounts]
+    decodes: DecodeAccount
     agreement: Agreement
     memory_kb: dict[str, dict]
     ending: Ending
     plan: PlanInfo
     error: Optional[str]
-    tp: Optional[TpSummary]
-    decode_gate: DecodeGate
     origin: Origin = field(default_factory=Origin)
-    # what SGLang 0.5.23's decode would hold in Transferring for ever (None: nothing)
-    sglang_0_5_23: Optional[Held] = None
+
+    # the sections' fields, read by their results.json names (as DecodeSideResults' own)
+    @property
+    def failure_reasons(self) -> dict[str, int]:
+        return self.failures.failure_reasons
+
+    @property
+    def sglang_0_5_23(self) -> Optional[Held]:
+        return self.failures.sglang_0_5_23
+
+    @property
+    def latency_us(self) -> LatencyUs:
+        return self.latency.latency_us
+
+    @property
+    def latency_clock(self) -> Optional[str]:
+        return self.latency.latency_clock
+
+    @property
+    def handoff_stages_us(self) -> dict[str, Percentiles]:
+        return self.latency.handoff_stages_us
+
+    @property
+    def decode(self) -> dict[str, DecodeCounts]:
+        return self.decodes.decode
+
+    @property
+    def decode_gate(self) -> DecodeGate:
+        return self.decodes.decode_gate
+
+    @property
+    def tp(self) -> Optional[TpSummary]:
+        return self.decodes.tp
 
     @property
     def decode_verified(self) -> int:
@@ -545,15 +602,17 @@ class JobResults(Results):
     def from_json(cls, d: dict[str, Any]) -> "JobResults":
         flat = {f.name: d.get(f.name) for f in fields(cls)}
         return cls(**{**flat, **_groups(d), "agreement": read_section(Agreement, d),
-                      "origin": read_section(Origin, d), "latency_us": LatencyUs.from_json(d.get("latency_us")),
-                      "handoff_stages_us": each(Percentiles.from_json)(d.get("handoff_stages_us")),
+                      "origin": read_section(Origin, d),
+                      "failures": read_section(Failures, d,
+                                               sglang_0_5_23=lambda h: read_section(Held, h) if h else None),
+                      "latency": read_section(Latency, d, latency_us=LatencyUs.from_json,
+                                              handoff_stages_us=each(Percentiles.from_json)),
                       "workload": read_section(Workload, d.get("workload")),
                       "pairs": each(Pair.from_json)(d.get("pairs")),
                       "authenticated": read_section(Authenticated, d.get("authenticated")),
-                      "decode": each(DecodeCounts.from_json)(d.get("decode")),
-                      "plan": PlanInfo(d.get("plan") or {}), "tp": TpSummary.from_json(d.get("tp")),
-                      "decode_gate": DecodeGate.from_json(d.get("decode_gate")),
-                      "sglang_0_5_23": read_section(Held, d["sglang_0_5_23"]) if d.get("sglang_0_5_23") else None})
+                      "decodes": read_section(DecodeAccount, d, decode=each(DecodeCounts.from_json),
+                                              decode_gate=DecodeGate.from_json, tp=TpSummary.from_json),
+                      "plan": PlanInfo(d.get("plan") or {})})
 
 
 @dataclass
