@@ -4,7 +4,7 @@ counts: outcomes, routes, details, every latency histogram, the pairs and the la
 import random
 
 from orchestrator.results.outcomes import Detail, Outcome
-from orchestrator.results.records import RankResult, Record
+from orchestrator.results.records import Finished, RankResult, Record
 
 
 def _records(n: int) -> list[Record]:
@@ -43,3 +43,17 @@ def test_add_many_counts_as_add_does():
         bulk.add_many(recs[k:k + 7], stages if k == 0 else ())
     assert _state(one) == _state(bulk)
     assert one.verified == bulk.verified > 0 and bulk.details[Detail.peer_lost] > 0
+
+
+def test_finished_lines_are_record_lines():
+    """A batch's requests.jsonl lines, formatted column by column, are byte for byte what
+    Record.line gives each record (nulls, a fault's label, the run's tag)."""
+    recs = _records(300)
+    for i, r in enumerate(recs):
+        r.fault = None if i % 4 else 'corrupt_byte "x"'
+        r.handoff_us = None if i % 9 == 0 else round(r.handoff_us or 0.0, 2)
+    tag = ', "run": "r%1"'
+    bulk = Finished.of_records(recs)
+    assert bulk.lines(tag) == "".join(r.line(tag) + "\n" for r in recs)
+    assert bulk.lines() == "".join(r.line() + "\n" for r in recs)
+    assert bulk.records() == recs and Finished.of_records([]).lines(tag) == ""

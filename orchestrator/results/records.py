@@ -77,6 +77,64 @@ class Record:
         return cls(**fields)
 
 
+_LINE = ('{"rid": %s, "room": %s, "decode": %s, "dst_slot": %s, "route": "%s", "set_buf_us": %s, '
+         '"send_us": %s, "handoff_us": %s, "e2e_us": %s, "outcome": "%s", "detail": "%s", "checksum": "%s", '
+         '"fault": %s, "taken_us": %s')  # Record.line's, for a batch (Finished.lines)
+
+
+def _js(col: Sequence[Optional[float]]) -> list[str]:
+    return ["null" if v is None else repr(v) for v in col]
+
+
+@dataclass
+class Finished:
+    """Requests finished together (a pass of the prefill's loop), column by column: what
+    each one's Record would hold, in RECORD_FIELDS' order, then the prefill's clock at each
+    verdict and the verified ones' stage times (add_stages' arguments, a row each). Written
+    (lines) and counted (RankResult.add_finished) in one go, with no object per request."""
+
+    rid: Sequence[int]
+    room: Sequence[int]
+    decode: Sequence[int]
+    dst_slot: Sequence[int]
+    route: Sequence[str]
+    set_buf_us: Sequence[Optional[float]]
+    send_us: Sequence[Optional[float]]
+    handoff_us: Sequence[Optional[float]]
+    e2e_us: Sequence[Optional[float]]
+    outcome: Sequence[Outcome]
+    detail: Sequence[Detail]
+    checksum: Sequence[str]
+    fault: Sequence[Optional[str]]
+    taken_us: Sequence[Optional[float]]
+    t_verdict: Sequence[Optional[float]]
+    stages: Sequence[Sequence[float]] = ()
+
+    def __len__(self) -> int:
+        return len(self.rid)
+
+    @classmethod
+    def of_records(cls, recs: Sequence[Record], stages: Sequence[Sequence[float]] = ()) -> "Finished":
+        cols = [[getattr(r, k) for r in recs] for k in RECORD_FIELDS + ("t_verdict",)]
+        return cls(*cols, stages=stages)  # type: ignore[arg-type]
+
+    def records(self) -> list[Record]:
+        """One Record per request (what reads them back would build)."""
+        cols = [getattr(self, k) for k in RECORD_FIELDS + ("t_verdict",)]
+        return [Record(*row) for row in zip(*cols)]
+
+    def lines(self, tag: str = "") -> str:
+        """The requests.jsonl lines, each what Record.line(tag) gives, newline-ended."""
+        if not len(self):
+            return ""
+        fmt = _LINE + tag.replace("%", "%%") + "}\n"
+        faults = ["null" if f is None else json.dumps(f) for f in self.fault]
+        return "".join(map(fmt.__mod__, zip(
+            self.rid, self.room, self.decode, self.dst_slot, self.route, _js(self.set_buf_us),
+            _js(self.send_us), _js(self.handoff_us), _js(self.e2e_us), [o.value for o in self.outcome],
+            [d.value for d in self.detail], self.checksum, faults, _js(self.taken_us))))
+
+
 @dataclass
 class PairStats:
     """One prefill rank -> decode instance pair, measured on its own verdict times."""
@@ -95,6 +153,21 @@ class PairStats:
             if t is not None:
                 self.first_verdict = t if self.first_verdict is None else min(self.first_verdict, t)
                 self.last_verdict = t if self.last_verdict is None else max(self.last_verdict, t)
+
+    def add_finished(self, f: "Finished", mine: Sequence[bool], ok: Sequence[bool]) -> None:
+        """The requests of a Finished batch that `mine` marks (`ok`: which were verified), as
+        add() each would."""
+        outcomes = f.outcome if all(mine) else [o for o, m in zip(f.outcome, mine) if m]
+        self.outcomes.update(outcomes)
+        sel = [m and y for m, y in zip(mine, ok)]
+        handoff = [v for v, s in zip(f.handoff_us, sel) if s and v is not None]
+        if handoff:
+            self.handoff_us.extend(handoff)
+        times = [t for t, s in zip(f.t_verdict, sel) if s and t is not None]
+        if times:
+            lo, hi = min(times), max(times)
+            self.first_verdict = lo if self.first_verdict is None else min(self.first_verdict, lo)
+            self.last_verdict = hi if self.last_verdict is None else max(self.last_verdict, hi)
 
     @property
     def verified(self) -> int:
@@ -153,42 +226,55 @@ class RankResult:
             self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
 
     def add_many(self, recs: Sequence[Record], stages: Sequence[Sequence[float]] = ()) -> None:
-        """Records finished together (a pass of the loop), as add() each would, in one go:
-        counters and histograms fed per batch rather than per request. `stages`: the verified
-        ones' stage times, as add_stages takes them."""
-        outcomes, routes, details, latency = self.outcomes, self.routes, self.details, self.latency
+        """Records finished together (a pass of the loop), as add() each would, in one go
+        (Finished.of_records, add_finished). `stages`: the verified ones' stage times, as
+        add_stages takes them."""
+        self.add_finished(Finished.of_records(recs, stages))
+
+    def add_finished(self, f: "Finished") -> None:
+        """Requests finished together, counted column by column as add() would count each of
+        their records (and add_stages each verified one's stage times): counters and
+        histograms fed per batch, no object per request."""
         verified = Outcome.verified
-        pending = {key: latency[key]._pending for key in LATENCIES}  # LatencyHistogram buffers
-        t_last = self.t_last
-        for rec in recs:
-            o = rec.outcome
-            outcomes[o] += 1
-            if rec.route:
-                routes[rec.route] += 1
-            v = rec.set_buf_us
-            if v is not None:
-                pending["set_buf_us"].append(v)
-            v = rec.send_us
-            if v is not None:
-                pending["send_us"].append(v)
-            if o is verified:
-                for key, v in (("taken_us", rec.taken_us), ("handoff_us", rec.handoff_us), ("e2e_us", rec.e2e_us)):
-                    if v is not None:
-                        pending[key].append(v)
-            else:
-                details[rec.detail] += 1
-            pair = self.pairs.get(rec.decode)
+        self.outcomes.update(f.outcome)
+        routes = Counter(f.route)
+        routes.pop("", None)
+        self.routes.update(routes)
+        ok = [o is verified for o in f.outcome]
+        if not all(ok):
+            self.details.update([d for d, v in zip(f.detail, ok) if not v])
+        for key in LATENCIES:
+            col = getattr(f, key)
+            values = ([v for v in col if v is not None] if key in ("set_buf_us", "send_us")
+                      else [v for v, y in zip(col, ok) if y and v is not None])
+            if values:
+                self.latency[key].extend(values)
+        for d in dict.fromkeys(f.decode):  # each decode instance of the batch, in order
+            mine = [x == d for x in f.decode] if len(f.decode) > 1 else [True]
+            pair = self.pairs.get(d)
             if pair is None:
-                pair = self.pairs[rec.decode] = PairStats()
-            pair.add(rec)
-            if rec.t_verdict is not None and rec.detail not in LOCAL_FAILURES:
-                t_last = rec.t_verdict if t_last is None else max(t_last, rec.t_verdict)
-        self.t_last = t_last
-        for hist in latency.values():
-            if len(hist._pending) >= hist.BUFFER:
-                hist.fold()
-        for times in stages:
-            self.add_stages(*times)
+                pair = self.pairs[d] = PairStats()
+            pair.add_finished(f, mine, ok)
+        t_last = max((t for t, dt in zip(f.t_verdict, f.detail) if t is not None and dt not in LOCAL_FAILURES),
+                     default=None)
+        if t_last is not None:
+            self.t_last = t_last if self.t_last is None else max(self.t_last, t_last)
+        self._add_stage_rows(f.stages)
+
+    def _add_stage_rows(self, rows: Sequence[Sequence[float]]) -> None:
+        """Stage times of many verified requests (add_stages' arguments, a row each), at once."""
+        if not rows:
+            return
+        import numpy as np  # here: a refusal or --help reads this module without numpy
+
+        t = np.asarray(rows, dtype=np.float64)
+        a, b = t[:, :-1], t[:, 1:]
+        gaps = np.maximum(0.0, (b - a) * 1e6)
+        keep = (a != 0) & (b != 0)
+        for j, name in enumerate(STAGES):
+            values = gaps[keep[:, j], j]
+            if len(values):
+                self.stages[name].extend(values.tolist())
 
     def add_stages(self, *times: float) -> None:
         """One verified request's stage times (all on one clock): step start, row ready,

@@ -44,6 +44,12 @@ class LatencyHistogram:
         if len(self._pending) >= self.BUFFER:
             self.fold()
 
+    def extend(self, values: Sequence[float]) -> None:
+        """Many values at once (as add() each)."""
+        self._pending.extend(values)
+        if len(self._pending) >= self.BUFFER:
+            self.fold()
+
     def fold(self) -> "LatencyHistogram":
         """Fold buffered values into the buckets (one vectorized pass)."""
         if not self._pending:

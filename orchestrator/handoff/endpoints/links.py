@@ -44,6 +44,7 @@ class Req:
     sent: bool = False
     done: bool = False
     verdict: Optional[tuple[Outcome, Detail, Optional[float]]] = None  # outcome, detail, t_verified
+    t_done: float = 0.0  # the prefill's clock when it finished (its record's t_verdict)
 
 
 @dataclass

@@ -11,7 +11,8 @@ import collections
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, cast
+from operator import attrgetter
+from typing import Callable, Optional, Sequence, cast
 
 import structlog
 import zmq
@@ -30,7 +31,7 @@ from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_o
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
-from orchestrator.results.records import RankResult, Record
+from orchestrator.results.records import Finished, RankResult
 from orchestrator.results.rundir import RunFile
 
 ISSUE_BUDGET = 4096  # arrivals per pass of the loop (see PrefillLoop.issue)
@@ -125,8 +126,7 @@ class PrefillLoop:
         self.stopping = False
         self.more_now = False  # issue() stopped at its budget with arrivals due now
         self.sink = RunFile(settings.records_path, "a", buffering=1 << 16)  # NoSpace names it
-        self._recs: list[Record] = []  # finished, not yet counted and written (flush_records)
-        self._stages: list[tuple[float, ...]] = []
+        self._done: list[Req] = []  # finished, not yet counted and written (flush_records)
         self.judged_unsent = 0  # verdicts in for requests whose send has not finished
         self.warm = min(1000, self.total // 10)
         ranks = max(len(inst.links) for inst in links.instances)
@@ -145,7 +145,7 @@ class PrefillLoop:
         req = Req(rid, room, inst.index, t_arrive, self.rows.keys.pad(self.settings.rank, rid))
         if inst.lost:
             req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
-            self.finish(req)
+            self.finish(req, _clock())
             return
         self.outstanding[rid] = req
         inst.backlog.append(req)
@@ -239,23 +239,32 @@ class PrefillLoop:
             self.sent(sender.done.popleft())
 
     def sent(self, step: ForwardStep) -> None:
-        """A step's sends finished: free its source slots, note send times."""
-        by_rid = {r.rid: r for r in step.reqs}
+        """A step's sends finished: free its source slots, note send times (a request's
+        latest send's, where it went to several decode processes); finish the requests
+        judged while their sends were out."""
+        res, reqs = self.res, step.reqs
+        by_rid = {r.rid: r for r in reqs} if len(step.sends) > 1 else None
         for _, send in step.sends:
-            self.res.sends += 1
-            self.res.send_blocks += send.blocks
-            for t in send.transfers:
-                req = by_rid[t.rid]
-                req.send_us = max(req.send_us or 0.0, send.latency_us)
-                req.t_landed = max(req.t_landed, send.t0 + send.latency_us / 1e6)
-                req.t_status_out = max(req.t_status_out, send.t_status)
-        for req in step.reqs:
-            self.rows.src.free(req.src_slot)
+            res.sends += 1
+            res.send_blocks += send.blocks
+            lat, t_status = send.latency_us, send.t_status
+            landed = send.t0 + lat / 1e6
+            for req in (map(by_rid.__getitem__, [t.rid for t in send.transfers]) if by_rid else reqs):
+                if req.send_us is None or lat > req.send_us:
+                    req.send_us = lat
+                if landed > req.t_landed:
+                    req.t_landed = landed
+                if t_status > req.t_status_out:
+                    req.t_status_out = t_status
+        free, now = self.rows.src.free, 0.0
+        for req in reqs:
+            free(req.src_slot)
             req.sent = True
             if req.verdict is not None:
                 if not req.done:
                     self.judged_unsent -= 1
-                self.finish(req)
+                now = now or _clock()
+                self.finish(req, now)
 
     def judged(self, inst: Instance, verdicts: wire.Rows) -> None:
         """Verdicts are taken only for a request in the state that expects one: judged
@@ -263,69 +272,61 @@ class PrefillLoop:
         goes out behind the write); failed unsent only while it waits for a slot (the decode
         shed it). Anything else is counted and changes nothing."""
         now = _clock()
+        res, get, index, same_clock = self.res, self.outstanding.get, inst.index, inst.same_clock
+        failed = Outcome.failed
         for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
-            req = self.outstanding.get(rid)
-            if req is None or req.inst != inst.index or req.verdict is not None:
-                self.res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
+            req = get(rid)
+            if req is None or req.inst != index or req.verdict is not None:
+                res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
                 continue
             try:
                 o, d = Outcome.of(outcome), Detail.of(detail)
             except KeyError:
-                self.res.rejected += 1
+                res.rejected += 1
                 continue
-            if (req.src_slot < 0 if req.dst_slot >= 0 else o is not Outcome.failed):
-                self.res.replayed += 1  # a verdict for a row not sent yet
+            if (req.src_slot < 0 if req.dst_slot >= 0 else o is not failed):
+                res.replayed += 1  # a verdict for a row not sent yet
                 self.settings.log.warning("verdict_out_of_state", rid=rid, granted=req.dst_slot >= 0,
-                                 outcome=o.value)
+                                          outcome=o.value)
                 continue
-            t_verified = t_ns / 1e9 if inst.same_clock else now
-            req.verdict = (o, d, t_verified)
-            req.t_status_in = t_status_ns / 1e9 if inst.same_clock else 0.0
-            req.t_taken = t_taken_ns / 1e9 if inst.same_clock and t_taken_ns else 0.0
+            if same_clock:
+                req.verdict = (o, d, t_ns / 1e9)
+                req.t_status_in = t_status_ns / 1e9
+                req.t_taken = t_taken_ns / 1e9 if t_taken_ns else 0.0
+            else:
+                req.verdict = (o, d, now)
             inst.owed -= 1
             if req.dst_slot < 0:
                 inst.ungranted -= 1
             if req.sent or req.src_slot < 0:
-                self.finish(req)
+                self.finish(req, now)
             else:  # judged before its send finished (a held send may go now)
                 self.judged_unsent += 1
                 for link in inst.links:
                     link.router.judged(rid)
 
-    def finish(self, req: Req) -> None:
+    def finish(self, req: Req, now: float) -> None:
+        """A judged request is done (`now`: the clock at its verdict): its record is written
+        with the others of this pass (flush_records)."""
         if req.done:
             return
         req.done = True
         assert req.verdict is not None, "finished once judged"
-        outcome, detail, t_verified = req.verdict
+        req.t_done = now
         self.outstanding.pop(req.rid, None)
-        t_v = t_verified if outcome is Outcome.verified else None  # a verified handoff's time
-        rec = Record(
-            req.rid, req.room, req.inst, req.dst_slot, req.route,
-            _r(req.set_buf_us), _r(req.send_us),
-            _r((t_v - req.t_step) * 1e6) if t_v is not None and req.t_step else None,
-            _r((t_v - req.t_arrive) * 1e6) if t_v is not None else None,
-            outcome, detail, req.content,
-            self.faults.label(req.rid),
-            taken_us=(_r((req.t_taken - req.t_step) * 1e6)
-                      if t_v is not None and req.t_taken and req.t_step else None),
-            t_verdict=_clock())
-        self._recs.append(rec)
-        if t_v is not None and req.t_status_in and req.t_step:
-            self._stages.append((req.t_step, req.t_ready, req.t_landed, req.t_status_out,
-                                 req.t_status_in, t_v))
+        self._done.append(req)
         self.finished += 1
         if self.finished == self.warm:
             self.settings.memory["rss_kb_warm"] = rss_kb()
 
     def flush_records(self) -> None:
-        """The records finished since the last flush, counted and written in one go (once a
-        pass of the loop, not per request)."""
-        if self._recs:
-            self.res.add_many(self._recs, self._stages)
-            tag = self.sink.tag
-            self.sink.write("".join([rec.line(tag) + "\n" for rec in self._recs]))
-            self._recs, self._stages = [], []
+        """The requests finished since the last flush, counted and written in one go (once a
+        pass of the loop), column by column from the requests (no record object each)."""
+        if self._done:
+            done, self._done = self._done, []
+            cols = finished_columns(done, self.faults.label)
+            self.res.add_finished(cols)
+            self.sink.write(cols.lines(self.sink.tag))
 
     def lose(self, inst: Instance, detail: Detail, why: str) -> None:
         """Fail everything an instance still owes us, now: a write to it may stay in the
@@ -334,10 +335,11 @@ class PrefillLoop:
         inst.lost = True
         self.res.lost[inst.index] = why
         self.settings.log.error("peer_lost", decode=inst.index, detail=why, owed=inst.owed)
+        now = _clock()
         for req in list(self.outstanding.values()):
             if req.inst == inst.index and req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
-                self.finish(req)
+                self.finish(req, now)
         self.ready = collections.deque(r for r in self.ready if r.inst != inst.index)
         inst.backlog.clear()
         inst.owed = inst.ungranted = 0
@@ -540,10 +542,11 @@ class PrefillLoop:
             for inst in self.links.instances:
                 if inst.control in events:
                     self.drain(inst)
+        now = _clock()
         for req in list(self.outstanding.values()):
             if req.verdict is None:
                 req.verdict = (Outcome.failed, detail, None)
-                self.finish(req)
+                self.finish(req, now)
         if self.deadline is not None:  # a duration's ceiling was never a count to start
             self.end_arrivals()
         self.skip_unarrived()
@@ -557,5 +560,28 @@ class PrefillLoop:
         self.next_i = self.total
 
 
-def _r(v: Optional[float]) -> Optional[float]:
-    return None if v is None else round(v, 2)
+_COLUMNS = attrgetter("rid", "room", "inst", "dst_slot", "route", "set_buf_us", "send_us", "content", "verdict",
+                      "t_done", "t_arrive", "t_step", "t_taken", "t_ready", "t_landed", "t_status_out",
+                      "t_status_in")
+
+
+def finished_columns(reqs: Sequence[Req], label: Callable[[int], Optional[str]]) -> Finished:
+    """Finished requests as the columns of their records (what finish() once built a Record
+    of, per request): latencies rounded to 0.01 us, a handoff's times only for a verified
+    one (from its step's start where it had a step), stage times for a verified one whose
+    status the decode timed on this clock. `label`: a fault's name for a request it hit."""
+    (rid, room, inst, dst, route, set_buf, send, content, verdict, t_done, t_arrive, t_step, t_taken,
+     t_ready, t_landed, t_out, t_in) = zip(*map(_COLUMNS, reqs))
+    outcome, detail, t_verified = zip(*verdict)
+    verified = Outcome.verified
+    tv = [t if o is verified else None for o, t in zip(outcome, t_verified)]
+    return Finished(
+        rid, room, inst, dst, route,
+        [None if v is None else round(v, 2) for v in set_buf],
+        [None if v is None else round(v, 2) for v in send],
+        [None if v is None or not s else round((v - s) * 1e6, 2) for v, s in zip(tv, t_step)],
+        [None if v is None else round((v - a) * 1e6, 2) for v, a in zip(tv, t_arrive)],
+        outcome, detail, content, list(map(label, rid)),
+        [round((k - s) * 1e6, 2) if v is not None and k and s else None for v, k, s in zip(tv, t_taken, t_step)],
+        t_done,
+        [row for row in zip(t_step, t_ready, t_landed, t_out, t_in, tv) if row[5] is not None and row[4] and row[0]])
