@@ -82,8 +82,8 @@ _LINE = ('{"rid": %s, "room": %s, "decode": %s, "dst_slot": %s, "route": "%s", "
          '"fault": %s, "taken_us": %s')  # Record.line's, for a batch (Finished.lines)
 
 
-def _js(col: Sequence[Optional[float]]) -> list[str]:
-    return ["null" if v is None else repr(v) for v in col]
+_FLOATS = ("set_buf_us", "send_us", "handoff_us", "e2e_us", "taken_us")  # a null is %s's None there
+_VALUES: dict[Any, str] = {e: e.value for e in (*Outcome, *Detail)}
 
 
 @dataclass
@@ -128,11 +128,30 @@ class Finished:
         if not len(self):
             return ""
         fmt = _LINE + tag.replace("%", "%%") + "}\n"
+        values = _VALUES.__getitem__
         faults = ["null" if f is None else json.dumps(f) for f in self.fault]
-        return "".join(map(fmt.__mod__, zip(
-            self.rid, self.room, self.decode, self.dst_slot, self.route, _js(self.set_buf_us),
-            _js(self.send_us), _js(self.handoff_us), _js(self.e2e_us), [o.value for o in self.outcome],
-            [d.value for d in self.detail], self.checksum, faults, _js(self.taken_us))))
+        text = "".join(map(fmt.__mod__, zip(
+            self.rid, self.room, self.decode, self.dst_slot, self.route, self.set_buf_us, self.send_us,
+            self.handoff_us, self.e2e_us, map(values, self.outcome), map(values, self.detail), self.checksum,
+            faults, self.taken_us)))
+        # %s writes a float as repr() does, and None as None: JSON's null (only a float column
+        # holds None; every string before it is quote-free or JSON-escaped, so none matches)
+        for key in _FLOATS:
+            if None in getattr(self, key):
+                text = text.replace(f'"{key}": None', f'"{key}": null')
+        return text
+
+
+def _count(counter: Counter, col: Sequence[Any], keys: Sequence[Any] = tuple(Outcome)) -> None:
+    """Add to `counter` how often each of `keys` (enum members) occurs in `col`, counted by
+    identity (an Enum hashes in Python: a Counter would call it once per element)."""
+    if len(col) and col.count(col[0]) == len(col):
+        counter[col[0]] += len(col)
+        return
+    for k in keys:
+        c = col.count(k)
+        if c:
+            counter[k] += c
 
 
 @dataclass
@@ -154,16 +173,23 @@ class PairStats:
                 self.first_verdict = t if self.first_verdict is None else min(self.first_verdict, t)
                 self.last_verdict = t if self.last_verdict is None else max(self.last_verdict, t)
 
-    def add_finished(self, f: "Finished", mine: Sequence[bool], ok: Sequence[bool]) -> None:
-        """The requests of a Finished batch that `mine` marks (`ok`: which were verified), as
-        add() each would."""
-        outcomes = f.outcome if all(mine) else [o for o, m in zip(f.outcome, mine) if m]
-        self.outcomes.update(outcomes)
-        sel = [m and y for m, y in zip(mine, ok)]
-        handoff = [v for v, s in zip(f.handoff_us, sel) if s and v is not None]
+    def add_finished(self, f: "Finished", mine: Optional[Sequence[bool]], ok: Optional[Sequence[bool]]) -> None:
+        """The requests of a Finished batch that `mine` marks (None: all of them; `ok`: which
+        were verified, None: all were), as add() each would."""
+        if mine is None:
+            _count(self.outcomes, f.outcome)
+            sel = ok
+        else:
+            _count(self.outcomes, [o for o, m in zip(f.outcome, mine) if m])
+            sel = mine if ok is None else [m and y for m, y in zip(mine, ok)]
+        if sel is None:
+            handoff = [v for v in f.handoff_us if v is not None]
+            times = [t for t in f.t_verdict if t is not None]
+        else:
+            handoff = [v for v, s in zip(f.handoff_us, sel) if s and v is not None]
+            times = [t for t, s in zip(f.t_verdict, sel) if s and t is not None]
         if handoff:
             self.handoff_us.extend(handoff)
-        times = [t for t, s in zip(f.t_verdict, sel) if s and t is not None]
         if times:
             lo, hi = min(times), max(times)
             self.first_verdict = lo if self.first_verdict is None else min(self.first_verdict, lo)
@@ -234,47 +260,48 @@ class RankResult:
     def add_finished(self, f: "Finished") -> None:
         """Requests finished together, counted column by column as add() would count each of
         their records (and add_stages each verified one's stage times): counters and
-        histograms fed per batch, no object per request."""
-        verified = Outcome.verified
-        self.outcomes.update(f.outcome)
-        routes = Counter(f.route)
-        routes.pop("", None)
-        self.routes.update(routes)
-        ok = [o is verified for o in f.outcome]
-        if not all(ok):
-            self.details.update([d for d, v in zip(f.detail, ok) if not v])
-        for key in LATENCIES:
-            col = getattr(f, key)
-            values = ([v for v in col if v is not None] if key in ("set_buf_us", "send_us")
+        histograms fed per batch, no object per request (and no enum hashed per request)."""
+        n = len(f)
+        if not n:
+            return
+        verified, latency = Outcome.verified, self.latency
+        _count(self.outcomes, f.outcome)
+        every = f.outcome.count(verified) == n
+        routes = self.routes
+        routes.update(f.route)
+        if "" in routes:  # add() counts no empty route
+            del routes[""]
+        ok = None if every else [o is verified for o in f.outcome]
+        if ok is not None:
+            _count(self.details, [d for d, v in zip(f.detail, ok) if not v], tuple(Detail))
+        for key, col in (("set_buf_us", f.set_buf_us), ("send_us", f.send_us)):
+            values = [v for v in col if v is not None]
+            if values:
+                latency[key].extend(values)
+        for key, col in (("taken_us", f.taken_us), ("handoff_us", f.handoff_us), ("e2e_us", f.e2e_us)):
+            values = ([v for v in col if v is not None] if ok is None
                       else [v for v, y in zip(col, ok) if y and v is not None])
             if values:
-                self.latency[key].extend(values)
-        for d in dict.fromkeys(f.decode):  # each decode instance of the batch, in order
-            mine = [x == d for x in f.decode] if len(f.decode) > 1 else [True]
+                latency[key].extend(values)
+        decodes = f.decode
+        if decodes.count(decodes[0]) == n:  # one decode instance (a batch usually is)
+            groups: list[tuple[int, Optional[list[bool]]]] = [(decodes[0], None)]
+        else:
+            groups = [(d, [x == d for x in decodes]) for d in dict.fromkeys(decodes)]
+        for d, mine in groups:
             pair = self.pairs.get(d)
             if pair is None:
                 pair = self.pairs[d] = PairStats()
             pair.add_finished(f, mine, ok)
-        t_last = max((t for t, dt in zip(f.t_verdict, f.detail) if t is not None and dt not in LOCAL_FAILURES),
+        t_last = max((t for t in f.t_verdict if t is not None) if ok is None else
+                     (t for t, dt in zip(f.t_verdict, f.detail) if t is not None and dt not in LOCAL_FAILURES),
                      default=None)
         if t_last is not None:
             self.t_last = t_last if self.t_last is None else max(self.t_last, t_last)
-        self._add_stage_rows(f.stages)
-
-    def _add_stage_rows(self, rows: Sequence[Sequence[float]]) -> None:
-        """Stage times of many verified requests (add_stages' arguments, a row each), at once."""
-        if not rows:
-            return
-        import numpy as np  # here: a refusal or --help reads this module without numpy
-
-        t = np.asarray(rows, dtype=np.float64)
-        a, b = t[:, :-1], t[:, 1:]
-        gaps = np.maximum(0.0, (b - a) * 1e6)
-        keep = (a != 0) & (b != 0)
-        for j, name in enumerate(STAGES):
-            values = gaps[keep[:, j], j]
-            if len(values):
-                self.stages[name].extend(values.tolist())
+        for j, name in enumerate(STAGES) if f.stages else ():
+            values = [max(0.0, (t[j + 1] - t[j]) * 1e6) for t in f.stages if t[j] and t[j + 1]]
+            if values:
+                self.stages[name].extend(values)
 
     def add_stages(self, *times: float) -> None:
         """One verified request's stage times (all on one clock): step start, row ready,

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, cast
 import structlog
 import zmq
 
-from orchestrator.handoff.backends.base import Transfer
+from orchestrator.handoff.backends.base import Send, Transfer
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator, StagedRows
 from orchestrator.handoff.digest import Keys, RowDigest
 from orchestrator.handoff.endpoints import control
@@ -171,45 +171,36 @@ class PrefillLoop:
     def form_step(self) -> None:
         """One forward step: fill (inline) and seal the step's rows, hand its sends over.
         Device rows: the seal is one graph replay and the step waits at most once (the
-        engine's own wait where it orders our writes, else one stream sync)."""
-        rows = self.rows
-        b, src, rank = rows.buffers, rows.src, self.settings.rank
-        k = min(self.phase.batch_size, len(self.ready), src.available)
-        if self.phase.coalesce:
+        engine's own wait where it orders our writes, else one stream sync). The step's
+        request ids, rooms, pads, slots and instances are taken once, as lists."""
+        rows, ph = self.rows, self.phase
+        b, src = rows.buffers, rows.src
+        k = min(ph.batch_size, len(self.ready), src.available)
+        if ph.coalesce:
             slots = src.alloc_run(k)
         else:
             slots = [s for _ in range(k) if (s := src.alloc()) is not None]  # k <= available: all are
-        reqs = [self.ready.popleft() for _ in slots]
+        ready = self.ready
+        reqs = [ready.popleft() for _ in slots]
+        rids, rooms, pads, dsts, insts = zip(*map(_STEP, reqs))
         t_step = _clock()
-        pc = time.perf_counter
-        idents, pads, rooms = [(rank, r.rid) for r in reqs], [r.pad for r in reqs], [r.room for r in reqs]
-        staged = None
-        if self.phase.fill is FillMode.inline:
-            staged = self.staged
-            target = staged or b
-            for req, slot in zip(reqs, slots):
-                r = rows.pool.get(req.rid, slot)
-                t0 = pc()
-                target.set_buf(r)
-                req.set_buf_us = (pc() - t0) * 1e6
-        sealed = rows.digest.seal(slots, rooms, pads, idents, rows=staged,
-                                ahead=self.phase.fill is FillMode.ahead)
-        if staged is not None:  # each request's share of packing the step's rows
+        staged = self.staged if ph.fill is FillMode.inline else None
+        set_buf_us = self._fill(staged or b, rids, slots) if ph.fill is FillMode.inline else None
+        rank = self.settings.rank
+        sealed = rows.digest.seal(slots, rooms, pads, [(rank, rid) for rid in rids], rows=staged,
+                                  ahead=ph.fill is FillMode.ahead)
+        if staged is not None and set_buf_us is not None:  # each request's share of packing the step's rows
             share = sealed.pack_s * 1e6 / len(reqs)
-            for req in reqs:
-                req.set_buf_us = (req.set_buf_us or 0.0) + share
+            set_buf_us = [us + share for us in set_buf_us]
         if not rows.engine_orders_writes:
             b.sync()
-        per_link: dict[int, tuple[Link, list[Transfer]]] = {}
+        route = self.settings.route
         for req, slot in zip(reqs, slots):
-            req.src_slot, req.t_step, req.route = slot, t_step, self.settings.route
-            inst = self.links.instances[req.inst]
-            for link in inst.links:
-                per_link.setdefault(id(link), (link, []))[1].append(
-                    Transfer(req.rid, req.room, slot, req.dst_slot))
-        ph = self.phase
-        work = [(link, transfers, link.router.sends(transfers, ph.coalesce, ph.status))
-                for link, transfers in per_link.values()]
+            req.src_slot, req.t_step, req.route = slot, t_step, route
+        if set_buf_us is not None:
+            for req, us in zip(reqs, set_buf_us):
+                req.set_buf_us = us
+        work = self._work(rids, rooms, slots, dsts, insts)
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
         step = ForwardStep(reqs, work, sealed=sealed)
         if sealed.ready:  # host rows: the tags are known now
@@ -219,6 +210,35 @@ class PrefillLoop:
             req.t_ready = t_ready
         # alone in flight (no other request outstanding): the loop sends it itself, no hop
         self.sender.submit(step, alone=len(self.outstanding) == len(reqs))
+
+    def _fill(self, target: MetadataBuffers | StagedRows, rids: Sequence[int], slots: Sequence[int]) -> list[float]:
+        """workload.fill=inline: each request's row by SGLang's set_buf, timed one by one (us)."""
+        pool, pc, out = self.rows.pool, time.perf_counter, []
+        for rid, slot in zip(rids, slots):
+            r = pool.get(rid, slot)
+            t0 = pc()
+            target.set_buf(r)
+            out.append((pc() - t0) * 1e6)
+        return out
+
+    def _work(self, rids: Sequence[int], rooms: Sequence[int], slots: Sequence[int], dsts: Sequence[int],
+              insts: Sequence[int]) -> list[tuple[Link, list[Transfer], list[Send]]]:
+        """A step's sends per decode process: its requests' transfers (one per request and
+        process of its instance), grouped by the process's send path."""
+        cols: dict[int, tuple[Sequence[int], ...]]
+        if insts.count(insts[0]) == len(insts):  # one decode instance (a step usually is)
+            cols = {insts[0]: (rids, rooms, slots, dsts)}
+        else:
+            at: dict[int, list[int]] = {}
+            for i, x in enumerate(insts):
+                at.setdefault(x, []).append(i)
+            cols = {x: tuple([c[i] for i in idx] for c in (rids, rooms, slots, dsts)) for x, idx in at.items()}
+        ph, instances, work = self.phase, self.links.instances, []
+        for x, (r, m, s, d) in cols.items():
+            for link in instances[x].links:
+                transfers = list(map(Transfer, r, m, s, d))
+                work.append((link, transfers, link.router.sends(transfers, ph.coalesce, ph.status)))
+        return work
 
     def pump(self) -> int:
         """The sends the loop drives itself: finished in order with their statuses, a step a
@@ -560,6 +580,7 @@ class PrefillLoop:
         self.next_i = self.total
 
 
+_STEP = attrgetter("rid", "room", "pad", "dst_slot", "inst")
 _COLUMNS = attrgetter("rid", "room", "inst", "dst_slot", "route", "set_buf_us", "send_us", "content", "verdict",
                       "t_done", "t_arrive", "t_step", "t_taken", "t_ready", "t_landed", "t_status_out",
                       "t_status_in")
