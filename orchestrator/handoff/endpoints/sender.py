@@ -44,11 +44,16 @@ class ForwardStep:
             return
         tags, contents = self.sealed.result()
         self.sealed = None
-        by_rid = {}
-        for req, tag, content in zip(self.reqs, tags, contents):
+        reqs = self.reqs
+        for req, content in zip(reqs, contents):
             req.content = content
-            by_rid[req.rid] = tag
+        by_rid: Optional[dict[int, int]] = None
         for _, transfers, _ in self.work:  # the tag travels in the status where rows have no kv_checksum
+            if len(transfers) == len(reqs):  # every request of the step, in its order
+                for t, tag in zip(transfers, tags):
+                    t.tag = tag
+                continue
+            by_rid = by_rid or {req.rid: tag for req, tag in zip(reqs, tags)}
             for t in transfers:
                 t.tag = by_rid[t.rid]
 
