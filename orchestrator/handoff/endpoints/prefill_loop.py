@@ -100,6 +100,36 @@ class LoopSettings:
     log: structlog.stdlib.BoundLogger
 
 
+class Book:
+    """A phase's records as its loop keeps them: the requests finished since the last flush,
+    counted into the phase's RankResult and appended to requests.jsonl in one go, column by
+    column (flush: no record object per request); the process's memory sampled once `warm`
+    requests are finished. `label`: a fault's name for a request it hit."""
+
+    def __init__(self, res: RankResult, path: Path, label: Callable[[int], Optional[str]],
+                 memory: dict[str, int], warm: int):
+        self.res, self.label, self.memory, self.warm = res, label, memory, warm
+        self.sink = RunFile(path, "a", buffering=1 << 16)  # NoSpace names it
+        self.done: list[Req] = []  # finished, not yet counted and written
+        self.count = 0
+
+    def add(self, req: Req) -> None:
+        self.done.append(req)
+        self.count += 1
+        if self.count == self.warm:
+            self.memory["rss_kb_warm"] = rss_kb()
+
+    def flush(self) -> None:
+        if self.done:
+            done, self.done = self.done, []
+            cols = finished_columns(done, self.label)
+            self.res.add_finished(cols)
+            self.sink.write(cols.lines(self.sink.tag))
+
+    def close(self) -> None:
+        self.sink.close()
+
+
 class PrefillLoop:
     """The main loop of one phase (kept apart so the endpoint's set-up is reusable)."""
 
@@ -125,10 +155,8 @@ class PrefillLoop:
         self.finished = 0
         self.stopping = False
         self.more_now = False  # issue() stopped at its budget with arrivals due now
-        self.sink = RunFile(settings.records_path, "a", buffering=1 << 16)  # NoSpace names it
-        self._done: list[Req] = []  # finished, not yet counted and written (flush_records)
+        self.book = Book(self.res, settings.records_path, faults.label, settings.memory, min(1000, self.total // 10))
         self.judged_unsent = 0  # verdicts in for requests whose send has not finished
-        self.warm = min(1000, self.total // 10)
         ranks = max(len(inst.links) for inst in links.instances)
         self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
         self.blocks_out = sender.blocks_done  # blocks handed to the engine so far
@@ -334,19 +362,13 @@ class PrefillLoop:
         assert req.verdict is not None, "finished once judged"
         req.t_done = now
         self.outstanding.pop(req.rid, None)
-        self._done.append(req)
+        self.book.add(req)
         self.finished += 1
-        if self.finished == self.warm:
-            self.settings.memory["rss_kb_warm"] = rss_kb()
 
     def flush_records(self) -> None:
         """The requests finished since the last flush, counted and written in one go (once a
-        pass of the loop), column by column from the requests (no record object each)."""
-        if self._done:
-            done, self._done = self._done, []
-            cols = finished_columns(done, self.faults.label)
-            self.res.add_finished(cols)
-            self.sink.write(cols.lines(self.sink.tag))
+        pass of the loop, not per request)."""
+        self.book.flush()
 
     def lose(self, inst: Instance, detail: Detail, why: str) -> None:
         """Fail everything an instance still owes us, now: a write to it may stay in the
@@ -385,7 +407,7 @@ class PrefillLoop:
         self.res.memory = dict(memory)
         self.res.rejected += self.links.dropped.rejected
         self.res.replayed += self.links.dropped.replayed
-        self.sink.close()
+        self.book.close()
         return self.res
 
     def run(self) -> RankResult:
