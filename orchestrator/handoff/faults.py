@@ -235,6 +235,10 @@ class LoopFaults:
     def label(self, rid: int) -> Optional[str]:
         return self._label if self._label is not None and self._inj.hits(rid) else None
 
+    def labels(self, rids: Sequence[int]) -> list[Optional[str]]:
+        """label() of each request of a batch."""
+        return [None] * len(rids) if self._label is None else list(map(self.label, rids))
+
     @property
     def armed(self) -> bool:
         return self.kind is not None and not self.fired

@@ -116,7 +116,9 @@ class Finished:
     @classmethod
     def of_records(cls, recs: Sequence[Record], stages: Sequence[Sequence[float]] = ()) -> "Finished":
         cols = [[getattr(r, k) for r in recs] for k in RECORD_FIELDS + ("t_verdict",)]
-        return cls(*cols, stages=stages)  # type: ignore[arg-type]
+        out = cls(*cols)
+        out.stages = stages
+        return out
 
     def records(self) -> list[Record]:
         """One Record per request (what reads them back would build)."""

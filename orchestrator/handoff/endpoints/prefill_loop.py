@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from operator import attrgetter
+from pathlib import Path
 from typing import Callable, Optional, Sequence, cast
 
 import structlog
@@ -104,11 +104,11 @@ class Book:
     """A phase's records as its loop keeps them: the requests finished since the last flush,
     counted into the phase's RankResult and appended to requests.jsonl in one go, column by
     column (flush: no record object per request); the process's memory sampled once `warm`
-    requests are finished. `label`: a fault's name for a request it hit."""
+    requests are finished. `labels`: a fault's name for each request of a batch it hit."""
 
-    def __init__(self, res: RankResult, path: Path, label: Callable[[int], Optional[str]],
+    def __init__(self, res: RankResult, path: Path, labels: Callable[[Sequence[int]], list[Optional[str]]],
                  memory: dict[str, int], warm: int):
-        self.res, self.label, self.memory, self.warm = res, label, memory, warm
+        self.res, self.labels, self.memory, self.warm = res, labels, memory, warm
         self.sink = RunFile(path, "a", buffering=1 << 16)  # NoSpace names it
         self.done: list[Req] = []  # finished, not yet counted and written
         self.count = 0
@@ -122,7 +122,7 @@ class Book:
     def flush(self) -> None:
         if self.done:
             done, self.done = self.done, []
-            cols = finished_columns(done, self.label)
+            cols = finished_columns(done, self.labels)
             self.res.add_finished(cols)
             self.sink.write(cols.lines(self.sink.tag))
 
@@ -155,7 +155,7 @@ class PrefillLoop:
         self.finished = 0
         self.stopping = False
         self.more_now = False  # issue() stopped at its budget with arrivals due now
-        self.book = Book(self.res, settings.records_path, faults.label, settings.memory, min(1000, self.total // 10))
+        self.book = Book(self.res, settings.records_path, faults.labels, settings.memory, min(1000, self.total // 10))
         self.judged_unsent = 0  # verdicts in for requests whose send has not finished
         ranks = max(len(inst.links) for inst in links.instances)
         self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
@@ -608,11 +608,11 @@ _COLUMNS = attrgetter("rid", "room", "inst", "dst_slot", "route", "set_buf_us", 
                       "t_status_in")
 
 
-def finished_columns(reqs: Sequence[Req], label: Callable[[int], Optional[str]]) -> Finished:
+def finished_columns(reqs: Sequence[Req], labels: Callable[[Sequence[int]], list[Optional[str]]]) -> Finished:
     """Finished requests as the columns of their records (what finish() once built a Record
     of, per request): latencies rounded to 0.01 us, a handoff's times only for a verified
     one (from its step's start where it had a step), stage times for a verified one whose
-    status the decode timed on this clock. `label`: a fault's name for a request it hit."""
+    status the decode timed on this clock. `labels`: a fault's name for each request it hit."""
     (rid, room, inst, dst, route, set_buf, send, content, verdict, t_done, t_arrive, t_step, t_taken,
      t_ready, t_landed, t_out, t_in) = zip(*map(_COLUMNS, reqs))
     outcome, detail, t_verified = zip(*verdict)
@@ -624,7 +624,7 @@ def finished_columns(reqs: Sequence[Req], label: Callable[[int], Optional[str]])
         [None if v is None else round(v, 2) for v in send],
         [None if v is None or not s else round((v - s) * 1e6, 2) for v, s in zip(tv, t_step)],
         [None if v is None else round((v - a) * 1e6, 2) for v, a in zip(tv, t_arrive)],
-        outcome, detail, content, list(map(label, rid)),
+        outcome, detail, content, labels(rid),
         [round((k - s) * 1e6, 2) if v is not None and k and s else None for v, k, s in zip(tv, t_taken, t_step)],
         t_done,
         [row for row in zip(t_step, t_ready, t_landed, t_out, t_in, tv) if row[5] is not None and row[4] and row[0]])
