@@ -47,8 +47,9 @@ def divert_control(kind: FaultKind, host: str,
 
 def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], duration_s: float) -> bool:
     """A process fault's act (the runner's, when a prefill reached the checkpoint): SIGKILL
-    its victim, or SIGSTOP it and SIGCONT it `duration_s` later. Returns whether the asking
-    prefill lives on to read the runner's answer."""
+    its victim, or SIGSTOP it and SIGCONT it `duration_s` later (a daemon timer: a run that
+    ends sooner resumes its processes itself and exits without waiting the rest of
+    `duration_s` out). Returns whether the asking prefill lives on to read the runner's answer."""
     traits = FAULTS[FaultKind(kind)]
     pid = prefill_pid if traits.victim == "prefill" else decode_pid
     assert pid is not None, "a decode fault runs where the runner holds the decode (rules: not split)"
@@ -56,5 +57,7 @@ def strike(kind: str, prefill_pid: Optional[int], decode_pid: Optional[int], dur
         os.kill(pid, signal.SIGKILL)
         return pid != prefill_pid
     os.kill(pid, signal.SIGSTOP)
-    threading.Timer(duration_s, resume, (pid,)).start()
+    timer = threading.Timer(duration_s, resume, (pid,))
+    timer.daemon = True
+    timer.start()
     return True
