@@ -515,6 +515,11 @@ def _measured(args: list[str], timeout: float = HANG_GUARD_S) -> tuple[int, str,
 
 
 # ---- 2. replay runs data, not code ----------------------------------------------------------
+# the tests of `run_dir` run on one pytest-xdist worker (make test: --dist loadgroup), which
+# makes the run once; spread over the workers, each would make its own
+RUN_DIR_GROUP = pytest.mark.xdist_group("trust_iv_run_dir")
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """One real run (the CPU smoke profile) whose dir the replay tests copy and tamper with."""
@@ -550,6 +555,7 @@ def _replay(run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.integration
+@RUN_DIR_GROUP
 def test_replay_never_runs_a_hydra_callback_from_the_run_dir(run_dir, tmp_path):
     """issue 36's attack: a hydra.callbacks entry in the attached dir's config.yaml whose
     _target_ is pathlib.Path.write_text. At 3a078eb the replay wrote the victim, printed
@@ -591,6 +597,7 @@ def _target_in_list(cfg: dict) -> None:
 
 
 @pytest.mark.integration
+@RUN_DIR_GROUP
 @pytest.mark.parametrize("tamper,key", [
     (_hydra_searchpath, "hydra.searchpath"),
     (_defaults, "defaults"),
@@ -613,6 +620,7 @@ def test_replay_refuses_anything_hydra_would_run_naming_the_key(run_dir, tmp_pat
 
 
 @pytest.mark.integration
+@RUN_DIR_GROUP
 def test_replay_validates_the_saved_config_as_data_before_running_it(run_dir, tmp_path):
     """An unknown key or a wrong value is refused with one line, exit 2, before a replay runs
     (at 3a078eb the replay ran, its job was refused, and compare() ended in a traceback)."""
@@ -628,6 +636,7 @@ def test_replay_validates_the_saved_config_as_data_before_running_it(run_dir, tm
 
 
 @pytest.mark.integration
+@RUN_DIR_GROUP
 def test_replay_bounds_the_saved_config_before_parsing_it(run_dir, tmp_path):
     """A billion-laughs config.yaml in an attached run dir: one line naming it, exit 2, at once
     (at 3a078eb the replay's job composed it: minutes and gigabytes)."""
@@ -1024,6 +1033,7 @@ def _old_format_lookup() -> bytes:
 
 @pytest.mark.parametrize("mode", ["fail", "warn"])
 @pytest.mark.integration
+@pytest.mark.xdist_group("trust_iv_recorded")  # one worker: `recorded` (a split run) is made once
 def test_a_recorded_lookup_replayed_into_a_later_run_is_refused_and_never_judged(recorded, tmp_path, mode):
     """issue 36's attack: the lookups a real prefill side sent in run 1 (recorded by a relay it
     was pointed at, the decode side's challenge answered through it), and an old-format lookup
