@@ -1,0 +1,123 @@
+"""The socket floor under the ladder's R1 rung (issue 39): what the authenticated frames' round
+trip costs in ZMQ alone, against the 24-byte PAIR round trip of R0, with and without our code.
+
+Two processes on this host, one in flight, both busy-polling (as the ladder on a GPU host):
+
+  pair24     R0's sockets: a 24-byte status and a 16-byte verdict on one PAIR (ZMQ alone)
+  r1-frames  R1's sockets and frame shapes: the status's frames (SGLang's, our identity frame,
+             a 16-byte MAC frame) on a PUSH -> PULL socket, a verdict of the sealed UpdateMsg's
+             length back on the PAIR; bytes prepared ahead (ZMQ alone, none of our code)
+  r1-ours    the same with our code per message: wire.encode_status + Session.sign, open +
+             wire.parse, the verdict's wire.encode + Session.seal, unseal + wire.decode
+
+    python tools/socket_floor.py [N]      # N timed round trips a mode (default 5000), p50 us
+
+r1-frames - pair24 is the sockets' own part of R1 (outside this project's code); r1-ours -
+r1-frames is ours."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import zmq
+
+from orchestrator.handoff.transport import wire
+from orchestrator.handoff.transport.auth import Session
+from orchestrator.results.outcomes import Detail, KVPoll, Outcome
+
+ITEM_LENS = [32, 32, 32, 64, 8, 64, 14336, 64, 128, 32]  # any layout: parse checks slot bounds
+SLOTS = 64
+WARM = 200
+
+
+def _recv(sock: zmq.Socket, multipart: bool = False) -> object:
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK) if multipart else sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+
+
+def _verdict(s: Session, rid: int) -> bytes:
+    t = time.monotonic_ns()
+    return s.seal(wire.encode(wire.UpdateMsg(grants=[], v=[[rid, Outcome.verified.code, Detail.none.code, t, t, t]])))
+
+
+def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> None:
+    ctx = zmq.Context()
+    pair, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
+    addrs.put((f"tcp://127.0.0.1:{pair.bind_to_random_port('tcp://127.0.0.1')}",
+               f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"))
+    s = Session(keys[1], keys[0])
+    canned = _verdict(Session(keys[1], keys[0]), 1)
+    for _ in range(n + WARM):
+        if mode == "pair24":
+            _recv(pair)
+            pair.send(b"v" * 16)
+        elif mode == "r1-frames":
+            _recv(pull, True)
+            pair.send(canned)
+        else:
+            frames = _recv(pull, True)
+            body = s.open(frames)
+            st = wire.parse(body, ITEM_LENS, SLOTS)
+            pair.send(_verdict(s, st.rid))
+    time.sleep(0.2)
+
+
+def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at: str) -> list[float]:
+    ctx = zmq.Context()
+    pair, push = ctx.socket(zmq.PAIR), ctx.socket(zmq.PUSH)
+    pair.connect(pair_at)
+    push.connect(pull_at)
+    s = Session(keys[0], keys[1])
+    canned = s.sign(wire.encode_status(1234, KVPoll.Success, 0, 1, 3, 99))
+    out = []
+    pc = time.perf_counter
+    for i in range(n + WARM):
+        t0 = pc()
+        if mode == "pair24":
+            pair.send(b"s" * 24)
+            _recv(pair)
+        elif mode == "r1-frames":
+            push.send_multipart(canned, copy=False)
+            _recv(pair)
+        else:
+            push.send_multipart(s.sign(wire.encode_status(1234, KVPoll.Success, 0, i + 1, 3, 99)), copy=False)
+            body = s.unseal(_recv(pair))
+            assert body is not None
+            m = wire.decode(body)
+            assert isinstance(m, wire.UpdateMsg) and Outcome.of(m.v[0][1]) is Outcome.verified
+        if i >= WARM:
+            out.append((pc() - t0) * 1e6)
+    return out
+
+
+def one(mode: str, n: int) -> float:
+    keys = (os.urandom(32), os.urandom(32))
+    q: mp.Queue = mp.Queue()
+    p = mp.get_context("fork").Process(target=decode, args=(mode, n, keys, q))
+    p.start()
+    pair_at, pull_at = q.get()
+    times = prefill(mode, n, keys, pair_at, pull_at)
+    p.join()
+    return statistics.median(times)
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
+    rounds = {m: [] for m in ("pair24", "r1-frames", "r1-ours")}
+    for _ in range(3):  # interleaved rounds
+        for m in rounds:
+            rounds[m].append(one(m, n))
+    print(f"socket round trip, one in flight, {n} a run, 3 interleaved runs: p50 us (median of runs) [runs]")
+    for m, v in rounds.items():
+        print(f"  {statistics.median(v):8.1f}  {m:10s} {[round(x, 1) for x in v]}")
+
+
+if __name__ == "__main__":
+    main()
