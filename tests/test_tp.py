@@ -122,6 +122,17 @@ def test_stale_room_is_caught_only_with_zeroing_on(run_job, tmp_path):
     assert (on.verified, on.corrupted) == (200, 0), on.failure_reasons
 
 
+def test_a_room_that_never_lands_fails_on_every_rank(run_job, tmp_path):
+    """faults=aux_lost with decode_tp=2: each rank fails the requests whose rows never land
+    (room_never_landed, after transport.timeout_s), whichever rank's wait runs out first;
+    the group stays whole and verifies the rest."""
+    res = run_job(tmp_path, "endpoints.decode_tp=2", "faults=aux_lost", "faults.at_request=5",
+                  "faults.every=10", "workload.requests=60", "buffers.size=16", "transport.timeout_s=1.0")
+    assert (res.verified, res.corrupted, res.failed) == (54, 0, 6), res.failure_reasons
+    assert res.failure_reasons == {"room_never_landed": 6}
+    assert all(r.outcomes == {"verified": 54, "failed": 6} for r in res.tp.per_rank.values()), res.tp.per_rank
+
+
 def test_gate_holds_a_torn_row_until_it_settles():
     """gate.settle_ms: a row whose room is right but whose digest is not yet (the room block of
     a batch write landed first) counts as "transferring" within the window and is judged after
@@ -147,3 +158,49 @@ def test_gate_holds_a_torn_row_until_it_settles():
     assert Judge.unready(endpoint(0.05, digest_ok=True), g, whole, now=100.01) is False
     assert Judge.unready(endpoint(0.0), g, torn, now=100.01) is False  # SGLang's gate
     assert Judge.unready(endpoint(0.05, readiness=False), g, empty, now=100.01) is False
+
+
+def _agree_on_rank(rank, init, codes, out):
+    """One rank of a two-rank gloo group: its TorchGroup's agree_verdicts on `codes`."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from orchestrator.handoff.endpoints.tp import TorchGroup
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = TorchGroup(rank, 2, torch.device("cpu"), Path(tempfile.mkdtemp()) / "tp.jsonl")
+    out.put((rank, group.agree_verdicts(codes)))
+    group.close()  # destroys the process group
+
+
+def test_ranks_that_took_different_requests_make_the_same_collectives(tmp_path):
+    """The ranks' own verdicts differ where a room never landed: each rank's wait for it runs
+    from its own status time, so one fails a request its peer still holds, and may take none
+    this step while its peer takes one (faults=aux_lost with decode_tp=2 aborted the group in
+    gloo: one rank all-reduced, the other did not). The divergence is given, not timed: both
+    ranks all-reduce, the failure decides the request on both, and a verification one rank
+    has not made yet decides nothing."""
+    import multiprocessing as mp
+
+    from orchestrator.handoff.endpoints.tp import NOT_TAKEN
+    from orchestrator.results.outcomes import Detail, Outcome
+
+    from .helpers.bounds import bound
+
+    failed = Outcome.failed.code * 256 + Detail.room_never_landed.code
+    verified = Outcome.verified.code * 256 + Detail.none.code
+    own = {0: [failed, verified, NOT_TAKEN], 1: [NOT_TAKEN, NOT_TAKEN, NOT_TAKEN]}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_agree_on_rank, args=(r, init, own[r], out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=bound(60)) for _ in procs)
+    for p in procs:
+        p.join(bound(30))
+        assert p.exitcode == 0
+    assert got == {0: [failed, NOT_TAKEN, NOT_TAKEN], 1: [failed, NOT_TAKEN, NOT_TAKEN]}

@@ -102,10 +102,13 @@ class Stepper:
         own, waits = self.own_verdicts(cands, rows, agreed, now, now_ns)
         worst = self.group.agree_verdicts([NOT_TAKEN if v is None else v.code for v in own])
         for g, v, code in zip(cands, own, worst):
-            if code != NOT_TAKEN:
-                assert v is not None  # every rank took the same positions (TorchGroup.agree_verdicts)
-                self.finish(g, Outcome.of(code // 256), Detail.of(code % 256), v.t_ns,
-                            own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
+            if code == NOT_TAKEN:
+                continue
+            outcome, detail = Outcome.of(code // 256), Detail.of(code % 256)
+            if v is None:  # another rank's failure decided it while this rank's gate held it
+                self.finish(g, outcome, detail, now_ns)
+            else:
+                self.finish(g, outcome, detail, v.t_ns, own=(v.outcome, v.detail), t_taken_ns=v.t_taken_ns)
         taken = [v for v in own if v is not None]  # the TP log's counts
         self.group.tally(read=sum(r is not None for r in rows), took=len(taken), waits=waits,
                          unready=sum(v.detail is Detail.taken_unready for v in taken),

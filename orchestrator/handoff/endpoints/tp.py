@@ -32,11 +32,12 @@ from typing import Any, Optional
 import torch
 
 from orchestrator.handoff.endpoints.control import Rendezvous
-from orchestrator.results.outcomes import KVPoll
+from orchestrator.results.outcomes import KVPoll, Outcome
 from orchestrator.results.rundir import RunFile
 from orchestrator.results.stats import LatencyHistogram
 
 NOT_TAKEN = 1 << 20  # outcome slot of a request a rank did not take this step (never the MIN)
+_VERIFIED = Outcome.verified.code  # a verdict code is outcome * 256 + detail
 
 
 class Group:
@@ -135,14 +136,21 @@ class TorchGroup(Group):
         return agreed
 
     def agree_verdicts(self, codes: list[int]) -> list[int]:
-        """One all-reduce (MIN of outcome and reason) of the verdict codes (NOT_TAKEN: not
-        taken this step) when this rank took any: every rank took the same positions (it
-        acted on the same agreed polls)."""
-        if all(c == NOT_TAKEN for c in codes):
+        """One all-reduce of the verdict codes (NOT_TAKEN: not taken this step) whenever the
+        agreed queue holds any: the ranks' queues are the same length (agree_polls), so every
+        rank makes the same collective calls, whatever it took. Ranks can differ in what they
+        took (one's gate still holds a row another's took, or one's wait for a room ran out
+        first): a request is decided only where the worst code is a failure or every rank
+        took it; a verified request that some rank still holds stays NOT_TAKEN everywhere
+        (never verified past a rank that did not see its row whole)."""
+        if not codes:
             return codes
-        worst = self._reduce(codes, self.dist.ReduceOp.MIN)
-        self.stats["verdicts_split"] += sum(w != NOT_TAKEN and w != c for w, c in zip(worst, codes))
-        return worst
+        n = len(codes)
+        both = self._reduce(codes + [-c for c in codes], self.dist.ReduceOp.MIN)
+        worst, held = both[:n], [-x == NOT_TAKEN for x in both[n:]]
+        out = [NOT_TAKEN if h and w // 256 == _VERIFIED else w for w, h in zip(worst, held)]
+        self.stats["verdicts_split"] += sum(w != NOT_TAKEN and w != c for w, c in zip(out, codes))
+        return out
 
     def tally(self, read: int, took: int, waits: int, unready: int, wrong_room: int) -> None:
         """The step's counts: rows read, requests taken (`unready` of them before their row
