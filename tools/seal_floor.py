@@ -5,7 +5,10 @@ wait, and our decode's read of one row (one graph replay: digest, room zeroed) w
 
     python tools/seal_floor.py [ITERS]        # on a CUDA machine; run it under an MPS daemon too
 
-Prints the p50 of each, in microseconds (one process: no peer, no transport)."""
+Prints the p50 of each, in microseconds (one process: no peer, no transport). The indented rows
+split the seal and the read: what of them is a CUDA call timed alone (a graph replay), what is
+our host code around it; the last two are SGLang's own room write (the yardstick's
+YARDSTICK_ROOM=1 step), for comparison."""
 
 from __future__ import annotations
 
@@ -57,12 +60,39 @@ def main() -> None:
     def read() -> None:
         d.read(slots, idents, clear=[5])
 
+    def sign() -> None:
+        d.sign_rooms(slots, rooms, pads, idents)
+
+    wgraph = d._write[1].next()[0]  # the seal's write graph of a one-row step (its inputs as last set)
+    rgraph = d._judge[1][0]  # the read's graph of a one-row step
+
+    def write_replay() -> None:
+        wgraph.replay()
+
+    def read_replay() -> None:
+        rgraph.replay()
+        torch.cuda.current_stream(dev).synchronize()
+
+    roomv = b.fields[b.room_field].view(torch.int64).view(b.size, -1)
+
+    def room_scalar() -> None:
+        roomv[3, 0] = 12345
+
+    def room_scalar_wait() -> None:
+        roomv[3, 0] = 12345
+        torch.cuda.synchronize()
+
     rows = {
         "torch.cuda.synchronize() on an idle device": _p50(torch.cuda.synchronize, iters),
         "one tiny kernel + synchronize": _p50(tiny, iters),
         "seal, host side only (sign + replay queued)": _p50(seal_host, iters),
         "seal + synchronize (the prefill's fill_digest floor, fill=ahead)": _p50(seal_and_wait, iters),
         "read one row + zero one freed (the decode's device pass, waited for)": _p50(read, iters),
+        "  of the seal: sign_rooms alone (host arithmetic, no CUDA call)": _p50(sign, iters),
+        "  of the seal: its write graph replayed alone, no wait (one CUDA call)": _p50(write_replay, iters),
+        "  of the read: its graph replayed + synchronize alone (CUDA calls)": _p50(read_replay, iters),
+        "SGLang's room write, bootstrap_room[slot, 0] = room (set_buf's), no wait": _p50(room_scalar, iters),
+        "the same + synchronize (the yardstick's YARDSTICK_ROOM=1 write, waited for)": _p50(room_scalar_wait, iters),
     }
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {iters} iterations, p50 us:")
     for name, us in rows.items():

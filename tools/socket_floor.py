@@ -9,11 +9,16 @@ Two processes on this host, one in flight, both busy-polling (as the ladder on a
              length back on the PAIR; bytes prepared ahead (ZMQ alone, none of our code)
   r1-ours    the same with our code per message: wire.encode_status + Session.sign, open +
              wire.parse, the verdict's wire.encode + Session.seal, unseal + wire.decode
+  push24     R0's 24-byte status on R1's PUSH -> PULL socket, the 16-byte verdict on the PAIR:
+             the second socket alone (ZMQ alone)
+  one64      a 64-byte status in one frame (a fixed-layout status with its MAC inside) on the
+             PUSH -> PULL socket, the sealed verdict's length back on the PAIR (ZMQ alone)
 
     python tools/socket_floor.py [N]      # N timed round trips a mode (default 5000), p50 us
 
 r1-frames - pair24 is the sockets' own part of R1 (outside this project's code); r1-ours -
-r1-frames is ours."""
+r1-frames is ours; push24 - pair24 is the second socket's part, r1-frames - one64 the status's
+frames'."""
 
 from __future__ import annotations
 
@@ -58,7 +63,10 @@ def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> N
         if mode == "pair24":
             _recv(pair)
             pair.send(b"v" * 16)
-        elif mode == "r1-frames":
+        elif mode == "push24":
+            _recv(pull)
+            pair.send(b"v" * 16)
+        elif mode in ("r1-frames", "one64"):
             _recv(pull, True)
             pair.send(canned)
         else:
@@ -83,8 +91,14 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
         if mode == "pair24":
             pair.send(b"s" * 24)
             _recv(pair)
+        elif mode == "push24":
+            push.send(b"s" * 24)
+            _recv(pair)
         elif mode == "r1-frames":
             push.send_multipart(canned, copy=False)
+            _recv(pair)
+        elif mode == "one64":
+            push.send(b"s" * 64)
             _recv(pair)
         else:
             push.send_multipart(s.sign(wire.encode_status(1234, KVPoll.Success, 0, i + 1, 3, 99)), copy=False)
@@ -110,7 +124,7 @@ def one(mode: str, n: int) -> float:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
-    rounds = {m: [] for m in ("pair24", "r1-frames", "r1-ours")}
+    rounds = {m: [] for m in ("pair24", "push24", "one64", "r1-frames", "r1-ours")}
     for _ in range(3):  # interleaved rounds
         for m in rounds:
             rounds[m].append(one(m, n))
