@@ -149,3 +149,39 @@ def test_a_host_read_gives_what_the_device_reads_product_gives(hidden, kv_checks
     assert got[2].room == (1 << 63) + 3 and got[0].room == 77 == b.room(5)
     if kv_checksum:
         assert got[0].landed_tag == MARK | (1 << 61) == b.get_kv_checksum(5)[0]
+
+
+def test_a_device_read_folded_on_its_device_gives_the_hosts_fold():
+    """Device rows fold a read's sums on the device (fold_sums: mod P, the room's and tag's
+    16-bit words into 64-bit words) instead of np.mod and _u64s on the host per step: the
+    same values for every row, rooms and tags with their top bit set included."""
+    from orchestrator.handoff.digest import _u64s, fold_sums
+
+    b = _filled(hidden=24, dtype=torch.float32, kv_checksum_enabled=True)
+    d = RowDigest(b, Keys(SECRET))
+    b.write_rooms([2, 5], [(1 << 63) + 3, 77])
+    b.write_checksums([2, 5], [MARK | 12345, MARK | (1 << 61)], 99)
+    sums = d._sums([5, 0, 2])
+    sums[1, :4] = [-7, P + 3, 0, -P]  # signed sums: mod P as np.mod takes it
+    got = fold_sums(torch.from_numpy(sums)).numpy()
+    assert got[:, :4].tolist() == np.mod(sums[:, :4], P).tolist()
+    assert got[:, 4].view(np.uint64).tolist() == _u64s(sums[:, 4:8]).tolist()
+    assert got[:, 5].view(np.uint64).tolist() == _u64s(sums[:, 8:12]).tolist()
+    assert int(got[2, 4].view(np.uint64)) == (1 << 63) + 3
+
+
+@pytest.mark.parametrize("kv_checksum", [False, True])
+def test_slot_words_are_each_slots_room_and_checksum_rows(kv_checksum):
+    """MetadataBuffers.slot_words: per slot, the seal's words first (room word 0, then
+    kv_checksum words 0 and 1), then the rest of both rows: what words_at gives."""
+    b = MetadataBuffers(8, 24, torch.float32, 16, kv_checksum_enabled=kv_checksum)
+    room_n = b.item_lens[b.room_field] // 8
+    for s in range(b.size):
+        row = b.slot_words[s].tolist()
+        want_room = b.words_at(b.room_field, [s], range(room_n)).tolist()
+        if kv_checksum:
+            ck = b.words_at(b.checksum_field, [s], range(b.item_lens[b.checksum_field] // 8)).tolist()
+            assert row[:3] == [want_room[0], ck[0], ck[1]]
+            assert sorted(row) == sorted(want_room + ck)
+        else:
+            assert row[0] == want_room[0] and sorted(row) == sorted(want_room)

@@ -221,6 +221,17 @@ class MetadataBuffers:
         self._stages: Optional[_Stages] = None
         if self.device.type == "cuda":
             self._stages = _Stages(PinnedStage(self.device), PinnedStage(self.device), PinnedStage(self.device))
+        every = range(self.size)
+        first = [self.words_at(self.room_field, every).reshape(self.size, 1)]
+        rest = [self.words_at(self.room_field, every, range(1, self.item_lens[self.room_field] // 8))]
+        if self.checksum_field is not None:
+            first.append(self.words_at(self.checksum_field, every, (0, 1)).reshape(self.size, 2))
+            rest.append(self.words_at(self.checksum_field, every, range(2, self.item_lens[self.checksum_field] // 8)))
+        self.slot_words = np.concatenate(first + [r.reshape(self.size, -1) for r in rest], axis=1)
+        """Per slot, the positions in `words` of its room row and kv_checksum row, which a
+        freed slot has zeroed: first the words a seal writes (bootstrap_room[slot, 0], then
+        kv_checksum[slot, 0:2] where the layout has it), then the rest of both rows. The
+        hot path's indexed writes take their positions from here (no arithmetic per step)."""
 
     # Registered with the engine: the fields, then WARM_BYTES of scratch that no field covers.
     # A peer's first write into this registration is its warm-up (Mooncake opens the CUDA IPC
@@ -395,10 +406,7 @@ class MetadataBuffers:
             if self._checksums is not None:
                 self._checksums[slots] = 0
             return
-        pos = [self.words_at(self.room_field, slots, range(self.item_lens[self.room_field] // 8))]
-        if self.checksum_field is not None:
-            pos.append(self.words_at(self.checksum_field, slots, range(self.item_lens[self.checksum_field] // 8)))
-        self.words.index_fill_(0, stages.clear.upload(np.concatenate(pos)), 0)
+        self.words.index_fill_(0, stages.clear.upload(self.slot_words[list(slots)].reshape(-1)), 0)
 
     def warm(self) -> None:
         """Runs each write kernel of the hot path once on device rows (their first launch

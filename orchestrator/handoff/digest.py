@@ -220,6 +220,16 @@ class RowCheck:
     landed_tag: int
 
 
+def fold_sums(sums: "torch.Tensor") -> "torch.Tensor":
+    """A read's (k, 12) sums (RowDigest._product) folded on their device into (k, 6) int64:
+    the four sums mod P, then the room's and the landed tag's four 16-bit words as the bits of
+    one 64-bit word each (what np.mod and _u64s give on the host, without them per step)."""
+    w = sums[:, 4:12] & 0xFFFF
+    room = w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32) | (w[:, 3] << 48)
+    tag = w[:, 4] | (w[:, 5] << 16) | (w[:, 6] << 32) | (w[:, 7] << 48)
+    return torch.cat([torch.remainder(sums[:, :4], P), room[:, None], tag[:, None]], 1)
+
+
 def _u64s(words: np.ndarray) -> np.ndarray:
     """_u64 over rows: each row's four signed 16-bit words as the uint64 they spell."""
     w = words.astype(np.int64) & 0xFFFF
@@ -422,13 +432,13 @@ class RowDigest:
             inp_h = torch.full((n,), b.scratch_word, dtype=torch.int64, pin_memory=True)
             inp_h[:k] = 0
             inp_d = torch.zeros(n, dtype=torch.int64, device=self.device)
-            out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
+            out_h = torch.zeros((k, 6), dtype=torch.int64, pin_memory=True)
 
             def body(k: int = k, inp_h: torch.Tensor = inp_h, inp_d: torch.Tensor = inp_d,
                      out_h: torch.Tensor = out_h) -> None:
                 inp_d.copy_(inp_h, non_blocking=True)
                 b.words.index_fill_(0, inp_d[k:], 0)  # freed slots' rooms zeroed (else: scratch)
-                out_h.copy_(self._product(self._table.index_select(0, inp_d[:k])), non_blocking=True)
+                out_h.copy_(fold_sums(self._product(self._table.index_select(0, inp_d[:k]))), non_blocking=True)
 
             self._judge[k] = (_capture(body), inp_h.numpy(), out_h.numpy())
 
@@ -452,16 +462,19 @@ class RowDigest:
         """fill=ahead: a step's rooms (and tags with their signature) as one upload and one
         indexed write, per bucket."""
         b = self.b
-        n = k * (3 if b.checksum_field is not None else 1)
-        inp_h = torch.zeros((2, n), dtype=torch.int64, pin_memory=True)
+        m = 3 if b.checksum_field is not None else 1
+        inp_h = torch.zeros((2, m * k), dtype=torch.int64, pin_memory=True)
         inp_h[0] = b.scratch_word
-        inp_d = torch.zeros((2, n), dtype=torch.int64, device=self.device)
+        inp_d = torch.zeros((2, m * k), dtype=torch.int64, device=self.device)
 
         def body() -> None:
             inp_d.copy_(inp_h, non_blocking=True)
             b.words.index_copy_(0, inp_d[0], inp_d[1])
 
-        return _capture(body), inp_h.numpy(), _Slot()
+        graph = _capture(body)
+        if m == 3:  # every tag's signature word: the same value on every replay
+            inp_h[1].view(m, k)[2] = _as_i64(SIGNATURE)
+        return graph, inp_h.numpy(), _Slot()
 
     def _capture_seal(self, k: int, rows: Optional[StagedRows]) -> tuple:
         b, dev = self.b, self.device
@@ -535,18 +548,21 @@ class RowDigest:
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, slot = self._write[kb].next()
         slot.reuse()
-        m = 3 if b.checksum_field is not None else 1
+        m = 3 if b.checksum_field is not None else 1  # (val[2], the signature, is set at capture)
         pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
-        pos[0, :k] = b.words_at(b.room_field, slots)
-        val[0, :k] = [_as_i64(r) for r in rooms]
-        if b.checksum_field is not None:  # m == 3
-            pos[1, :k] = b.words_at(b.checksum_field, slots)
-            pos[2, :k] = pos[1, :k] + 1
-            val[1, :k] = [_as_i64(t) for t in tags]
-            val[2, :k] = _as_i64(SIGNATURE)
+        if k == 1:  # one in flight: no array built
+            pos[:, 0] = b.slot_words[slots[0], :m]
+            val[0, 0] = _as_i64(rooms[0])
+            if m == 3:
+                val[1, 0] = _as_i64(tags[0])
+        else:
+            pos[:, :k] = b.slot_words[list(slots), :m].T
+            val[0, :k] = [_as_i64(r) for r in rooms]
+            if m == 3:
+                val[1, :k] = [_as_i64(t) for t in tags]
         if kb > k:
             pos[:, k:] = pos[:, :1]
-            val[:, k:] = val[:, :1]
+            val[:2, k:] = val[:2, :1]
         graph.replay()
         slot.event.record()
         return Sealed(tags, contents)
@@ -574,13 +590,14 @@ class RowDigest:
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()
         slot.reuse()
+        at = b.slot_words[list(slots)]
         inp[0, :k] = slots
-        inp[1, :k] = b.words_at(b.room_field, slots)
+        inp[1, :k] = at[:, 0]
         inp[2, :k] = [_as_i64(r) for r in rooms]
         inp[3, :k] = [p[0] for p in pads]
         inp[4, :k] = [p[1] for p in pads]
         if b.checksum_field is not None:
-            inp[5, :k] = b.words_at(b.checksum_field, slots)
+            inp[5, :k] = at[:, 1]
         if kb > k:
             inp[:, k:] = inp[:, :1]
         pack_s = 0.0
@@ -653,13 +670,17 @@ class RowDigest:
             return StepRead.of_checks(out)
         if self.device.type == "cpu":
             return self._read_host(slots)
+        if not self._judge:  # not warmed: the eager path
+            sums = self._sums(slots)
+            return StepRead(np.mod(sums[:, :4], P), _u64s(sums[:, 4:8]),
+                            _u64s(sums[:, 8:12]) if self.has_tag else np.zeros(len(sums), dtype=np.uint64))
         if stream is None:
-            sums = self._read_graph(slots, clear)
+            got = self._read_graph(slots, clear)
         else:
             with torch.cuda.stream(stream):
-                sums = self._read_graph(slots, clear)
-        return StepRead(np.mod(sums[:, :4], P), _u64s(sums[:, 4:8]),
-                        _u64s(sums[:, 8:12]) if self.has_tag else np.zeros(len(sums), dtype=np.uint64))
+                got = self._read_graph(slots, clear)
+        rooms = got[:, 4].view(np.uint64)
+        return StepRead(got[:, :4], rooms, got[:, 5].view(np.uint64) if self.has_tag else np.zeros_like(rooms))
 
     def _read_host(self, slots: Sequence[int]) -> "StepRead":
         """Host rows: the digest's four columns in one product; the room's and the landed
@@ -682,25 +703,27 @@ class RowDigest:
     def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
         """Device rows: one graph replay, whose bucket holds the slots to read and those in
         `clear` to zero (a step padded to its bucket reads its first slot again), then the
-        step's one wait."""
-        if not self._judge:  # not warmed: the eager path
-            return self._sums(slots)
+        step's one wait. Returns the replay's (k, 6) int64 rows (fold_sums: the four sums mod
+        P, the room's and the landed tag's bits), copied out of its pinned output."""
         b = self.b
         k = len(slots)
         kb = bucket_of(max(k, len(clear)), self._judge)
         graph, inp, out = self._judge[kb]
-        inp[:k] = slots
+        if k == 1:
+            inp[0] = slots[0]
+        else:
+            inp[:k] = slots
         if kb > k:
             inp[k:kb] = inp[0]
-        inside, rest = list(clear[:kb]), list(clear[kb:])
-        if rest:  # (never: the largest bucket holds every slot) queued before it, the same wait
-            b.clear_slots(rest)
-        parts = [b.words_at(b.room_field, inside, range(b.item_lens[b.room_field] // 8))]
-        if b.checksum_field is not None:
-            parts.append(b.words_at(b.checksum_field, inside, range(b.item_lens[b.checksum_field] // 8)))
-        words = np.concatenate(parts) if inside else np.empty(0, dtype=np.int64)
-        inp[kb:kb + len(words)] = words
-        inp[kb + len(words):] = b.scratch_word
+        n = 0
+        if clear:
+            inside = clear[:kb]
+            if len(clear) > kb:  # (never: the largest bucket holds every slot) queued before it, the same wait
+                b.clear_slots(list(clear[kb:]))
+            words = b.slot_words[inside[0]] if len(inside) == 1 else b.slot_words[list(inside)].reshape(-1)
+            n = len(words)
+            inp[kb:kb + n] = words
+        inp[kb + n:] = b.scratch_word
         graph.replay()
         torch.cuda.current_stream(self.device).synchronize()
         return out[:k].copy()
