@@ -151,11 +151,11 @@ def test_a_host_read_gives_what_the_device_reads_product_gives(hidden, kv_checks
         assert got[0].landed_tag == MARK | (1 << 61) == b.get_kv_checksum(5)[0]
 
 
-def test_a_device_read_folded_on_its_device_gives_the_hosts_fold():
-    """Device rows fold a read's sums on the device (fold_sums: mod P, the room's and tag's
-    16-bit words into 64-bit words) instead of np.mod and _u64s on the host per step: the
-    same values for every row, rooms and tags with their top bit set included."""
-    from orchestrator.handoff.digest import _u64s, fold_sums
+def test_a_reads_fold_gives_the_rooms_and_tags_words_spell():
+    """A read's sums folded on the host in one cast and one view (_fold): the same
+    values as the word-by-word formula for every row, rooms and tags with their top bit set
+    and negative 16-bit words included."""
+    from orchestrator.handoff.digest import _fold, _u64
 
     b = _filled(hidden=24, dtype=torch.float32, kv_checksum_enabled=True)
     d = RowDigest(b, Keys(SECRET))
@@ -163,11 +163,13 @@ def test_a_device_read_folded_on_its_device_gives_the_hosts_fold():
     b.write_checksums([2, 5], [MARK | 12345, MARK | (1 << 61)], 99)
     sums = d._sums([5, 0, 2])
     sums[1, :4] = [-7, P + 3, 0, -P]  # signed sums: mod P as np.mod takes it
-    got = fold_sums(torch.from_numpy(sums)).numpy()
-    assert got[:, :4].tolist() == np.mod(sums[:, :4], P).tolist()
-    assert got[:, 4].view(np.uint64).tolist() == _u64s(sums[:, 4:8]).tolist()
-    assert got[:, 5].view(np.uint64).tolist() == _u64s(sums[:, 8:12]).tolist()
-    assert int(got[2, 4].view(np.uint64)) == (1 << 63) + 3
+    sums[1, 4:8] = [-1, 0x7FFF, -32768, 5]
+    got = _fold(sums, True)
+    assert got.c.tolist() == np.mod(sums[:, :4], P).tolist()
+    assert got.rooms.tolist() == [_u64(r[4:8]) for r in sums.tolist()]
+    assert got.tags.tolist() == [_u64(r[8:12]) for r in sums.tolist()]
+    assert int(got.rooms[2]) == (1 << 63) + 3 and int(got.tags[0]) == MARK | (1 << 61)
+    assert _fold(sums, False).tags.tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("kv_checksum", [False, True])

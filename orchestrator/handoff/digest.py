@@ -220,21 +220,11 @@ class RowCheck:
     landed_tag: int
 
 
-def fold_sums(sums: "torch.Tensor") -> "torch.Tensor":
-    """A read's (k, 12) sums (RowDigest._product) folded on their device into (k, 6) int64:
-    the four sums mod P, then the room's and the landed tag's four 16-bit words as the bits of
-    one 64-bit word each (what np.mod and _u64s give on the host, without them per step)."""
-    w = sums[:, 4:12] & 0xFFFF
-    room = w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32) | (w[:, 3] << 48)
-    tag = w[:, 4] | (w[:, 5] << 16) | (w[:, 6] << 32) | (w[:, 7] << 48)
-    return torch.cat([torch.remainder(sums[:, :4], P), room[:, None], tag[:, None]], 1)
-
-
-def _u64s(words: np.ndarray) -> np.ndarray:
-    """_u64 over rows: each row's four signed 16-bit words as the uint64 they spell."""
-    w = words.astype(np.int64) & 0xFFFF
-    low = (w[:, 0] | (w[:, 1] << 16) | (w[:, 2] << 32)).astype(np.uint64)
-    return low | (w[:, 3].astype(np.uint64) << np.uint64(48))
+def _fold(sums: np.ndarray, has_tag: bool) -> "StepRead":
+    """A read's (k, 12) sums as a StepRead: the four sums mod P, the room's and the landed
+    tag's words as the uint64 they spell (one cast and one view for both)."""
+    words = sums[:, 4:12].astype(np.uint16).view(np.uint64)  # (k, 2): room, tag
+    return StepRead(np.mod(sums[:, :4], P), words[:, 0], words[:, 1] if has_tag else np.zeros(len(sums), np.uint64))
 
 
 def _row_check(c: list[int], room: int, tag: int) -> RowCheck:
@@ -432,13 +422,13 @@ class RowDigest:
             inp_h = torch.full((n,), b.scratch_word, dtype=torch.int64, pin_memory=True)
             inp_h[:k] = 0
             inp_d = torch.zeros(n, dtype=torch.int64, device=self.device)
-            out_h = torch.zeros((k, 6), dtype=torch.int64, pin_memory=True)
+            out_h = torch.zeros((k, 12), dtype=torch.int64, pin_memory=True)
 
             def body(k: int = k, inp_h: torch.Tensor = inp_h, inp_d: torch.Tensor = inp_d,
                      out_h: torch.Tensor = out_h) -> None:
                 inp_d.copy_(inp_h, non_blocking=True)
                 b.words.index_fill_(0, inp_d[k:], 0)  # freed slots' rooms zeroed (else: scratch)
-                out_h.copy_(fold_sums(self._product(self._table.index_select(0, inp_d[:k]))), non_blocking=True)
+                out_h.copy_(self._product(self._table.index_select(0, inp_d[:k])), non_blocking=True)
 
             self._judge[k] = (_capture(body), inp_h.numpy(), out_h.numpy())
 
@@ -671,16 +661,11 @@ class RowDigest:
         if self.device.type == "cpu":
             return self._read_host(slots)
         if not self._judge:  # not warmed: the eager path
-            sums = self._sums(slots)
-            return StepRead(np.mod(sums[:, :4], P), _u64s(sums[:, 4:8]),
-                            _u64s(sums[:, 8:12]) if self.has_tag else np.zeros(len(sums), dtype=np.uint64))
+            return _fold(self._sums(slots), self.has_tag)
         if stream is None:
-            got = self._read_graph(slots, clear)
-        else:
-            with torch.cuda.stream(stream):
-                got = self._read_graph(slots, clear)
-        rooms = got[:, 4].view(np.uint64)
-        return StepRead(got[:, :4], rooms, got[:, 5].view(np.uint64) if self.has_tag else np.zeros_like(rooms))
+            return _fold(self._read_graph(slots, clear), self.has_tag)
+        with torch.cuda.stream(stream):
+            return _fold(self._read_graph(slots, clear), self.has_tag)
 
     def _read_host(self, slots: Sequence[int]) -> "StepRead":
         """Host rows: the digest's four columns in one product; the room's and the landed
@@ -703,8 +688,7 @@ class RowDigest:
     def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
         """Device rows: one graph replay, whose bucket holds the slots to read and those in
         `clear` to zero (a step padded to its bucket reads its first slot again), then the
-        step's one wait. Returns the replay's (k, 6) int64 rows (fold_sums: the four sums mod
-        P, the room's and the landed tag's bits), copied out of its pinned output."""
+        step's one wait. Returns the replay's (k, 12) sums, copied out of its pinned output."""
         b = self.b
         k = len(slots)
         kb = bucket_of(max(k, len(clear)), self._judge)
