@@ -232,7 +232,7 @@ def _scripted_decode(cfg, secret, tmp_path, on_arrive):
                 assert body is not None, "a status frame, authentic"
                 msg = wire.parse([body], lens, b.size)
                 assert isinstance(msg, wire.StepStatus)
-                for rid in msg.entries["rid"].tolist():
+                for rid, *_ in msg.entries:
                     free.append(granted.pop(rid)[0])
                     now = time.monotonic_ns()
                     router.send_multipart([ident, sess.seal(wire.encode(

@@ -80,7 +80,7 @@ def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> N
             assert body is not None
             st = wire.parse([body], ITEM_LENS, SLOTS)
             assert isinstance(st, wire.StepStatus)
-            pair.send(_verdict(s, int(st.entries[0]["rid"])))
+            pair.send(_verdict(s, st.entries[0][0]))
     time.sleep(0.2)
 
 

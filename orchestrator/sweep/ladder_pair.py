@@ -293,7 +293,7 @@ def _status(session: Session, frames: list[bytes], b: MetadataBuffers) -> _Statu
         raise RuntimeError("status with a bad MAC")
     st = wire.parse([body], b.item_lens, b.size)
     assert isinstance(st, wire.StepStatus) and len(st.entries) == 1, st
-    return _Status(*st.entries.tolist()[0])
+    return _Status(*st.entries[0])
 
 
 def _gated(rows: Rows, judge: Judge, g: Grant) -> tuple[Outcome, Detail, int]:

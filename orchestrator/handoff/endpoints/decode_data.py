@@ -70,7 +70,7 @@ class DataPlane:
         if isinstance(msg, wire.AuxData):
             self.land(msg)
         elif isinstance(msg, wire.StepStatus):
-            self.statuses(msg.prefill_rank, msg.entries.tolist())
+            self.statuses(msg.prefill_rank, msg.entries)
         else:
             self.bare_status(msg.prefill_rank, msg.room, msg.status, msg.reason)
 
@@ -86,7 +86,7 @@ class DataPlane:
             return
         wire.write_rows(self.ptrs, self.item_lens, msg)
 
-    def statuses(self, prank: int, entries: list[tuple[int, int, int, int, int]]) -> None:
+    def statuses(self, prank: int, entries: list[wire.StatusRow]) -> None:
         """A status frame's entries ([rid, room, slot, status, tag] each, STEP_DTYPE: one
         request's, or a step's), each by its identity, at one clock read."""
         now = self.peers.heard[prank] = _clock()
