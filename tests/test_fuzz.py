@@ -27,10 +27,12 @@ NUMBERS = st.one_of(st.integers(-5, 1 << 70).map(lambda n: str(n).encode()),
                     st.binary(max_size=24))
 LENGTH = st.one_of(st.integers(0, 1 << 32 - 1).map(lambda n: struct.pack(">I", n)),
                    st.binary(max_size=8))
-AUX = st.lists(st.one_of(st.just(b"AUX_DATA"), st.just(wire.STEP), st.binary(max_size=12)),
+STATUS_FRAME = st.tuples(st.integers(0, 1 << 32 - 1), st.integers(0, 4), st.binary(max_size=140)).map(
+    lambda t: [wire.STATUS + struct.pack("<II", *t[:2]) + t[2]])  # a status frame's header, any body
+AUX = st.lists(st.one_of(st.just(b"AUX_DATA"), st.just(wire.STATUS), st.binary(max_size=12)),
                min_size=1, max_size=1).flatmap(
     lambda head: st.tuples(st.just(head), st.lists(st.one_of(NUMBERS, LENGTH, st.binary(max_size=600)),
-                                                   max_size=7))).map(lambda t: t[0] + t[1])
+                                                   max_size=7))).map(lambda t: t[0] + t[1]) | STATUS_FRAME
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,8 +52,11 @@ def test_aux_frames_rejected_or_written_only_to_their_row(frames):
         for s in range(4):
             if not msg.slot <= s < msg.slot + msg.rows:
                 assert after[s] == before[s]
-    elif isinstance(msg, wire.Status):
-        assert msg.slot is None or 0 <= msg.slot < 4
+    elif isinstance(msg, wire.StepStatus):
+        assert len(frames) == 1 and len(msg.entries) >= 1
+        assert all(e[2] < 4 and e[3] <= 4 for e in msg.entries)
+    else:
+        assert isinstance(msg, wire.Status) and len(frames) in (3, 4)
 
 
 @settings(max_examples=300, deadline=None)
@@ -105,6 +110,14 @@ def test_live_decode_survives_garbage_and_stays_correct(cfg_factory, tmp_path):
                 [b"AUX_DATA", b"1", b"0", b"9999", struct.pack(">I", 64), b"x" * 64],
                 [b"1"], [b"GARBAGE"], [b"AUX_DATA", b"x" * 1_000_000]]
     bad_data = [auth.sign(f) for f in bad_data]  # authentic, and still malformed
+    head = struct.Struct("<4sII")
+    bad_data += [[auth.sign_frame(raw)] for raw in (  # authentic status frames, malformed
+        head.pack(wire.STATUS, peer.rank, 2) + bytes(32), head.pack(wire.STATUS, peer.rank, 0),
+        head.pack(wire.STATUS, peer.rank, 1) + struct.pack("<QQIIQ", 1, 2, 9999, 4, 0),
+        head.pack(wire.STATUS, peer.rank, 1) + struct.pack("<QQIIQ", 1, 2, 0, 5, 0))]
+    bad_data += [[wire.status_frame(peer.rank, [(1, 2, 0, 4, 0)])],  # no MAC, a forged one, another rank's
+                 [wire.status_frame(peer.rank, [(1, 2, 0, 4, 0)]) + bytes(16)],
+                 [auth.sign_frame(wire.status_frame(peer.rank + 1, [(1, 2, 0, 4, 0)]))]]
     bad_data += [[rng.randbytes(rng.randint(0, 40)) for _ in range(rng.randint(1, 8))] for _ in range(100)]
     bad_control = [auth.seal(b""), auth.seal(b"{"), auth.seal(b"[1,2]"), auth.seal(b'{"type":"arrive"}')]
     bad_control += [rng.randbytes(rng.randint(1, 64)) for _ in range(50)]

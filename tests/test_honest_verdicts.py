@@ -46,8 +46,8 @@ def test_forged_status_is_rejected_and_never_acted_on(tmp_path):
         slot = peer.arrive(1, room)
         peer.send_frames(room, slot, peer.rows())
         peer.status(room, 1, slot, tag, sign=False)  # no MAC
-        forged = Authenticator(b"guessed").sign(wire.encode_status(room, KVPoll.Failed, 0, 1, slot, 0, "x"))
-        peer.push.send_multipart(forged)  # another secret's MAC: a forged error status
+        forged = Authenticator(b"guessed").sign_frame(wire.status_frame(0, [(1, room, slot, KVPoll.Failed, 0)]))
+        peer.push.send(forged)  # another secret's MAC: a forged error status
         assert peer.quiet(500)  # no verdict on either
         peer.status(room, 1, slot, tag)  # the real one
         assert peer.verdict(1) == (Outcome.verified, Detail.none)

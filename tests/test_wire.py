@@ -1,5 +1,6 @@
-"""The wire formats: SGLang's AUX_DATA and status messages byte for byte, this tool's
-identity frame and step status, the binary arrive and update frames, strict receipt, and MACs."""
+"""The wire formats: SGLang's AUX_DATA and status messages byte for byte, this tool's binary
+status frame (one request's or a step's statuses, its MAC inside), the binary arrive and
+update frames, strict receipt, and MACs."""
 
 from __future__ import annotations
 
@@ -32,21 +33,134 @@ def test_a_coalesced_frame_carries_consecutive_rows():
         wire.parse(wire.encode_aux(9, 2, 6, b"y" * 512 * 3), LENS, slots=8)
 
 
-def test_status_is_sglangs_message_plus_one_identity_frame():
-    frames = wire.encode_status(7, KVPoll.Success, 2, rid=11, slot=3, tag=0xABC)
-    assert frames[:4] == [b"7", b"4", b"2", b""]  # what SGLang's parser reads
-    assert len(frames) == 5 and frames[4].startswith(wire.EXT)
+def test_bare_status_is_sglangs_message():
+    frames = wire.encode_status(7, KVPoll.Success, 2)
+    assert frames == [b"7", b"4", b"2", b""]  # what SGLang's parser reads
     msg = wire.parse(frames, LENS, slots=4)
-    assert (msg.room, msg.status, msg.prefill_rank, msg.rid, msg.slot, msg.tag) == (7, 4, 2, 11, 3, 0xABC)
+    assert isinstance(msg, wire.Status) and (msg.room, msg.status, msg.prefill_rank) == (7, 4, 2)
     bare = wire.parse([b"7", b"0", b"2", b"KV transfer failed"], LENS, slots=4)
-    assert bare.rid is None and bare.status == KVPoll.Failed and bare.reason == "KV transfer failed"
+    assert isinstance(bare, wire.Status) and bare.status == KVPoll.Failed and bare.reason == "KV transfer failed"
 
 
-def test_step_status_round_trip():
-    entries = np.zeros(3, dtype=wire.STEP_DTYPE)
-    entries["rid"], entries["room"], entries["slot"], entries["status"] = [1, 2, 3], [9, 9, 8], [0, 1, 2], 4
-    msg = wire.parse(wire.encode_step(5, entries), LENS, slots=4)
-    assert msg.prefill_rank == 5 and msg.entries["rid"].tolist() == [1, 2, 3]
+U64, U32 = (1 << 64) - 1, (1 << 32) - 1
+_HEAD = struct.Struct("<4sII")  # the binary frames' header
+ENTRIES = [(11, 7, 3, 4, 0xABC), (0, 0, 0, 0, 0), (U64, U64, 7, 3, U64), (5, 1, 6, 2, 1)]
+
+
+def _frame(entries=ENTRIES[:1], rank=2) -> bytes:
+    return wire.status_frame(rank, entries)
+
+
+def test_status_frame_layout_is_fixed():
+    """The 12-byte header (magic, prefill rank, count), then STEP_DTYPE entries unpadded,
+    little-endian; with a key, the 16-byte MAC of all of it after them: 60 B for one request."""
+    raw = _frame()
+    assert raw == b"ORS1" + struct.pack("<II", 2, 1) + struct.pack("<QQIIQ", 11, 7, 3, 4, 0xABC)
+    assert wire.STEP_DTYPE.itemsize == 32 and len(raw) == 44
+    assert len(Authenticator(b"k").sign_frame(raw)) == 60
+    assert Authenticator(None).sign_frame(raw) == raw  # no secret: no MAC
+    assert wire.STATUS not in (wire.ARRIVE, wire.UPDATE, wire.AUX_DATA[:4])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_status_frame_round_trip_one_and_many(n):
+    msg = wire.parse([_frame(ENTRIES[:n], rank=U32)], LENS, slots=8)
+    assert isinstance(msg, wire.StepStatus) and msg.prefill_rank == U32
+    assert msg.entries == ENTRIES[:n]
+    assert all(type(x) is int for r in msg.entries for x in r)  # plain ints, not numpy's
+    array = np.array(ENTRIES[:n], dtype=wire.STEP_DTYPE)
+    assert wire.status_frame(U32, array) == _frame(ENTRIES[:n], rank=U32)  # rows or an array: the same bytes
+
+
+def test_the_largest_status_frame_fits_a_frame_and_a_larger_one_is_refused():
+    most = [(1, 2, 0, 4, 5)] * wire.MAX_STATUSES
+    raw = wire.status_frame(0, most)
+    assert len(raw) <= wire.MAX_MESSAGE_BYTES and len(wire.parse([raw], LENS, slots=1).entries) == wire.MAX_STATUSES
+    assert len(raw) + 16 <= wire.max_frame_bytes(LENS, 1)
+    with pytest.raises(wire.WireError):
+        wire.status_frame(0, most + most[:1])
+
+
+@pytest.mark.parametrize("what", [
+    lambda: wire.status_frame(0, []),  # no entry
+    lambda: wire.status_frame(0, [(-1, 0, 0, 4, 0)]),  # negative
+    lambda: wire.status_frame(0, [(1, 0, 1 << 32, 4, 0)]),  # a slot past u32
+    lambda: wire.status_frame(0, [(1, 0, 0, 4)]),  # a row of another width
+    lambda: wire.status_frame(1 << 32, ENTRIES[:1]),  # a rank past u32
+    lambda: wire.status_frame(0, np.zeros(2, dtype=wire.GRANT_DTYPE)),  # an array of another dtype
+])
+def test_a_status_frame_that_cannot_be_sent_is_refused_at_encoding(what):
+    with pytest.raises(wire.WireError):
+        what()
+
+
+_S = _frame(ENTRIES[:2])
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"ORS1", b"ORS1" + bytes(7),  # shorter than the header
+    _S[:-1], _S + b"\x00", _S[:-32], _S + bytes(32),  # a byte short, a byte over, an entry short, one over
+    _HEAD.pack(b"ORS1", 2, 3) + _S[12:],  # counts 3, carries 2
+    _HEAD.pack(b"ORS1", 2, 1) + _S[12:],  # counts 1, carries 2
+    _HEAD.pack(b"ORS1", 2, 0),  # no entry
+    _HEAD.pack(b"ORS1", 2, wire.MAX_STATUSES + 1) + bytes(32 * (wire.MAX_STATUSES + 1)),  # the right length, too many
+    _HEAD.pack(b"ORS1", 2, U32) + _S[12:],
+    b"ORS2" + _S[4:], b"ors1" + _S[4:], b"ORA1" + _S[4:], b"ORU1" + _S[4:],  # another magic
+    _frame([(1, 2, 8, 4, 0)]),  # slot >= slots
+    _frame([(1, 2, 0, 4, 0), (1, 2, U32, 4, 0)]),  # the last entry's slot
+    _frame([(1, 2, 0, 5, 0)]),  # status > Success
+    _frame([(1, 2, 0, 4, 0), (1, 2, 0, U32, 0)]),
+])
+def test_malformed_status_frames_are_refused(raw):
+    with pytest.raises(wire.WireError):
+        wire.parse([raw], LENS, slots=8)
+
+
+def test_every_truncation_of_a_status_frame_is_refused():
+    for n in range(len(_S)):
+        with pytest.raises(wire.WireError):
+            wire.parse([_S[:n]], LENS, slots=8)
+
+
+@given(st.binary(max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_behind_the_status_magic_parse_or_raise_wire_error(tail):
+    try:
+        msg = wire.parse([wire.STATUS + tail], LENS, slots=8)
+    except wire.WireError:
+        return
+    assert isinstance(msg, wire.StepStatus) and len(msg.entries) >= 1
+    assert all(e[2] < 8 and e[3] <= KVPoll.Success for e in msg.entries)
+
+
+def test_status_rank_is_read_from_the_header_only():
+    assert wire.status_rank(_frame(rank=7)) == 7
+    assert wire.status_rank(_frame(rank=7)[:12]) == 7  # the key is found by it; the MAC decides
+    assert wire.status_rank(b"ORS1" + bytes(7)) is None and wire.status_rank(b"ORA1" + bytes(40)) is None
+
+
+def test_a_status_frame_opens_under_its_sessions_key_only():
+    """Forged MAC, another rank's key, another run's, the reflected direction, the bare
+    secret, no MAC at all: none opens; and the frame's MAC never opens as a sealed control
+    message or a signed multipart one under the same key (its label)."""
+    base = Authenticator(b"s3cret")
+    p, d = "a" * 32, "b" * 32
+    tx, rx = base.session(0, p, d, "prefill"), base.session(0, p, d, "decode")
+    raw = _frame(rank=0)
+    signed = tx.sign_frame(raw)
+    assert len(signed) == len(raw) + 16 and rx.open_frame(signed) == raw
+    assert rx.open_frame(signed[:-1] + bytes([signed[-1] ^ 1])) is None  # forged MAC
+    assert rx.open_frame(_with(signed, 20, signed[20] ^ 1)) is None  # a changed entry
+    assert rx.open_frame(raw) is None and rx.open_frame(signed[:15]) is None  # no MAC; shorter than one
+    assert base.session(1, p, d, "decode").open_frame(signed) is None  # another rank's key
+    assert base.session(0, p, "c" * 32, "decode").open_frame(signed) is None  # another run's
+    assert Authenticator(b"other").session(0, p, d, "decode").open_frame(signed) is None  # another secret
+    assert tx.open_frame(signed) is None and base.open_frame(signed) is None  # reflected; the bare secret
+    assert Authenticator(None).open_frame(raw) == raw  # no secret: nothing to check
+    assert rx.unseal(signed) is None  # not a control message
+    assert rx.open([raw, signed[-16:]]) is None
+    assert rx.open_frame(tx.seal(raw)) is None  # a sealed control payload is no status frame
+    assert rx.open_frame(raw + tx.sign([raw])[-1]) is None
 
 
 @pytest.mark.parametrize("frames", [
@@ -61,9 +175,10 @@ def test_step_status_round_trip():
     [b"AUX_DATA", b"1", b"0", b"0", struct.pack(">I", 0), b""],  # empty payload
     [b"1", b"4"],  # status too short
     [b"1", b"9", b"0"],  # not a KVPoll value
-    [b"1", b"4", b"0", b"", b"NOPE" + bytes(20)],  # unknown extension
-    [b"1", b"4", b"0", b"", wire.EXT + struct.pack("<QIQ", 1, 99, 0)],  # slot out of range
-    [wire.STEP, b"0", b"x" * 33],  # not whole entries
+    [b"1", b"4", b"0", b"", b"NOPE" + bytes(20)],  # a fifth frame
+    [b"1", b"4", b"0", b"", b"ORCH1" + struct.pack("<QIQ", 1, 3, 0)],  # the identity status before issue 39
+    [b"ORCH_STEP", b"0", bytes(32)],  # the step status before issue 39
+    [b"ORS1" + struct.pack("<II", 0, 1) + bytes(32), b""],  # a status frame and another frame
     [b"NOPE", b"1", b"2", b"3", b"4", b"5", b"6"],
 ])
 def test_malformed_messages_are_rejected(frames):
@@ -151,7 +266,6 @@ def test_a_hot_frame_that_cannot_be_sent_is_refused_at_encoding(what):
         what()
 
 
-_HEAD = struct.Struct("<4sII")
 _ARRIVE = wire.encode("arrive", reqs=REQS, contiguous=False)
 _UPDATE = wire.encode("update", grants=GRANTS, v=VERDICTS)
 _VAT = 12 + len(GRANTS) * 12  # where the verdicts start
@@ -225,9 +339,14 @@ def test_a_sealed_hot_frame_opens_once_under_its_session_only():
 def test_mac_bytes_are_the_keyed_blake2b_of_the_length_prefixed_frames():
     """The MAC is what it was: keyed once per authenticator changes no byte of it."""
     key = hashlib.blake2b(b"s3cret", digest_size=32, person=b"orch-mac-v1").digest()
-    frames = wire.encode_status(7, KVPoll.Success, 2, rid=11, slot=3, tag=5)
+    frames = wire.encode_status(7, KVPoll.Success, 2)
     h = hashlib.blake2b(key=key, digest_size=16)
     for f in frames:
         h.update(len(f).to_bytes(4, "big") + f)
     a = Authenticator(b"s3cret")
     assert a.sign(frames)[-1] == h.digest() == a.sign(frames)[-1]
+    raw = _frame()  # a status frame's: the same keyed blake2b over the frame, then its label
+    h = hashlib.blake2b(key=key, digest_size=16)
+    for f in (raw, b"orch-frame-v1"):
+        h.update(len(f).to_bytes(4, "big") + f)
+    assert a.sign_frame(raw) == raw + h.digest()

@@ -3,28 +3,33 @@ trip costs in ZMQ alone, against the 24-byte PAIR round trip of R0, with and wit
 
 Two processes on this host, one in flight, both busy-polling (as the ladder on a GPU host):
 
-  pair24     R0's sockets: a 24-byte status and a 16-byte verdict on one PAIR (ZMQ alone)
-  r1-frames  R1's sockets and frame shapes: the status's frames (SGLang's, our identity frame,
-             a 16-byte MAC frame) on a PUSH -> PULL socket, a verdict of the sealed UpdateMsg's
-             length back on the PAIR; bytes prepared ahead (ZMQ alone, none of our code)
-  r1-ours    the same with our code per message: wire.encode_status + Session.sign, open +
-             wire.parse, the verdict's wire.encode + Session.seal, unseal + wire.decode
-  push24     R0's 24-byte status on R1's PUSH -> PULL socket, the 16-byte verdict on the PAIR:
-             the second socket alone (ZMQ alone)
-  one64      a 64-byte status in one frame (a fixed-layout status with its MAC inside) on the
-             PUSH -> PULL socket, the sealed verdict's length back on the PAIR (ZMQ alone)
+  pair24         R0's sockets: a 24-byte status and a 16-byte verdict on one PAIR (ZMQ alone)
+  sglang-frames  the status as it was before issue 39's one-frame status, for the record: 6
+                 frames (SGLang's 4, our identity frame, a 16-byte MAC frame) on a PUSH -> PULL
+                 socket, a verdict of the sealed UpdateMsg's length back on the PAIR; bytes
+                 prepared ahead (ZMQ alone, none of our code)
+  r1-frames      R1's sockets and frame shape: the same with the status as the run sends it
+                 now, one 60-byte status frame (one entry, its MAC inside); bytes ahead
+  r1-ours        r1-frames with our code per message, as R1 and the run: wire.status_frame +
+                 Session.sign_frame, Session.open_frame + wire.parse, the verdict's
+                 wire.encode + Session.seal, unseal + wire.decode
+  push24         R0's 24-byte status on R1's PUSH -> PULL socket, the 16-byte verdict on the
+                 PAIR: the second socket alone (ZMQ alone)
+  one64          a 64-byte status in one frame on the PUSH -> PULL socket, the sealed verdict's
+                 length back on the PAIR (ZMQ alone; r1-frames is the same with the real frame)
 
     python tools/socket_floor.py [N]      # N timed round trips a mode (default 5000), p50 us
 
 r1-frames - pair24 is the sockets' own part of R1 (outside this project's code); r1-ours -
-r1-frames is ours; push24 - pair24 is the second socket's part, r1-frames - one64 the status's
-frames'."""
+r1-frames is ours; sglang-frames - r1-frames what the one frame saved; push24 - pair24 the
+second socket's part."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import statistics
+import struct
 import sys
 import time
 
@@ -66,14 +71,16 @@ def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> N
         elif mode == "push24":
             _recv(pull)
             pair.send(b"v" * 16)
-        elif mode in ("r1-frames", "one64"):
+        elif mode in ("sglang-frames", "r1-frames", "one64"):
             _recv(pull, True)
             pair.send(canned)
         else:
             frames = _recv(pull, True)
-            body = s.open(frames)
-            st = wire.parse(body, ITEM_LENS, SLOTS)
-            pair.send(_verdict(s, st.rid))
+            body = s.open_frame(frames[0]) if len(frames) == 1 else None
+            assert body is not None
+            st = wire.parse([body], ITEM_LENS, SLOTS)
+            assert isinstance(st, wire.StepStatus)
+            pair.send(_verdict(s, st.entries[0][0]))
     time.sleep(0.2)
 
 
@@ -83,7 +90,9 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
     pair.connect(pair_at)
     push.connect(pull_at)
     s = Session(keys[0], keys[1])
-    canned = s.sign(wire.encode_status(1234, KVPoll.Success, 0, 1, 3, 99))
+    success = int(KVPoll.Success)
+    old = s.sign(wire.encode_status(1234, KVPoll.Success, 0) + [b"ORCH1" + struct.pack("<QIQ", 1, 3, 99)])
+    canned = s.sign_frame(wire.status_frame(0, [(1, 1234, 3, success, 99)]))
     out = []
     pc = time.perf_counter
     for i in range(n + WARM):
@@ -94,14 +103,17 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
         elif mode == "push24":
             push.send(b"s" * 24)
             _recv(pair)
-        elif mode == "r1-frames":
-            push.send_multipart(canned, copy=False)
-            _recv(pair)
         elif mode == "one64":
             push.send(b"s" * 64)
             _recv(pair)
+        elif mode == "sglang-frames":
+            push.send_multipart(old, copy=False)
+            _recv(pair)
+        elif mode == "r1-frames":
+            push.send(canned)
+            _recv(pair)
         else:
-            push.send_multipart(s.sign(wire.encode_status(1234, KVPoll.Success, 0, i + 1, 3, 99)), copy=False)
+            push.send(s.sign_frame(wire.status_frame(0, [(i + 1, 1234, 3, success, 99)])))
             body = s.unseal(_recv(pair))
             assert body is not None
             m = wire.decode(body)
@@ -124,13 +136,14 @@ def one(mode: str, n: int) -> float:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
-    rounds = {m: [] for m in ("pair24", "push24", "one64", "r1-frames", "r1-ours")}
+    rounds: dict[str, list[float]] = {m: [] for m in ("pair24", "push24", "one64", "sglang-frames", "r1-frames",
+                                                      "r1-ours")}
     for _ in range(3):  # interleaved rounds
         for m in rounds:
             rounds[m].append(one(m, n))
     print(f"socket round trip, one in flight, {n} a run, 3 interleaved runs: p50 us (median of runs) [runs]")
     for m, v in rounds.items():
-        print(f"  {statistics.median(v):8.1f}  {m:10s} {[round(x, 1) for x in v]}")
+        print(f"  {statistics.median(v):8.1f}  {m:13s} {[round(x, 1) for x in v]}")
 
 
 if __name__ == "__main__":

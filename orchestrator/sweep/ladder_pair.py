@@ -8,9 +8,11 @@ this project's own pieces, each rung adding one component to the one below:
       per slot before timing), a 24-byte status (slot, room, tag) over a ZMQ PAIR, the decode's
       check on the rows' device (RowDigest.read of the landed row against the status's tag),
       a 16-byte verdict back
-  R1  + our authenticated frames: the status as SGLang's frames plus our identity frame, MAC'd
-      with the pair's session keys (wire.encode_status, Session.sign) on a PUSH -> PULL data
-      socket, parsed strictly (wire.parse); the verdict a sealed UpdateMsg (Session.seal)
+  R1  + our authenticated frames: the status as the run sends it, one status frame of one
+      entry (rid, room, slot, status, tag) with its MAC inside, under the pair's session keys
+      (wire.status_frame, Session.sign_frame, one send) on a PUSH -> PULL data socket, its MAC
+      checked and parsed strictly (Session.open_frame, wire.parse); the verdict a sealed
+      UpdateMsg (Session.seal)
   R2  + our seal: per request the room written and the keyed digest taken and its tag written
       (RowDigest.seal of rows filled ahead, as the run's loop does with workload.fill=ahead:
       SGLang's bootstrap_room[slot, 0] = room and kv_checksum, one indexed write; the keyed tag
@@ -45,7 +47,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import structlog
 import torch
@@ -81,6 +83,7 @@ from orchestrator.results.records import DecodeResult
 RAW_STATUS = struct.Struct("<qqq")  # R0: slot, room, tag
 RAW_VERDICT = struct.Struct("<qq")  # R0: slot, ok
 BYE = b"bye"
+SUCCESS = int(KVPoll.Success)
 WARM = 50  # untimed handoffs first, as the yardstick's
 
 
@@ -247,11 +250,7 @@ def _decode_framed(rung: int, d: _Decode) -> dict[str, Any]:
         if frames == [BYE]:
             return {"verified": verified, "bad": bad, "held": held}
         t_status = time.monotonic()
-        body_frames = session.open(frames)
-        if body_frames is None:
-            raise RuntimeError("status with a bad MAC")
-        st = wire.parse(body_frames, b.item_lens, b.size)
-        assert isinstance(st, wire.Status) and st.rid is not None and st.slot is not None
+        st = _status(session, frames, b)
         if rung == 1:
             r = digest.read([st.slot], [(0, st.slot)])[0]
             ok = digest.expected_tag(r, pads[st.slot]) == st.tag
@@ -276,6 +275,25 @@ def _decode_framed(rung: int, d: _Decode) -> dict[str, Any]:
         t_ns = time.monotonic_ns()
         pair.send(session.seal(wire.encode(wire.UpdateMsg(grants=[], v=[[st.rid, outcome.code, detail.code, t_ns,
                                                                          int(t_status * 1e9), t_ns]]))))
+
+
+class _Status(NamedTuple):
+    rid: int
+    room: int
+    slot: int
+    status: int
+    tag: int
+
+
+def _status(session: Session, frames: list[bytes], b: MetadataBuffers) -> _Status:
+    """R1+: a received status frame as the run's decode takes it (DataPlane.on_data): its MAC
+    checked under the session, then parsed strictly; its one entry."""
+    body = session.open_frame(frames[0]) if len(frames) == 1 else None
+    if body is None:
+        raise RuntimeError("status with a bad MAC")
+    st = wire.parse([body], b.item_lens, b.size)
+    assert isinstance(st, wire.StepStatus) and len(st.entries) == 1, st
+    return _Status(*st.entries[0])
 
 
 def _gated(rows: Rows, judge: Judge, g: Grant) -> tuple[Outcome, Detail, int]:
@@ -320,11 +338,7 @@ def _decode_granted(d: _Decode) -> dict[str, Any]:
         except zmq.Again:
             continue
         t_status = time.monotonic()
-        body_frames = session.open(frames)
-        if body_frames is None:
-            raise RuntimeError("status with a bad MAC")
-        st = wire.parse(body_frames, b.item_lens, b.size)
-        assert isinstance(st, wire.Status) and st.rid is not None and st.slot is not None
+        st = _status(session, frames, b)
         g = grants.pop((0, st.rid))
         if g.slot != st.slot or g.room != st.room:
             raise RuntimeError(f"status for request {st.rid} names slot {st.slot}, granted {g.slot}")
@@ -542,8 +556,7 @@ def _prefill_direct(rung: int, p: _Prefill, n: int, corrupt: Optional[int]) -> t
             good = bool(ok) and slot == k
         elif rung == 1:
             engine.batch_write(dst_session, *blocks[k])
-            push.send_multipart(session.sign(wire.encode_status(frozen_rooms[k], KVPoll.Success, 0, rid, k,
-                                                                tags[k])), copy=False)
+            push.send(session.sign_frame(wire.status_frame(0, [(rid, frozen_rooms[k], k, SUCCESS, tags[k])])))
             good = _verdict_ok(session, _recv(pair, spin), rid)
         else:
             pad = keys.pad(0, rid)
@@ -554,7 +567,7 @@ def _prefill_direct(rung: int, p: _Prefill, n: int, corrupt: Optional[int]) -> t
             if flip:
                 _flip(b, k)
             engine.batch_write(dst_session, *blocks[k])
-            push.send_multipart(session.sign(wire.encode_status(room, KVPoll.Success, 0, rid, k, tag)), copy=False)
+            push.send(session.sign_frame(wire.status_frame(0, [(rid, room, k, SUCCESS, tag)])))
             good = _verdict_ok(session, _recv(pair, spin), rid)
         t1 = pc()
         if flip:

@@ -120,8 +120,8 @@ class PrefillPeer:
 
     def status(self, room: int, rid: int, dst_slot: int, tag: int, status=KVPoll.Success,
                sign: bool = True) -> None:
-        frames = wire.encode_status(room, status, self.rank, rid, dst_slot, tag)  # as the real prefill
-        self.push.send_multipart(self.auth.sign(frames) if sign else frames)
+        raw = wire.status_frame(self.rank, [(rid, room, dst_slot, int(status), tag)])  # as the real prefill
+        self.push.send(self.auth.sign_frame(raw) if sign else raw)
 
     def handoff(self, rid: int, corrupt=None) -> tuple[Outcome, Detail]:
         """A whole tcp-route handoff of request `rid` from local row 0."""

@@ -11,9 +11,10 @@ field-major layout, so the peer sees nothing new).
 A send is started (the engine route: the batch write submitted; the tcp route: the AUX_DATA
 frames pushed) and later finished (waited for), so the prefill can keep several
 writes in flight as SGLang's transfer workers do. After a send finishes, the status of its
-requests goes out on the data socket behind it: SGLang's per-request status message, or, with
-the phase's `status=per_step` (passed to sends(), carried by each Send), one message for the
-step once all its sends are done.
+requests goes out on the data socket behind it: one status frame per request (wire.status_frame,
+one entry, its MAC inside; where SGLang sends its multipart status message), or, with the
+phase's `status=per_step` (passed to sends(), carried by each Send), one frame for the step
+once all its sends are done.
 
 Faults wrap these classes (orchestrator.handoff.faults); nothing here knows about them or
 about the benchmark.
@@ -24,7 +25,6 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Optional, Sequence
 
-import numpy as np
 import zmq
 
 from orchestrator.handoff.backends.base import Blocks, LayoutMismatch, Peer, Send, SendPath, Transfer, runs
@@ -106,21 +106,19 @@ class AuxRouter(SendPath):
                 t.status, t.reason = KVPoll.Failed, "sender_error"
 
     # ---- statuses -----------------------------------------------------------------------
-    def status_frames(self, transfers: Sequence[Transfer], per_step: bool) -> list[list[bytes]]:
-        if per_step and len(transfers) > 1:
-            entries = np.zeros(len(transfers), dtype=wire.STEP_DTYPE)
-            for i, t in enumerate(transfers):
-                entries[i] = (t.rid, t.room, t.dst_slot, int(t.status),
-                              t.tag if self.tag_in_status else 0)
-            return [self.auth.sign(wire.encode_step(self.rank, entries))]
-        return [self.auth.sign(wire.encode_status(
-            t.room, t.status, self.rank, t.rid, t.dst_slot, t.tag if self.tag_in_status else 0,
-            t.reason)) for t in transfers]
+    def status_frames(self, transfers: Sequence[Transfer], per_step: bool) -> list[bytes]:
+        """The statuses of `transfers` as signed status frames (wire.status_frame): one per
+        request, or with `per_step` one for them all (split only past wire.MAX_STATUSES)."""
+        tagged = self.tag_in_status
+        rows = [(t.rid, t.room, t.dst_slot, int(t.status), t.tag if tagged else 0) for t in transfers]
+        at = range(0, len(rows), wire.MAX_STATUSES) if per_step else range(len(rows))
+        width = wire.MAX_STATUSES if per_step else 1
+        return [self.auth.sign_frame(wire.status_frame(self.rank, rows[i:i + width])) for i in at]
 
     def send_status(self, transfers: Sequence[Transfer], per_step: bool) -> None:
-        for frames in self.status_frames(transfers, per_step):
+        for frame in self.status_frames(transfers, per_step):
             try:
-                self.push.send_multipart(frames, copy=False)
+                self.push.send(frame)
             except zmq.ZMQError:
                 pass  # the data plane is stuck: the peer-lost timer ends it
 

@@ -1,12 +1,14 @@
-"""The decode's data plane: every frame on the PULL socket authenticated under the session of
-the rank it claims (for AUX_DATA, of the grants of the slots it lands in), parsed against
-this rank's layout, then landed (tcp-route rows, host rows only) or taken as a status."""
+"""The decode's data plane: every message on the PULL socket authenticated under the session
+of the rank it claims (for AUX_DATA, of the grants of the slots it lands in), parsed against
+this rank's layout, then landed (tcp-route rows, host rows only) or taken as statuses: a
+status frame's entries (one request's or a step's, each with its identity) all one way
+(statuses), a bare SGLang status by its room (bare_status)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Peers
+from orchestrator.handoff.endpoints.decode_state import Drops, Ledger, Peers
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Session
 from orchestrator.profile.platform import clock as _clock
@@ -27,6 +29,10 @@ class DataPlane:
         AUX_DATA, the grants of the slots it lands in) and the associated data its MAC
         covers; (None, b"") when it names nothing this process knows."""
         try:
+            if len(frames) == 1:  # a status frame: the rank in its header, nothing else read
+                rank = wire.status_rank(frames[0])
+                sess = self.peers.ranks.get(rank) if rank is not None else None
+                return (sess.auth if sess else None), b""
             if frames[0] == wire.AUX_DATA:
                 slot, field = int(frames[3]), int(frames[2])
                 rows = max(1, len(frames[5]) // self.item_lens[field])
@@ -36,7 +42,7 @@ class DataPlane:
                     return None, b""
                 sess = self.peers.ranks.get(gs[0].prank)
                 return (sess.auth if sess else None), b"".join(g.rid.to_bytes(8, "little") for g in gs)
-            rank = int(frames[1] if frames[0] == wire.STEP else frames[2])
+            rank = int(frames[2])
         except (IndexError, ValueError, ZeroDivisionError):
             return None, b""
         sess = self.peers.ranks.get(rank)
@@ -44,7 +50,13 @@ class DataPlane:
 
     def on_data(self, frames: list[bytes]) -> None:
         auth, ad = self.auth_of(frames) if frames else (None, b"")
-        body = auth.open(frames, ad) if auth is not None else None
+        body: Optional[list[bytes]] = None
+        if auth is not None:
+            if len(frames) == 1:  # a status frame: its MAC inside
+                payload = auth.open_frame(frames[0])
+                body = [payload] if payload is not None else None
+            else:
+                body = auth.open(frames, ad)
         if body is None and not self.peers.auth.enabled:  # no secret (interop tests): nothing to check
             body = list(frames)
         if body is None:
@@ -58,9 +70,9 @@ class DataPlane:
         if isinstance(msg, wire.AuxData):
             self.land(msg)
         elif isinstance(msg, wire.StepStatus):
-            self.step_status(msg.prefill_rank, msg.entries.tolist())
+            self.statuses(msg.prefill_rank, msg.entries)
         else:
-            self.status(msg.prefill_rank, msg.room, msg.status, msg.rid, msg.slot, msg.tag, msg.reason)
+            self.bare_status(msg.prefill_rank, msg.room, msg.status, msg.reason)
 
     def land(self, msg: wire.AuxData) -> None:
         if not self.lands:
@@ -74,9 +86,9 @@ class DataPlane:
             return
         wire.write_rows(self.ptrs, self.item_lens, msg)
 
-    def step_status(self, prank: int, entries: list[tuple[int, int, int, int, int]]) -> None:
-        """A step's statuses ([rid, room, slot, status, tag] each, STEP_DTYPE), as status()
-        takes each with its identity, at one clock read."""
+    def statuses(self, prank: int, entries: list[wire.StatusRow]) -> None:
+        """A status frame's entries ([rid, room, slot, status, tag] each, STEP_DTYPE: one
+        request's, or a step's), each by its identity, at one clock read."""
         now = self.peers.heard[prank] = _clock()
         grants, ready = self.ledger.grants, self.ledger.ready
         for rid, room, slot, status, tag in entries:
@@ -93,29 +105,19 @@ class DataPlane:
                 g.status, g.tag, g.reason, g.t_status = status, tag, "", now
                 ready[(prank, rid)] = g
 
-    def status(self, prank: int, room: int, status: int, rid: Optional[int], slot: Optional[int],
-               tag: int, reason: str) -> None:
+    def bare_status(self, prank: int, room: int, status: int, reason: str) -> None:
+        """A bare SGLang status (no identity): the one grant of this rank with its room."""
         self.peers.heard[prank] = _clock()
-        g: Optional[Grant]
-        if rid is None:  # a bare SGLang status: only its room identifies the request
-            found = [g for g in self.ledger.grants.values() if g.prank == prank and g.room == room]
-            if len(found) != 1:
-                self.drop("ambiguous" if found else "unexpected", "status_without_identity",
-                          prefill=prank, room=room, matches=len(found))
-                return
-            g = found[0]
-        else:
-            g = self.ledger.grants.get((prank, rid))
-            if g is None:  # authentic, this run's, for no live grant: judged already (a replay)
-                self.drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
-                return
-            if g.slot != slot or g.room != room:
-                self.drop("unexpected", "status_for_no_grant", prefill=prank, rid=rid, slot=slot)
-                return
+        found = [g for g in self.ledger.grants.values() if g.prank == prank and g.room == room]
+        if len(found) != 1:
+            self.drop("ambiguous" if found else "unexpected", "status_without_identity",
+                      prefill=prank, room=room, matches=len(found))
+            return
+        g = found[0]
         if status not in (KVPoll.Success, KVPoll.Failed):
             return  # non-terminal: SGLang ignores those too
         if g.status is not None:  # a second terminal status for one grant
             self.drop("replayed", "status_replayed", prefill=prank, rid=g.rid, slot=g.slot)
             return
-        g.status, g.tag, g.reason, g.t_status = status, tag, reason, _clock()
+        g.status, g.tag, g.reason, g.t_status = status, 0, reason, _clock()
         self.ledger.ready[(g.prank, g.rid)] = g

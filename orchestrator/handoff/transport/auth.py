@@ -3,8 +3,10 @@
 Every run has a secret: the one named by `transport.secret_env` (multi-host runs, where both
 sides must share it), or else a fresh one the runner generates and hands to its own child
 processes in memory (never on a command line, in the environment or in the run dir). With
-it, every control message, status message and AUX_DATA frame carries a keyed blake2b MAC as
-one extra, last frame; a message without a valid one is rejected and counted, never acted on.
+it, every control message, status message and AUX_DATA frame carries a keyed blake2b MAC: as
+one extra, last frame on SGLang's multipart formats (sign/open), appended inside the frame on
+our own single-frame ones (the control channel's seal/unseal, the data plane's status frame:
+sign_frame/open_frame); a message without a valid one is rejected and counted, never acted on.
 The same secret keys the row digests (orchestrator.handoff.digest), so a row written into registered
 memory by anyone else (Mooncake authenticates nobody) cannot pass verification either.
 
@@ -34,6 +36,7 @@ from typing import Optional, Sequence, cast
 MAC_BYTES = 16
 NONCE_BYTES = 16
 _SEQ = 8
+_FRAME = b"orch-frame-v1"  # sign_frame's label, MAC'd after the payload (never sent)
 
 
 class Replayed(ValueError):
@@ -71,6 +74,23 @@ class Authenticator:
         """`frames` plus their MAC frame; `ad` (associated data the receiver knows on its
         own) is covered by the MAC and not sent."""
         return frames + [self._mac(frames + [ad] if ad else frames)] if self._key is not None else frames
+
+    def sign_frame(self, payload: bytes) -> bytes:
+        """One data-plane frame of ours (orchestrator.handoff.transport.wire's status frame):
+        the payload with its MAC appended, no sequence number (the receiver's ledger tells a
+        replay). The MAC covers the payload and a label, so no frame of ours opens as a
+        message of another kind under the same key (a sealed control message, a signed
+        multipart one)."""
+        return payload + self._mac([payload, _FRAME]) if self._key is not None else payload
+
+    def open_frame(self, frame: bytes) -> Optional[bytes]:
+        """The payload of a frame from sign_frame, or None when it is not authentic."""
+        if self._key is None:
+            return frame
+        if len(frame) < MAC_BYTES:
+            return None
+        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        return payload if hmac.compare_digest(self._mac([payload, _FRAME]), mac) else None
 
     def seal(self, payload: bytes) -> bytes:
         """One frame: the payload with its MAC appended (the control channel is ours)."""
@@ -123,6 +143,9 @@ class Session(Authenticator):
 
     def open(self, frames: Sequence[bytes], ad: bytes = b"") -> Optional[list[bytes]]:
         return self._recv.open(frames, ad)
+
+    def open_frame(self, frame: bytes) -> Optional[bytes]:
+        return self._recv.open_frame(frame)
 
     def seal(self, payload: bytes) -> bytes:
         if self._key is None:

@@ -42,21 +42,28 @@ verdicts cost one MAC. Decoded, the message is the same ArriveMsg / UpdateMsg, i
 tuples of ints; arrive_frame / update_frame also take numpy arrays of the dtypes, for a
 sender that holds its step in arrays.
 
-Data plane (ZMQ PUSH -> PULL), SGLang's formats first (their bytes, and the MACs', as before
-issue 39):
-    AUX_DATA  [b"AUX_DATA", room, field, slot, >I length, payload]  (ASCII numbers; a
-              payload of n whole rows fills n consecutive slots from `slot`: one frame per
-              field for a coalesced run, which SGLang's handler writes the same way)
-    status    [room, KVPoll value, prefill rank, reason, b"ORCH1" + <QIQ rid, slot, tag>]:
-              SGLang's status message (it reads frames 0-3) plus one frame with the request's
-              identity and, when the layout has no kv_checksum field, the row's digest tag
-    step      [b"ORCH_STEP", prefill rank, entries]: one status for a whole step (our own
-              framing), entries packed as STEP_DTYPE
-With a secret every message carries one more frame, its MAC (orchestrator.handoff.transport.auth); after
-hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the session's.
-Receipt is strict: anything malformed raises WireError and writes nothing. Every socket is
-opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a connection that announces a
-longer frame before buffering it.
+Data plane (ZMQ PUSH -> PULL):
+    AUX_DATA  [b"AUX_DATA", room, field, slot, >I length, payload]  SGLang's (ASCII numbers;
+              a payload of n whole rows fills n consecutive slots from `slot`: one frame per
+              field for a coalesced run, which SGLang's handler writes the same way); with a
+              secret one more frame, its MAC (Authenticator.sign: the bytes as before issue 39)
+    statuses  ONE frame, our own (issue 39; it was SGLang's 4 status frames plus an identity
+              frame and a MAC frame per request, or a 3-frame step status, then its MAC frame):
+              the 12-byte header <4sII (b"ORS1", prefill rank, entry count), the entries back
+              to back as STEP_DTYPE (rid u64, room u64, slot u32, KVPoll value u32, tag u64;
+              32 B each), then, with a secret, the 16-byte MAC of everything before it
+              (Authenticator.sign_frame, under the session's key). One request's status is
+              one entry (60 B with its MAC), a step's statuses to one decode process one
+              frame. The tag is the row's digest tag when the layout has no kv_checksum field,
+              else 0. No failure reason travels: the KVPoll value says Failed, and our decode
+              never read the reason
+    bare status [room, KVPoll value, prefill rank(, reason)]  SGLang's own (what a stock SGLang
+              prefill sends; our prefill sends none): received and matched by room alone
+Receipt is strict: anything malformed raises WireError and writes nothing; a status frame's
+MAC is checked (under the session of the rank it names) before any of it is read further.
+After hello/bootstrap (which swap the two processes' per-run nonces) the MACs are the
+session's. Every socket is opened with ZMQ_MAXMSGSIZE (max_frame_bytes): libzmq drops a
+connection that announces a longer frame before buffering it.
 """
 
 from __future__ import annotations
@@ -76,9 +83,6 @@ from orchestrator.profile.versions import Versions
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 
 AUX_DATA = b"AUX_DATA"
-STEP = b"ORCH_STEP"
-EXT = b"ORCH1"
-_EXT = struct.Struct("<QIQ")
 _LEN = struct.Struct(">I")
 _MAX_U64 = (1 << 64) - 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -360,8 +364,10 @@ CONTROL_FRAME_BYTES = MAX_MESSAGE_BYTES + 64  # a control payload, its sequence 
 
 def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
     """The longest frame a legal message of this layout has: a coalesced AUX_DATA payload
-    of every slot of the widest field, a step status of every slot, or a control message."""
-    return max(max(item_lens, default=0) * slots, STEP_DTYPE.itemsize * slots, CONTROL_FRAME_BYTES)
+    of every slot of the widest field, a status frame of every slot with its MAC, or a
+    control message."""
+    return max(max(item_lens, default=0) * slots, _HEAD.size + STEP_DTYPE.itemsize * slots + 16,
+               CONTROL_FRAME_BYTES)
 
 
 # ---- hot control frames: arrive and update, binary ---------------------------------------
@@ -369,6 +375,7 @@ def max_frame_bytes(item_lens: Sequence[int], slots: int) -> int:
 # grants, verdicts), then the entries back to back, little-endian, unpadded, as these dtypes.
 ARRIVE = b"ORA1"
 UPDATE = b"ORU1"
+STATUS = b"ORS1"  # the data plane's status frame (below: "data plane")
 _HEAD = struct.Struct("<4sII")
 ARRIVE_DTYPE = np.dtype([("rid", "<u8"), ("room", "<u8")])
 GRANT_DTYPE = np.dtype([("rid", "<u8"), ("slot", "<u4")])
@@ -505,18 +512,30 @@ def encode_aux(room: int, field_index: int, slot: int, payload: bytes) -> list[b
             _LEN.pack(len(payload)), payload]
 
 
-def encode_status(room: int, status: KVPoll, prefill_rank: int, rid: Optional[int] = None,
-                  slot: Optional[int] = None, tag: Optional[int] = None, reason: str = "") -> list[bytes]:
-    """SGLang's status message; with `rid`, followed by this tool's identity frames."""
-    frames = [str(room).encode("ascii"), str(int(status)).encode("ascii"),
-              str(prefill_rank).encode("ascii"), reason.encode("utf-8")]
-    if rid is not None:
-        frames.append(EXT + _EXT.pack(rid, slot, tag or 0))
-    return frames
+def encode_status(room: int, status: KVPoll, prefill_rank: int, reason: str = "") -> list[bytes]:
+    """SGLang's own status message (a bare status: no identity; our prefill sends
+    status_frame instead)."""
+    return [str(room).encode("ascii"), str(int(status)).encode("ascii"),
+            str(prefill_rank).encode("ascii"), reason.encode("utf-8")]
 
 
-def encode_step(prefill_rank: int, entries: np.ndarray) -> list[bytes]:
-    return [STEP, str(prefill_rank).encode(), entries.astype(STEP_DTYPE, copy=False).tobytes()]
+_STATUS_ENTRY = struct.Struct("<QQIIQ")  # STEP_DTYPE's fields
+_SUCCESS = int(KVPoll.Success)
+MAX_STATUSES = (MAX_MESSAGE_BYTES - _HEAD.size) // _STATUS_ENTRY.size  # a status frame's entries, at most
+
+
+def status_frame(prefill_rank: int, entries: Rows | np.ndarray) -> bytes:
+    """The statuses of one or many requests as one frame, before its MAC
+    (Authenticator.sign_frame appends it): [rid, room, slot, status, tag] rows, or a
+    STEP_DTYPE array."""
+    n = len(entries)
+    if not 0 < n <= MAX_STATUSES:
+        raise WireError(f"status frame: {n} entries, not 1 to {MAX_STATUSES}")
+    try:
+        head = _HEAD.pack(STATUS, prefill_rank, n)
+    except struct.error as exc:
+        raise WireError(f"status frame: cannot pack rank {prefill_rank}: {exc}") from None
+    return head + _entries("status frame", entries, _STATUS_ENTRY, STEP_DTYPE)
 
 
 def read_rows(ptrs: Sequence[int], item_lens: Sequence[int], slot: int, count: int = 1) -> list[bytes]:
@@ -535,20 +554,24 @@ class AuxData(NamedTuple):
 
 
 class Status(NamedTuple):
-    """One request's "KV done" (or failed): SGLang's frames, our identity when present."""
+    """A bare SGLang status: one request's "KV done" (or failed), named by its room alone."""
 
     room: int
     status: int
     prefill_rank: int
     reason: str
-    rid: Optional[int] = None  # None: a bare SGLang status (no identity frames)
-    slot: Optional[int] = None
-    tag: int = 0
+
+
+StatusRow = tuple[int, int, int, int, int]  # rid, room, slot, KVPoll value, tag: STEP_DTYPE's fields
 
 
 class StepStatus(NamedTuple):
+    """A status frame: the statuses of one request (one entry) or of a step's requests, as
+    rows of plain ints (unpacked with struct: for the one or few entries a frame holds, a
+    third of numpy's cost of checking them)."""
+
     prefill_rank: int
-    entries: np.ndarray  # STEP_DTYPE
+    entries: list[StatusRow]
 
 
 def _number(frame: bytes, what: str, upper: int = _MAX_U64) -> int:
@@ -560,10 +583,37 @@ def _number(frame: bytes, what: str, upper: int = _MAX_U64) -> int:
     return value
 
 
+def status_rank(frame: bytes) -> Optional[int]:
+    """The prefill rank a status frame names (whose session's key its MAC must open under);
+    None when the frame is not one."""
+    if len(frame) < _HEAD.size or frame[:4] != STATUS:
+        return None
+    return int.from_bytes(frame[4:8], "little")
+
+
+def _statuses(frame: bytes, slots: int) -> StepStatus:
+    """A status frame, its MAC off: magic, count (1 to MAX_STATUSES) and exact length checked
+    before an entry is read, then every entry's slot and status."""
+    if len(frame) < _HEAD.size:
+        raise WireError(f"a one-frame message of {len(frame)} B, shorter than a status header")
+    magic, rank, n = _HEAD.unpack_from(frame)
+    if magic != STATUS:
+        raise WireError(f"a one-frame message that is no status frame: {frame[:4]!r}")
+    if not 0 < n <= MAX_STATUSES or len(frame) != _HEAD.size + n * _STATUS_ENTRY.size:
+        raise WireError(f"status frame of {n} entries has {len(frame) - _HEAD.size} B of them")
+    entries: list[StatusRow] = list(_STATUS_ENTRY.iter_unpack(memoryview(frame)[_HEAD.size:]))
+    for e in entries:
+        if e[2] >= slots or e[3] > _SUCCESS:
+            raise WireError(f"status frame entry with slot {e[2]} (max {slots - 1}) or status {e[3]}")
+    return StepStatus(rank, entries)
+
+
 def parse(frames: Sequence[bytes], item_lens: Sequence[int], slots: int) -> AuxData | Status | StepStatus:
-    """Check a received data-plane message against the receiver's own layout."""
+    """Check a received data-plane message (its MAC off) against the receiver's own layout."""
     if not frames:
         raise WireError("empty message")
+    if len(frames) == 1:
+        return _statuses(frames[0], slots)
     kind = frames[0]
     if kind == AUX_DATA:
         if len(frames) != 6:
@@ -583,31 +633,13 @@ def parse(frames: Sequence[bytes], item_lens: Sequence[int], slots: int) -> AuxD
         if slot + rows > slots:
             raise WireError(f"field {field_index}: {rows} rows from slot {slot} run past slot {slots - 1}")
         return AuxData(room, field_index, slot, rows, payload)
-    if kind == STEP:
-        if len(frames) != 3:
-            raise WireError(f"ORCH_STEP has {len(frames)} frames, expected 3")
-        rank = _number(frames[1], "prefill rank", 1 << 31)
-        if len(frames[2]) % STEP_DTYPE.itemsize or len(frames[2]) > MAX_MESSAGE_BYTES:
-            raise WireError(f"ORCH_STEP entries of {len(frames[2])} B")
-        entries = np.frombuffer(frames[2], dtype=STEP_DTYPE)
-        if len(entries) and (int(entries["slot"].max()) >= slots or int(entries["status"].max()) > KVPoll.Success):
-            raise WireError("ORCH_STEP entry with a slot or status out of range")
-        return StepStatus(rank, entries)
-    # a status message: [room, status, rank(, reason(, EXT + rid, slot, tag))]
-    if len(frames) not in (3, 4, 5):
-        raise WireError(f"status has {len(frames)} frames, expected 3, 4 or 5")
+    # SGLang's bare status: [room, status, rank(, reason)]
+    if len(frames) not in (3, 4):
+        raise WireError(f"status has {len(frames)} frames, expected 3 or 4")
     room = _number(frames[0], "room")
     status = _number(frames[1], "status", KVPoll.Success)
     rank = _number(frames[2], "prefill rank", 1 << 31)
     reason = frames[3].decode("utf-8", errors="replace")[:256] if len(frames) > 3 else ""
-    if len(frames) == 5:
-        ext = frames[4]
-        if len(ext) != len(EXT) + _EXT.size or not ext.startswith(EXT):
-            raise WireError(f"unknown status extension {ext[:16]!r}")
-        rid, slot, tag = _EXT.unpack_from(ext, len(EXT))
-        if slot >= slots:
-            raise WireError(f"slot {slot} out of range (max {slots - 1})")
-        return Status(room, status, rank, reason, rid, slot, tag)
     return Status(room, status, rank, reason)
 
 
