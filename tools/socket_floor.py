@@ -17,12 +17,15 @@ Two processes on this host, one in flight, both busy-polling (as the ladder on a
                  PAIR: the second socket alone (ZMQ alone)
   one64          a 64-byte status in one frame on the PUSH -> PULL socket, the sealed verdict's
                  length back on the PAIR (ZMQ alone; r1-frames is the same with the real frame)
+  r5-frames      r1-frames with the verdict on R5's (and the run's) control channel: ROUTER ->
+                 DEALER, the prefill's identity frame in front of it (ZMQ alone)
 
     python tools/socket_floor.py [N]      # N timed round trips a mode (default 5000), p50 us
 
 r1-frames - pair24 is the sockets' own part of R1 (outside this project's code); r1-ours -
 r1-frames is ours; sglang-frames - r1-frames what the one frame saved; push24 - pair24 the
-second socket's part."""
+second socket's part; r5-frames - r1-frames the control channel's part of R5 (the verdict
+on ROUTER -> DEALER, not the PAIR)."""
 
 from __future__ import annotations
 
@@ -59,9 +62,11 @@ def _verdict(s: Session, rid: int) -> bytes:
 
 def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> None:
     ctx = zmq.Context()
-    pair, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
+    pair, pull, router = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
     addrs.put((f"tcp://127.0.0.1:{pair.bind_to_random_port('tcp://127.0.0.1')}",
-               f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"))
+               f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}",
+               f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"))
+    ident = _recv(router, True)[0] if mode == "r5-frames" else b""  # the prefill's hello
     s = Session(keys[1], keys[0])
     canned = _verdict(Session(keys[1], keys[0]), 1)
     for _ in range(n + WARM):
@@ -74,6 +79,9 @@ def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> N
         elif mode in ("sglang-frames", "r1-frames", "one64"):
             _recv(pull, True)
             pair.send(canned)
+        elif mode == "r5-frames":
+            _recv(pull, True)
+            router.send_multipart([ident, canned])
         else:
             frames = _recv(pull, True)
             body = s.open_frame(frames[0]) if len(frames) == 1 else None
@@ -84,11 +92,14 @@ def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> N
     time.sleep(0.2)
 
 
-def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at: str) -> list[float]:
+def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at: str, ctl_at: str) -> list[float]:
     ctx = zmq.Context()
-    pair, push = ctx.socket(zmq.PAIR), ctx.socket(zmq.PUSH)
+    pair, push, dealer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
     pair.connect(pair_at)
     push.connect(pull_at)
+    dealer.connect(ctl_at)
+    if mode == "r5-frames":
+        dealer.send(b"hello")
     s = Session(keys[0], keys[1])
     success = int(KVPoll.Success)
     old = s.sign(wire.encode_status(1234, KVPoll.Success, 0) + [b"ORCH1" + struct.pack("<QIQ", 1, 3, 99)])
@@ -112,6 +123,9 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
         elif mode == "r1-frames":
             push.send(canned)
             _recv(pair)
+        elif mode == "r5-frames":
+            push.send(canned)
+            _recv(dealer)
         else:
             push.send(s.sign_frame(wire.status_frame(0, [(i + 1, 1234, 3, success, 99)])))
             body = s.unseal(_recv(pair))
@@ -128,8 +142,8 @@ def one(mode: str, n: int) -> float:
     q: mp.Queue = mp.Queue()
     p = mp.get_context("fork").Process(target=decode, args=(mode, n, keys, q))
     p.start()
-    pair_at, pull_at = q.get()
-    times = prefill(mode, n, keys, pair_at, pull_at)
+    pair_at, pull_at, ctl_at = q.get()
+    times = prefill(mode, n, keys, pair_at, pull_at, ctl_at)
     p.join()
     return statistics.median(times)
 
@@ -137,7 +151,7 @@ def one(mode: str, n: int) -> float:
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
     rounds: dict[str, list[float]] = {m: [] for m in ("pair24", "push24", "one64", "sglang-frames", "r1-frames",
-                                                      "r1-ours")}
+                                                      "r5-frames", "r1-ours")}
     for _ in range(3):  # interleaved rounds
         for m in rounds:
             rounds[m].append(one(m, n))
