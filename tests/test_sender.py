@@ -201,3 +201,67 @@ def test_close_gives_up_on_a_write_that_never_returns():
     assert pair.sender.close(30)
     pair.wake.close(0)
     pair.ctx.term()
+
+
+class _Clock:
+    """The sender module's `time` in a test: a clock that moves only when the thread naps."""
+
+    def __init__(self):
+        import time as real
+
+        self.real, self.now, self.naps = real, 1.0, 0
+
+    def monotonic(self):
+        return self.now
+
+    def perf_counter(self):
+        return self.real.perf_counter()
+
+    def sleep(self, s):
+        self.naps += 1
+        self.now += 0.001  # each poll of the spinning thread moves the clock 1 ms
+        self.real.sleep(0)
+
+
+def _blocked(thread, bound_s=30.0):
+    """Whether the transfer thread waits on its condition (within `bound_s`: a state, not a time)."""
+    import time as real
+
+    end = real.monotonic() + bound_s
+    while real.monotonic() < end:
+        with thread.ready:
+            if thread.ready._waiters:  # CPython's Condition: the threads in wait()
+                return True
+        real.sleep(0.001)
+    return False
+
+
+def test_a_spinning_transfer_thread_blocks_once_idle(monkeypatch):
+    """endpoints.poll=spin: the transfer thread polls for a hand-over only IDLE_SPIN_S after
+    its last one, then waits on its condition (an idle thread that polls takes the GIL from
+    the loop, which runs a step alone in flight itself); a step handed over then still runs.
+    The clock is the test's: it moves 1 ms a poll, so the bound is counted, not timed."""
+    from orchestrator.handoff.endpoints import sender as sender_mod
+
+    clock = _Clock()
+    monkeypatch.setattr(sender_mod, "time", clock)
+    ctx = zmq.Context()
+    wake = ctx.socket(zmq.PAIR)
+    wake.bind("inproc://wake-spin")
+    logged = threading.Semaphore(0)
+    sender = Sender(ctx, "inproc://wake-spin", lambda step: logged.release(), spin=True)
+    router = _Router()
+    sender.start()
+    try:
+        assert _blocked(sender.thread) and clock.naps == 0  # never handed anything: no poll at all
+        sender.submit(_step(router, 1), alone=False)
+        assert logged.acquire(timeout=30) and router.threads == {sender.thread.ident}
+        assert _blocked(sender.thread)
+        polls = clock.naps
+        assert 1 <= polls <= sender_mod.IDLE_SPIN_S / 0.001 + 1  # polled IDLE_SPIN_S, then waited
+        sender.submit(_step(router, 2), alone=False)  # woken from its wait
+        assert logged.acquire(timeout=30) and len(sender.done) == 2
+    finally:
+        assert sender.close(30)
+        wake.close(0)
+        ctx.term()

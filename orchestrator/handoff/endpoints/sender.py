@@ -23,6 +23,7 @@ from orchestrator.handoff.digest import Sealed
 from orchestrator.handoff.endpoints.links import Link, Req
 
 Pending = collections.deque[tuple["ForwardStep", Link, list[Transfer], Send]]
+IDLE_SPIN_S = 0.002  # a spinning transfer thread polls this long after a hand-over, then blocks
 
 
 @dataclass
@@ -180,6 +181,7 @@ class TransferThread(threading.Thread):
         # then, and only then (it drains finished steps on every pass anyway)
         self.want_wake = False
         self.error: Optional[str] = None
+        self.took_at = 0.0  # when it last took a hand-over (monotonic s): it spins IDLE_SPIN_S after
         sends.landed = self._landed
 
     def submit(self, step: Optional[ForwardStep]) -> None:
@@ -195,10 +197,16 @@ class TransferThread(threading.Thread):
 
     def _take(self, closing: bool) -> Optional[list[Optional[ForwardStep]]]:
         """The steps handed over since the last look (waiting for some while the queue is
-        empty: it is the loop's meanwhile); None when closing and nothing is left."""
+        empty: it is the loop's meanwhile); None when closing and nothing is left. Spinning
+        (endpoints.poll), it polls for a hand-over for IDLE_SPIN_S after its last one, then
+        blocks: an idle thread that polls takes the GIL back every few microseconds, and the
+        loop, which runs a step alone in flight itself, then runs its Python about 20% slower
+        (forced switches every sys.getswitchinterval())."""
         sends = self.sends
         if self.spin:
-            while not self.inbox and not (self.holds and sends.busy) and not closing:
+            until = self.took_at + IDLE_SPIN_S
+            while not self.inbox and not (self.holds and sends.busy) and not closing \
+                    and time.monotonic() < until:
                 time.sleep(0)
         with self.ready:
             while not self.inbox and not (self.holds and sends.busy):
@@ -209,6 +217,8 @@ class TransferThread(threading.Thread):
             self.holds = True
             new = list(self.inbox)
             self.inbox.clear()
+        if new:
+            self.took_at = time.monotonic()
         return new
 
     def run(self) -> None:
