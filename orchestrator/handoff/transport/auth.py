@@ -85,12 +85,7 @@ class Authenticator:
 
     def open_frame(self, frame: bytes) -> Optional[bytes]:
         """The payload of a frame from sign_frame, or None when it is not authentic."""
-        if self._key is None:
-            return frame
-        if len(frame) < MAC_BYTES:
-            return None
-        payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        return payload if hmac.compare_digest(self._mac([payload, _FRAME]), mac) else None
+        return self._trailed(frame, (_FRAME,))
 
     def seal(self, payload: bytes) -> bytes:
         """One frame: the payload with its MAC appended (the control channel is ours)."""
@@ -98,12 +93,17 @@ class Authenticator:
 
     def unseal(self, frame: bytes) -> Optional[bytes]:
         """The payload of a sealed frame, or None when it is not authentic."""
+        return self._trailed(frame, ())
+
+    def _trailed(self, frame: bytes, label: tuple[bytes, ...]) -> Optional[bytes]:
+        """A frame's payload when its trailing MAC is the payload's (with `label`, which
+        tells sign_frame's from seal's), else None; the frame as it is with no key."""
         if self._key is None:
             return frame
         if len(frame) < MAC_BYTES:
             return None
         payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        return payload if hmac.compare_digest(self._mac([payload]), mac) else None
+        return payload if hmac.compare_digest(self._mac([payload, *label]), mac) else None
 
     def open(self, frames: Sequence[bytes], ad: bytes = b"") -> Optional[list[bytes]]:
         """The message without its MAC frame, or None when it is not authentic."""
