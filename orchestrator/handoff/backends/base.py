@@ -60,7 +60,6 @@ class Transfer:
     dst_slot: int
     tag: int = 0  # the row's digest tag (travels in the status when the row has no kv_checksum)
     status: KVPoll = KVPoll.Success
-    reason: str = ""
 
 
 @dataclass(slots=True)

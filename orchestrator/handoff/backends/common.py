@@ -103,7 +103,7 @@ class AuxRouter(SendPath):
         send.latency_us = (now() - send.t0) * 1e6
         if send.error is not None:
             for t in send.transfers:
-                t.status, t.reason = KVPoll.Failed, "sender_error"
+                t.status = KVPoll.Failed
 
     # ---- statuses -----------------------------------------------------------------------
     def status_frames(self, transfers: Sequence[Transfer], per_step: bool) -> list[bytes]:

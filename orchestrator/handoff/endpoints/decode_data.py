@@ -72,7 +72,7 @@ class DataPlane:
         elif isinstance(msg, wire.StepStatus):
             self.statuses(msg.prefill_rank, msg.entries)
         else:
-            self.bare_status(msg.prefill_rank, msg.room, msg.status, msg.reason)
+            self.bare_status(msg.prefill_rank, msg.room, msg.status)
 
     def land(self, msg: wire.AuxData) -> None:
         if not self.lands:
@@ -102,10 +102,10 @@ class DataPlane:
             elif g.status is not None:  # a second terminal status for one grant
                 self.drop("replayed", "status_replayed", prefill=prank, rid=rid, slot=slot)
             else:
-                g.status, g.tag, g.reason, g.t_status = status, tag, "", now
+                g.status, g.tag, g.t_status = status, tag, now
                 ready[(prank, rid)] = g
 
-    def bare_status(self, prank: int, room: int, status: int, reason: str) -> None:
+    def bare_status(self, prank: int, room: int, status: int) -> None:
         """A bare SGLang status (no identity): the one grant of this rank with its room."""
         self.peers.heard[prank] = _clock()
         found = [g for g in self.ledger.grants.values() if g.prank == prank and g.room == room]
@@ -119,5 +119,5 @@ class DataPlane:
         if g.status is not None:  # a second terminal status for one grant
             self.drop("replayed", "status_replayed", prefill=prank, rid=g.rid, slot=g.slot)
             return
-        g.status, g.tag, g.reason, g.t_status = status, 0, reason, _clock()
+        g.status, g.tag, g.t_status = status, 0, _clock()
         self.ledger.ready[(g.prank, g.rid)] = g

@@ -42,7 +42,6 @@ class Grant:
     pad: tuple[int, int]
     t_granted: float
     status: Optional[int] = None  # KVPoll value of the status received
-    reason: str = ""
     tag: int = 0  # from the status, when the row has no kv_checksum field
     t_status: float = 0.0
     shared: bool = True  # a TP leader's grant goes out only once every rank knows it

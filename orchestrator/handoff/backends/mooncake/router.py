@@ -81,4 +81,4 @@ class EngineRouter(AuxRouter):
         send.latency_us = (now() - send.t0) * 1e6
         if send.error is not None:
             for t in send.transfers:
-                t.status, t.reason = KVPoll.Failed, "sender_error"
+                t.status = KVPoll.Failed
