@@ -1,0 +1,484 @@
+"""The route floor under issue 39's route goals: each aux route's transport timed alone, none of
+this project's code, on one DeepSeek-V3 MTP aux row (10 field-major fields, 15,872 B a slot,
+256 slots, as ../shared/tools/handoff_yardstick.py). Two processes a run (prefill, decode),
+fresh for every run; the decode busy-polls its socket on `gpu` and blocks on `cpu`, the prefill
+blocks for replies (as the yardstick).
+
+  engine-1        one in flight: Mooncake's batch_transfer_sync_write of the slot's 10 blocks,
+                  then a 24-byte status on a ZMQ PAIR, a 16-byte reply (no digest, no room
+                  write); also the write alone
+  tcp-1           one in flight, SGLang 0.5.23's tcp route wire (host rows): 10 PUSHed
+                  [b"AUX_DATA", room, field, slot, >I n, payload] messages (payloads are
+                  memoryview slices of the prefill's rows; field, slot and length frames built
+                  ahead), then the status [room, b"4", b"0"] on the same socket; the decode
+                  parses each, memmoves the payload into its rows at the slot, and replies
+                  16 bytes on the PAIR to the status. Timed: first AUX_DATA send -> reply
+  engine-sync     requests/s, W=1: sync batch writes back to back (no status)
+  engine-pipe     requests/s, W requests in flight: batch_transfer_async_write per request
+                  (its 10 blocks), the oldest waited for with get_batch_transfer_status (a
+                  sliding window); writes only, no status: the engine's ceiling
+  engine-pipe+st  engine-pipe plus a 24-byte status PUSHed per landed write and a 16-byte
+                  reply per status on the PAIR, at most W unanswered (tcp-pipe's control path)
+  tcp-pipe        requests/s: tcp-1's messages with at most W requests unanswered
+
+    python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W]   # N requests a run (default 3000),
+                                                          # ROUNDS interleaved (3), window W (256)
+
+cpu: every row in host memory, the engine with MC_FORCE_TCP=1 and its TCP lane queue raised to
+10 W blocks a peer (MC_TCP_MAX_{QUEUED_TRANSFERS,PENDING_ADMISSIONS}_PER_PEER: past 1024 + 1024
+blocks in flight, the defaults, it fails writes, "TCP lane queue-full"). gpu: the engine's rows
+on cuda:0 (prefill) and cuda:$IDEAL_GPU_D (decode, default 0), MC_INTRANODE_NVLINK=1 and
+MC_FORCE_TCP unset; the tcp route stays on host rows (as the bench's tcp route, mem_pool=host).
+Mooncake's per-batch INFO line is silenced after start-up (glog's minloglevel). Run it under the
+MPS daemon where the ladder runs under one. Needs numpy, pyzmq and the Mooncake wheel (torch on
+gpu). At the end of every run the decode's rows must equal the prefill's (every slot written).
+
+The floors: tcp-1 / engine-1 against "tcp route / NVLink one in flight >= 2x" (G1), and
+engine-pipe / tcp-pipe against "per-request NVLink / tcp route >= 3x" (G2); engine-pipe+st /
+tcp-pipe is G2 with the same control messages on both routes. Where a floor is below its goal
+with the transports alone, the goal's floor lies outside this project's code. The tcp route
+here is leaner than SGLang's own: SGLang 0.5.23 copies each row into bytes before the send and
+writes the payload with a ctypes slice assignment on receipt."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import json
+import os
+import re
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 14336, 64]  # DeepSeek-V3 MTP aux row, bytes a field
+NSLOTS = 256
+WARM = 200  # untimed requests before each timed pass
+WAIT_S = 60.0  # the longest any process waits for its peer
+ONE = ("engine-1", "tcp-1")
+RATE = ("engine-sync", "engine-pipe", "engine-pipe+st", "tcp-pipe")
+ST = struct.Struct("<qqq")  # 24-byte status: slot, room, 0
+REPLY = struct.Struct("<qq")  # 16-byte reply: slot or room, 1 or the status
+AUX_DATA = b"AUX_DATA"
+_TRANSPORTS = ((re.compile(r"Intra-Node NVLink transport|IntraNodeNvlinkTransport", re.I), "nvlink-intra"),
+               (re.compile(r"RdmaTransport|using RDMA|rdma_transport", re.I), "rdma"),
+               (re.compile(r"TcpTransport|using TCP transport", re.I), "tcp"))
+
+
+# ---- the two processes -------------------------------------------------------------------
+def _rows(where: str, fill: bool) -> tuple[list, list[int]]:
+    """The 10 field-major row buffers (random on the prefill, zeros on the decode) and their
+    addresses: numpy on the host, torch on a CUDA device."""
+    if where == "host":
+        rng = np.random.default_rng(7)
+        rows = [rng.integers(0, 256, NSLOTS * n, dtype=np.uint8) if fill else np.zeros(NSLOTS * n, np.uint8)
+                for n in AUX]
+        return rows, [r.ctypes.data for r in rows]
+    import torch
+
+    torch.cuda.set_device(torch.device(where))
+    g = torch.Generator().manual_seed(7)
+    trows = [torch.randint(0, 256, (NSLOTS * n,), generator=g, dtype=torch.uint8).to(where) if fill
+             else torch.zeros(NSLOTS * n, dtype=torch.uint8, device=where) for n in AUX]
+    torch.cuda.synchronize()
+    return trows, [t.data_ptr() for t in trows]
+
+
+def _digest(rows: list) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for r in rows:
+        h.update((r.cpu().numpy() if hasattr(r, "cpu") else r).tobytes())
+    return h.hexdigest()
+
+
+def _quiet_glog() -> bool:
+    """glog's minloglevel to WARNING in this process (Mooncake logs an INFO line per batch)."""
+    with open("/proc/self/maps") as fh:
+        paths = sorted({line.split()[-1] for line in fh if "/libglog" in line})
+    for path in paths:
+        try:
+            ctypes.c_int.in_dll(ctypes.CDLL(path), "_ZN3fLI17FLAGS_minloglevelE").value = 1
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _engine(ptrs: list[int]):
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("route_floor: Mooncake initialize failed")
+    for p, n in zip(ptrs, AUX):
+        if te.register_memory(p, NSLOTS * n) != 0:
+            raise SystemExit("route_floor: Mooncake register_memory failed")
+    return te
+
+
+def _where(mode: str, dev: str, side: str) -> str:
+    if mode.startswith("tcp") or dev == "cpu":
+        return "host"
+    return "cuda:0" if side == "prefill" else f"cuda:{os.environ.get('IDEAL_GPU_D', '0')}"
+
+
+def _recv_fn(sock: zmq.Socket, spin: bool, multipart: bool, limit_s: float = WAIT_S):
+    """A receive that gives up after `limit_s`: busy-polling with NOBLOCK, or blocking."""
+    f = sock.recv_multipart if multipart else sock.recv
+    if not spin:
+        sock.setsockopt(zmq.RCVTIMEO, int(limit_s * 1000))
+        return f
+
+    def recv():
+        k = 0
+        end = 0.0
+        while True:
+            try:
+                return f(zmq.NOBLOCK)
+            except zmq.Again:
+                k += 1
+                if k & 0xFFFF == 0:
+                    end = end or time.monotonic() + limit_s
+                    if time.monotonic() > end:
+                        raise SystemExit("route_floor: decode waited too long") from None
+
+    return recv
+
+
+def _limit_s(n: int) -> float:
+    """The longest one run may take (the driver kills both processes after it)."""
+    return 3 * WAIT_S + n / 100
+
+
+def decode(mode: str, dev: str, rdv: str, n: int) -> None:
+    rows, ptrs = _rows(_where(mode, dev, "decode"), False)
+    te = _engine(ptrs) if mode.startswith("engine") else None
+    quiet = _quiet_glog() if te else True
+    ctx = zmq.Context()
+    pair, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
+    pair.setsockopt(zmq.SNDHWM, 0)  # replies never wait on a high-water mark, whatever W
+    info = dict(session=f"127.0.0.1:{te.get_rpc_port()}" if te else "", ptrs=ptrs, quiet=quiet,
+                pair=f"tcp://127.0.0.1:{pair.bind_to_random_port('tcp://127.0.0.1')}",
+                pull=f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+    with open(rdv + ".tmp", "w") as fh:
+        json.dump(info, fh)
+    os.rename(rdv + ".tmp", rdv)
+    spin = dev == "gpu"
+    if mode in ("engine-sync", "engine-pipe"):  # nothing to answer: the writes need no decode
+        _recv_fn(pair, False, False, _limit_s(n))()
+    elif mode == "engine-1":
+        recv = _recv_fn(pair, spin, False)
+        while True:
+            m = recv()
+            if m == b"bye":
+                break
+            slot, room, _ = ST.unpack(m)
+            pair.send(REPLY.pack(slot, room))
+    elif mode == "engine-pipe+st":
+        recv = _recv_fn(pull, spin, False)
+        while True:
+            m = recv()
+            if m == b"bye":
+                break
+            slot, room, _ = ST.unpack(m)
+            pair.send(REPLY.pack(slot, room))
+    else:  # tcp-1, tcp-pipe: SGLang's decode thread, its copy a memmove
+        recv = _recv_fn(pull, spin, True)
+        memmove, unpack = ctypes.memmove, struct.unpack
+        while True:
+            msg = recv()
+            if msg[0] == AUX_DATA:
+                field, slot = int(msg[2]), int(msg[3])
+                size = unpack(">I", msg[4])[0]
+                if len(msg[5]) != size:
+                    raise SystemExit("route_floor: AUX_DATA length mismatch")
+                memmove(ptrs[field] + AUX[field] * slot, msg[5], size)
+            elif len(msg) == 1:  # bye
+                break
+            else:
+                pair.send(REPLY.pack(int(msg[0]), int(msg[1])))
+    pair.send(_digest(rows).encode())  # after bye: the rows as landed
+    ctx.destroy(linger=int(WAIT_S * 1000))
+
+
+def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
+    rows, ptrs = _rows(_where(mode, dev, "prefill"), True)
+    te = _engine(ptrs) if mode.startswith("engine") else None
+    quiet = _quiet_glog() if te else True
+    end = time.monotonic() + WAIT_S
+    while not os.path.exists(rdv):
+        if time.monotonic() > end:
+            raise SystemExit("route_floor: no decode")
+        time.sleep(0.02)
+    with open(rdv) as fh:
+        info = json.load(fh)
+    ctx = zmq.Context()
+    pair, push = ctx.socket(zmq.PAIR), ctx.socket(zmq.PUSH)
+    for s in (pair, push):
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+        s.setsockopt(zmq.SNDTIMEO, int(WAIT_S * 1000))
+    pair.setsockopt(zmq.RCVHWM, 0)
+    pair.connect(info["pair"])
+    push.connect(info["pull"])
+    session = info["session"]
+    blocks = [([ptrs[f] + ln * k for f, ln in enumerate(AUX)],
+               [info["ptrs"][f] + ln * k for f, ln in enumerate(AUX)], list(AUX)) for k in range(NSLOTS)]
+    views = [memoryview(r) for r in rows] if mode.startswith("tcp") else []
+    payloads = [[views[f][ln * k:ln * (k + 1)] for f, ln in enumerate(AUX)] for k in range(NSLOTS)] if views else []
+    fields = [str(f).encode() for f in range(len(AUX))]
+    slots = [str(k).encode() for k in range(NSLOTS)]
+    lens = [struct.pack(">I", ln) for ln in AUX]
+    pc = time.perf_counter
+    result: dict = {"mode": mode}
+    bad = 0
+
+    def tcp_send(i: int) -> None:
+        k, room = i % NSLOTS, str(i + 1).encode()
+        pay, slot = payloads[k], slots[k]
+        for f in range(10):
+            push.send_multipart([AUX_DATA, room, fields[f], slot, lens[f], pay[f]])
+        push.send_multipart([room, b"4", b"0"])
+
+    if mode in ONE:
+        hand, write = [], []
+        sync = te.batch_transfer_sync_write if te else None
+        for i in range(WARM + n):
+            k = i % NSLOTS
+            if sync:
+                t0 = pc()
+                rc = sync(session, *blocks[k])
+                t1 = pc()
+                pair.send(ST.pack(k, i + 1, 0))
+                r = pair.recv()
+                t2 = pc()
+            else:
+                t0 = pc()
+                tcp_send(i)
+                r = pair.recv()
+                t2 = t1 = pc()
+                rc = 0
+            bad += rc != 0 or REPLY.unpack(r)[1] != (i + 1 if sync else 4)
+            if i >= WARM:
+                hand.append(t2 - t0)
+                write.append(t1 - t0)
+        result["p50"] = statistics.median(hand) * 1e6
+        if sync:
+            result["write_p50"] = statistics.median(write) * 1e6
+    else:
+        def sync_pass(count: int, start: int) -> None:
+            write = te.batch_transfer_sync_write
+            for i in range(start, start + count):
+                if write(session, *blocks[i % NSLOTS]) != 0:
+                    raise SystemExit("route_floor: batch_transfer_sync_write failed")
+
+        def engine_pass(count: int, start: int, status: bool) -> None:
+            """A sliding window of `w` requests: with `status`, a request leaves it when its reply
+            is in; without, when its write has landed."""
+            submit, wait = te.batch_transfer_async_write, te.get_batch_transfer_status
+            flight: collections.deque = collections.deque()
+            submitted = landed = replied = 0
+            while (replied if status else landed) < count:
+                while submitted < count and submitted - (replied if status else landed) < w:
+                    i = start + submitted
+                    bid = submit(session, *blocks[i % NSLOTS])
+                    if bid == 0:
+                        raise SystemExit("route_floor: batch_transfer_async_write failed")
+                    flight.append((bid, i))
+                    submitted += 1
+                if flight:
+                    bid, i = flight.popleft()
+                    if wait([bid]) != 0:
+                        raise SystemExit("route_floor: get_batch_transfer_status failed")
+                    landed += 1
+                    if status:
+                        push.send(ST.pack(i % NSLOTS, i + 1, 0))
+                if status:
+                    while replied < landed:  # the replies already there
+                        try:
+                            pair.recv(zmq.NOBLOCK)
+                            replied += 1
+                        except zmq.Again:
+                            break
+                    if not flight and replied < landed:
+                        pair.recv()
+                        replied += 1
+
+        def tcp_pass(count: int, start: int) -> None:
+            sent = done = 0
+            while done < count:
+                while sent < count and sent - done < w:
+                    tcp_send(start + sent)
+                    sent += 1
+                pair.recv()
+                done += 1
+                while done < sent:
+                    try:
+                        pair.recv(zmq.NOBLOCK)
+                        done += 1
+                    except zmq.Again:
+                        break
+
+        def one_pass(count: int, start: int) -> None:
+            if mode == "engine-sync":
+                return sync_pass(count, start)
+            if mode == "tcp-pipe":
+                return tcp_pass(count, start)
+            return engine_pass(count, start, mode == "engine-pipe+st")
+
+        warm = max(WARM, 2 * w)
+        one_pass(warm, 0)
+        t0 = pc()
+        one_pass(n, warm)
+        result["rate"] = n / (pc() - t0)
+    (push if mode in ("tcp-1", "tcp-pipe", "engine-pipe+st") else pair).send(b"bye")
+    landed = pair.recv().decode()
+    result.update(bad=bad, quiet=quiet and info["quiet"],
+                  intact=landed == _digest(rows) if WARM + n >= NSLOTS else None)
+    print("RESULT " + json.dumps(result), flush=True)
+    ctx.destroy(linger=0)
+
+
+# ---- the driver --------------------------------------------------------------------------
+def _transport(log: str) -> str:
+    for pattern, name in _TRANSPORTS:
+        if pattern.search(log):
+            return name
+    return "?"
+
+
+def run_one(mode: str, dev: str, n: int, w: int, tmp: str, env: dict[str, str]) -> tuple[dict, str]:
+    """One run of one mode: the decode and the prefill, each killed if still alive at the end."""
+    rdv = os.path.join(tmp, f"{mode}.json")
+    if os.path.exists(rdv):
+        os.remove(rdv)
+    logs = {k: os.path.join(tmp, f"{k}.log") for k in ("decode", "prefill", "result")}
+    me = os.path.abspath(__file__)
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(logs["decode"], "w") as dlog, open(logs["prefill"], "w") as plog, open(logs["result"], "w") as res:
+            procs.append(subprocess.Popen([sys.executable, me, "--decode", mode, dev, rdv, str(n)],
+                                          stdout=dlog, stderr=subprocess.STDOUT, env=env))
+            procs.append(subprocess.Popen([sys.executable, me, "--prefill", mode, dev, rdv, str(n), str(w)],
+                                          stdout=res, stderr=plog, env=env))
+            end = time.monotonic() + _limit_s(n)
+            while procs[1].poll() is None and procs[0].poll() in (None, 0) and time.monotonic() < end:
+                time.sleep(0.1)  # a decode that died ends the run at once
+            if procs[1].poll() == 0:
+                procs[0].wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = {}
+    for k, path in logs.items():
+        with open(path) as fh:
+            text[k] = fh.read()
+    log, dlog_text, out = text["prefill"], text["decode"], text["result"]
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if not lines or procs[1].returncode != 0:
+        tail = log.strip().splitlines()[-4:] + dlog_text.strip().splitlines()[-4:]
+        raise SystemExit(f"route_floor: {mode} failed (prefill rc {procs[1].returncode}, decode rc "
+                         f"{procs[0].returncode}): " + " | ".join(tail))
+    return json.loads(lines[-1][7:]), _transport(log) if mode.startswith("engine") else ""
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--decode":
+        return decode(*sys.argv[2:5], int(sys.argv[5]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--prefill":
+        return prefill(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))
+    if len(sys.argv) < 2 or sys.argv[1] not in ("cpu", "gpu"):
+        raise SystemExit("usage: python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W]")
+    dev = sys.argv[1]
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    w = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+    env = dict(os.environ)
+    if dev == "gpu":
+        env["MC_INTRANODE_NVLINK"] = "1"
+        env.pop("MC_FORCE_TCP", None)
+    else:
+        env["MC_FORCE_TCP"] = "1"
+        env.pop("MC_INTRANODE_NVLINK", None)
+        # the TCP transport fails blocks past its per-peer lane queue (1024 queued + 1024
+        # waiting by default): room for the window's 10 blocks a request
+        for k in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
+            env[k] = str(max(1024, 10 * w))
+    modes = ONE + RATE
+    got: dict[str, list[dict]] = {m: [] for m in modes}
+    transports, notes = set(), set()
+    with tempfile.TemporaryDirectory(prefix="route-floor-") as tmp:
+        for _ in range(rounds):  # interleaved rounds
+            for m in modes:
+                r, t = run_one(m, dev, n, w, tmp, env)
+                got[m].append(r)
+                if t:
+                    transports.add(t)
+                if r["bad"]:
+                    notes.add(f"{m}: {r['bad']} failed writes or wrong replies in a run")
+                if r["intact"] is False:
+                    notes.add(f"{m}: the decode's rows differ from the prefill's after a run")
+                if not r["quiet"]:
+                    notes.add("Mooncake's per-batch INFO log could not be silenced (glog not found)")
+
+    def med(m: str, key: str) -> tuple[float, list[float]]:
+        v = [r[key] for r in got[m]]
+        return statistics.median(v), v
+
+    where = ("engine rows on cuda:0 -> cuda:" + os.environ.get("IDEAL_GPU_D", "0") + ", MC_INTRANODE_NVLINK=1"
+             if dev == "gpu" else f"engine rows in host memory, MC_FORCE_TCP=1, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER="
+             f"{env['MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER']} (and PENDING_ADMISSIONS)")
+    print(f"route floor: one DeepSeek-V3 MTP aux row (10 fields, {sum(AUX):,} B, {NSLOTS} slots), {dev}: {where}, "
+          f"Mooncake transport from its log: {'/'.join(sorted(transports))}; tcp route on host rows; "
+          f"{n} requests a run, {rounds} interleaved rounds")
+    print("one in flight: p50 us (median of rounds) [rounds]")
+    rows = [("engine-1", "p50", "sync batch write + 24-B status + 16-B reply"),
+            ("engine-1", "write_p50", "  of it, the sync batch write alone"),
+            ("tcp-1", "p50", "10 AUX_DATA + status, payloads memmoved into rows, 16-B reply")]
+    for m, key, what in rows:
+        v, per = med(m, key)
+        print(f"  {v:10.1f}  {m:15s} {what} {[round(x, 1) for x in per]}")
+    print(f"per request: requests/s (median of rounds) [rounds], W={w}")
+    whats = {"engine-sync": "sync batch writes back to back (W=1)",
+             "engine-pipe": f"async batch writes, {w} in flight, writes only",
+             "engine-pipe+st": f"the same + 24-B status PUSH and 16-B reply per request, {w} unanswered",
+             "tcp-pipe": f"10 AUX_DATA + status per request, 16-B reply, {w} unanswered"}
+    for m in RATE:
+        v, per = med(m, "rate")
+        print(f"  {v:10,.0f}  {m:15s} {whats[m]} {[round(x) for x in per]}")
+
+    def ratio(a: str, ka: str, b: str, kb: str) -> tuple[float, list[float]]:
+        per = [x[ka] / y[kb] for x, y in zip(got[a], got[b])]
+        return med(a, ka)[0] / med(b, kb)[0], per
+
+    print("floors (transports alone, none of this project's code): ratio of medians [per round]")
+    g1, g1r = ratio("tcp-1", "p50", "engine-1", "p50")
+    print(f"  G1  tcp-1 / engine-1 one in flight:       {g1:6.2f}x {[round(x, 2) for x in g1r]}"
+          "   goal: tcp route / NVLink handoff p50 >= 2x")
+    g2, g2r = ratio("engine-pipe", "rate", "tcp-pipe", "rate")
+    print(f"  G2  engine-pipe / tcp-pipe per request:   {g2:6.2f}x {[round(x, 2) for x in g2r]}"
+          "   goal: per-request NVLink / tcp route >= 3x")
+    g2s, g2sr = ratio("engine-pipe+st", "rate", "tcp-pipe", "rate")
+    print(f"      engine-pipe+st / tcp-pipe:            {g2s:6.2f}x {[round(x, 2) for x in g2sr]}"
+          "   (the same control path on both routes)")
+    intact = all(r["intact"] for v in got.values() for r in v)
+    print(f"rows landed intact (decode's rows == prefill's after every run): {'yes' if intact else 'see notes'}")
+    for note in sorted(notes):
+        print(f"warning: {note}")
+    if notes:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
