@@ -19,6 +19,9 @@ Two processes on this host, one in flight, both busy-polling (as the ladder on a
                  length back on the PAIR (ZMQ alone; r1-frames is the same with the real frame)
   r5-frames      r1-frames with the verdict on R5's (and the run's) control channel: ROUTER ->
                  DEALER, the prefill's identity frame in front of it (ZMQ alone)
+  inproc-ours    r1-ours's code per round trip in ONE process, no socket: what our code costs
+                 on this host's cores alone (r1-ours - r1-frames against it: the part that two
+                 processes add to our code)
 
     python tools/socket_floor.py [N]      # N timed round trips a mode (default 5000), p50 us
 
@@ -137,8 +140,29 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
     return out
 
 
+def inproc(n: int, keys: tuple[bytes, bytes]) -> list[float]:
+    """r1-ours's per-message code, both sides in this process, in the order a round trip runs it."""
+    p, d = Session(keys[0], keys[1]), Session(keys[1], keys[0])
+    success, out, pc = int(KVPoll.Success), [], time.perf_counter
+    for i in range(n + WARM):
+        t0 = pc()
+        body = d.open_frame(p.sign_frame(wire.status_frame(0, [(i + 1, 1234, 3, success, 99)])))
+        assert body is not None
+        st = wire.parse([body], ITEM_LENS, SLOTS)
+        assert isinstance(st, wire.StepStatus)
+        back = p.unseal(_verdict(d, st.entries[0][0]))
+        assert back is not None
+        m = wire.decode(back)
+        assert isinstance(m, wire.UpdateMsg) and Outcome.of(m.v[0][1]) is Outcome.verified
+        if i >= WARM:
+            out.append((pc() - t0) * 1e6)
+    return out
+
+
 def one(mode: str, n: int) -> float:
     keys = (os.urandom(32), os.urandom(32))
+    if mode == "inproc-ours":
+        return statistics.median(inproc(n, keys))
     q: mp.Queue = mp.Queue()
     p = mp.get_context("fork").Process(target=decode, args=(mode, n, keys, q))
     p.start()
@@ -151,7 +175,7 @@ def one(mode: str, n: int) -> float:
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
     rounds: dict[str, list[float]] = {m: [] for m in ("pair24", "push24", "one64", "sglang-frames", "r1-frames",
-                                                      "r5-frames", "r1-ours")}
+                                                      "r5-frames", "r1-ours", "inproc-ours")}
     for _ in range(3):  # interleaved rounds
         for m in rounds:
             rounds[m].append(one(m, n))
