@@ -82,7 +82,6 @@ _LINE = ('{"rid": %s, "room": %s, "decode": %s, "dst_slot": %s, "route": "%s", "
          '"fault": %s, "taken_us": %s')  # Record.line's, for a batch (Finished.lines)
 
 
-_FLOATS = ("set_buf_us", "send_us", "handoff_us", "e2e_us", "taken_us")  # a null is %s's None there
 _VALUES: dict[Any, str] = {e: e.value for e in (*Outcome, *Detail)}
 
 
@@ -108,13 +107,13 @@ class Finished:
     fault: Sequence[Optional[str]]
     taken_us: Sequence[Optional[float]]
     t_verdict: Sequence[Optional[float]]
-    stages: Sequence[Sequence[float]] = ()
+    stages: Sequence[tuple[float, ...]] = ()
 
     def __len__(self) -> int:
         return len(self.rid)
 
     @classmethod
-    def of_records(cls, recs: Sequence[Record], stages: Sequence[Sequence[float]] = ()) -> "Finished":
+    def of_records(cls, recs: Sequence[Record], stages: Sequence[tuple[float, ...]] = ()) -> "Finished":
         cols = [[getattr(r, k) for r in recs] for k in RECORD_FIELDS + ("t_verdict",)]
         out = cls(*cols)
         out.stages = stages
@@ -131,16 +130,26 @@ class Finished:
             return ""
         fmt = _LINE + tag.replace("%", "%%") + "}\n"
         values = _VALUES.__getitem__
-        faults = ["null" if f is None else json.dumps(f) for f in self.fault]
-        text = "".join(map(fmt.__mod__, zip(
-            self.rid, self.room, self.decode, self.dst_slot, self.route, self.set_buf_us, self.send_us,
-            self.handoff_us, self.e2e_us, map(values, self.outcome), map(values, self.detail), self.checksum,
-            faults, self.taken_us)))
-        # %s writes a float as repr() does, and None as None: JSON's null (only a float column
-        # holds None; every string before it is quote-free or JSON-escaped, so none matches)
-        for key in _FLOATS:
-            if None in getattr(self, key):
-                text = text.replace(f'"{key}": None', f'"{key}": null')
+        # each distinct float and fault written once (a step's requests share most of theirs):
+        # repr() as %s would write it, None as JSON's null
+        floats = _Text(repr).__getitem__
+        faults = _Text(json.dumps).__getitem__
+        return "".join(map(fmt.__mod__, zip(
+            self.rid, self.room, self.decode, self.dst_slot, self.route, map(floats, self.set_buf_us),
+            map(floats, self.send_us), map(floats, self.handoff_us), map(floats, self.e2e_us),
+            map(values, self.outcome), map(values, self.detail), self.checksum, map(faults, self.fault),
+            map(floats, self.taken_us))))
+
+
+class _Text(dict):
+    """`fn` of each distinct value of a batch, once (None: JSON's null)."""
+
+    def __init__(self, fn: Callable[[Any], str]):
+        super().__init__({None: "null"})
+        self.fn = fn
+
+    def __missing__(self, value: Any) -> str:
+        text = self[value] = self.fn(value)
         return text
 
 
@@ -253,7 +262,7 @@ class RankResult:
         if rec.t_verdict is not None and rec.detail not in LOCAL_FAILURES:
             self.t_last = rec.t_verdict if self.t_last is None else max(self.t_last, rec.t_verdict)
 
-    def add_many(self, recs: Sequence[Record], stages: Sequence[Sequence[float]] = ()) -> None:
+    def add_many(self, recs: Sequence[Record], stages: Sequence[tuple[float, ...]] = ()) -> None:
         """Records finished together (a pass of the loop), as add() each would, in one go
         (Finished.of_records, add_finished). `stages`: the verified ones' stage times, as
         add_stages takes them."""
@@ -300,8 +309,19 @@ class RankResult:
                      default=None)
         if t_last is not None:
             self.t_last = t_last if self.t_last is None else max(self.t_last, t_last)
-        for j, name in enumerate(STAGES) if f.stages else ():
-            values = [max(0.0, (t[j + 1] - t[j]) * 1e6) for t in f.stages if t[j] and t[j + 1]]
+        if f.stages:
+            self._add_stage_rows(f.stages)
+
+    def _add_stage_rows(self, rows: Sequence[tuple[float, ...]]) -> None:
+        """add_stages of each row, each distinct row's stage times taken once (a step's
+        requests share theirs)."""
+        per: list[list[float]] = [[] for _ in STAGES]
+        for t, n in Counter(rows).items():
+            for j, values in enumerate(per):
+                a, b = t[j], t[j + 1]
+                if a and b:
+                    values += [max(0.0, (b - a) * 1e6)] * n
+        for name, values in zip(STAGES, per):
             if values:
                 self.stages[name].extend(values)
 

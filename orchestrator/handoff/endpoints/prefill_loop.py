@@ -612,19 +612,51 @@ def finished_columns(reqs: Sequence[Req], labels: Callable[[Sequence[int]], list
     """Finished requests as the columns of their records (what finish() once built a Record
     of, per request): latencies rounded to 0.01 us, a handoff's times only for a verified
     one (from its step's start where it had a step), stage times for a verified one whose
-    status the decode timed on this clock. `labels`: a fault's name for each request it hit."""
+    status the decode timed on this clock. `labels`: a fault's name for each request it hit.
+    Each latency is computed once per distinct pair of times (_Micros): a step's requests
+    share most of theirs."""
     (rid, room, inst, dst, route, set_buf, send, content, verdict, t_done, t_arrive, t_step, t_taken,
      t_ready, t_landed, t_out, t_in) = zip(*map(_COLUMNS, reqs))
     outcome, detail, t_verified = zip(*verdict)
     verified = Outcome.verified
     tv = [t if o is verified else None for o, t in zip(outcome, t_verified)]
+    rounded = _Rounded({None: None}).__getitem__
+    since_step = _Micros(True).__getitem__
     return Finished(
         rid, room, inst, dst, route,
-        [None if v is None else round(v, 2) for v in set_buf],
-        [None if v is None else round(v, 2) for v in send],
-        [None if v is None or not s else round((v - s) * 1e6, 2) for v, s in zip(tv, t_step)],
-        [None if v is None else round((v - a) * 1e6, 2) for v, a in zip(tv, t_arrive)],
+        list(map(rounded, set_buf)),
+        list(map(rounded, send)),
+        list(map(since_step, zip(tv, t_step))),
+        list(map(_Micros(False).__getitem__, zip(tv, t_arrive))),
         outcome, detail, content, labels(rid),
-        [round((k - s) * 1e6, 2) if v is not None and k and s else None for v, k, s in zip(tv, t_taken, t_step)],
+        list(map(since_step, zip(tv, t_taken, t_step))),
         t_done,
         [row for row in zip(t_step, t_ready, t_landed, t_out, t_in, tv) if row[5] is not None and row[4] and row[0]])
+
+
+class _Rounded(dict):
+    """round(v, 2) of each distinct value, once (None stays None)."""
+
+    def __missing__(self, v: float) -> float:
+        r = self[v] = round(v, 2)
+        return r
+
+
+class _Micros(dict):
+    """Microseconds between two times, rounded to 0.01 us, once per distinct key: (t, since),
+    None where t is None (or `since` is unset, with `needs_since`); or (t, at, since): from
+    `since` to `at`, None where t is None or either is unset."""
+
+    def __init__(self, needs_since: bool):
+        super().__init__()
+        self.needs_since = needs_since
+
+    def __missing__(self, key: tuple) -> Optional[float]:
+        if len(key) == 3:
+            v, at, since = key
+            r = round((at - since) * 1e6, 2) if v is not None and at and since else None
+        else:
+            v, since = key
+            r = None if v is None or (self.needs_since and not since) else round((v - since) * 1e6, 2)
+        self[key] = r
+        return r
