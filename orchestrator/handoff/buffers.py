@@ -38,6 +38,7 @@ TORCH_DTYPES = {
 }
 _DEFAULT_LAYOUT: Optional[Declaration] = None
 Rows64 = Union[np.ndarray, torch.Tensor]  # a field's rows as int64: numpy on host rows, else torch
+Ints = Union[Sequence[int], np.ndarray]  # slots, rooms or digests: a list, or a step's array
 
 
 def _to_torch_dtype(dtype: Any) -> torch.dtype:
@@ -349,24 +350,31 @@ class MetadataBuffers:
     def room(self, slot: int) -> int:
         return int(self._rooms[slot, 0].item()) & _U64
 
-    def words_at(self, field: int, slots: Sequence[int], cols: Sequence[int] = (0,)) -> np.ndarray:
+    def words_at(self, field: int, slots: Ints, cols: Sequence[int] = (0,)) -> np.ndarray:
         """Positions in `words` of columns `cols` of field `field`'s 64-bit rows `slots`
         (slot-major: every column of the first slot, then the next)."""
         stride = self.item_lens[field] // 8
         base = self.offsets[field] // 8 + stride * np.asarray(slots, dtype=np.int64)
         return (base[:, None] + np.asarray(cols, dtype=np.int64)).reshape(-1)
 
-    def write_rooms(self, slots: Sequence[int], rooms: Sequence[int],
-                    digests: Optional[Sequence[int]] = None, signature: int = 0) -> None:
+    def write_rooms(self, slots: Ints, rooms: Ints, digests: Optional[Ints] = None, signature: int = 0) -> None:
         """bootstrap_room[slot, 0] = room for a batch of slots, and with `digests`
         kv_checksum[slot] = (digest, signature) too. Device rows: one upload from pinned
-        memory and one indexed kernel for all of it, queued (no wait)."""
+        memory and one indexed kernel for all of it, queued (no wait). Host rows take a
+        step's arrays as they are (rooms as uint64, digests as int64)."""
         stages = self._stages
         if stages is None:
-            self._rooms[list(slots), 0] = [_as_i64(r) for r in rooms]  # type: ignore[assignment]  # host: numpy
+            if isinstance(rooms, np.ndarray):  # uint64: its int64 view is _as_i64 of each
+                self._rooms[slots, 0] = rooms.astype(np.uint64).view(np.int64)  # type: ignore[assignment]  # host: numpy
+            else:
+                self._rooms[list(slots), 0] = [_as_i64(r) for r in rooms]  # type: ignore[assignment]  # host: numpy
             if digests is not None:
                 self.write_checksums(slots, digests, signature)
             return
+        if isinstance(rooms, np.ndarray):
+            rooms = rooms.tolist()
+        if isinstance(digests, np.ndarray):
+            digests = digests.tolist()
         pos = [self.words_at(self.room_field, slots)]
         vals = [np.array([_as_i64(r) for r in rooms], dtype=np.int64)]
         if digests is not None:
@@ -380,15 +388,21 @@ class MetadataBuffers:
         staged = stages.rooms.upload(np.concatenate(pos + vals))
         self.words.index_copy_(0, staged[:n], staged[n:])
 
-    def write_checksums(self, slots: Sequence[int], digests: Sequence[int], signature: int) -> None:
-        """kv_checksum[slot] = (digest, signature) for a batch of slots (device rows: queued)."""
+    def write_checksums(self, slots: Ints, digests: Ints, signature: int) -> None:
+        """kv_checksum[slot] = (digest, signature) for a batch of slots (device rows: queued;
+        host rows take a step's int64 array of digests as it is)."""
         stages = self._stages
         if stages is None:
+            if isinstance(digests, np.ndarray):  # int64: tags are below 2^63
+                at = np.asarray(slots)
+                self._checksums[at, 0] = digests  # type: ignore[index, assignment]  # host: numpy; no field: raises
+                self._checksums[at, 1] = _as_i64(signature)  # type: ignore[index]
+                return
             self._checksums[list(slots), :2] = [  # type: ignore[index, assignment]  # host: numpy; no field: raises
                 [_as_i64(d), _as_i64(signature)] for d in digests]
             return
         vals = np.empty((len(slots), 2), dtype=np.int64)
-        vals[:, 0] = [_as_i64(d) for d in digests]
+        vals[:, 0] = digests if isinstance(digests, np.ndarray) else [_as_i64(d) for d in digests]
         vals[:, 1] = _as_i64(signature)
         assert self.checksum_field is not None, "digests need the layout's checksum field"
         pos = self.words_at(self.checksum_field, slots, (0, 1))

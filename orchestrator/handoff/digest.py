@@ -65,6 +65,7 @@ P = 16_777_213
 CHUNK_WORDS = 8192
 MARK = 1 << 62
 _IDENT = struct.Struct("<IQ")  # (prefill rank, request id): what a pad is keyed on
+_HALVES = struct.Struct("<II")  # a pad's 8 bytes: its two little-endian halves
 # kv_checksum[slot, 1]: marks a digest of this tool's (an SGLang decode skips the comparison
 # of digests whose signature differs from its own KV layout signature)
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
@@ -291,8 +292,8 @@ class Keys:
     def pad(self, rank: int, rid: int) -> tuple[int, int]:
         h = self._padder.copy()
         h.update(_IDENT.pack(rank, rid))
-        raw = h.digest()
-        return int.from_bytes(raw[:4], "little") % P, int.from_bytes(raw[4:], "little") % P
+        a, b = _HALVES.unpack(h.digest())
+        return a % P, b % P
 
 
 def _gather_layout(b: MetadataBuffers) -> tuple[np.ndarray, np.ndarray, int, Optional[int]]:
@@ -562,6 +563,8 @@ class RowDigest:
         """Host rows, blake2b, or no captured graph: the rooms, the tags and their writes one
         after the other."""
         b = self.b
+        if ahead and self.frozen is not None and len(slots) >= 8 and self.device.type == "cpu":
+            return self._seal_frozen_host(slots, rooms, pads)
         b.write_rooms(slots, rooms)
         if ahead and self.frozen is not None:
             tags, contents = self.sign_rooms(slots, rooms, pads, idents)
@@ -570,6 +573,23 @@ class RowDigest:
         if b.checksum_field is not None:
             b.write_checksums(slots, tags, SIGNATURE)
         return Sealed(tags, contents)
+
+    def _seal_frozen_host(self, slots: Sequence[int], rooms: Sequence[int],
+                          pads: Sequence[tuple[int, int]]) -> Sealed:
+        """Host rows as frozen but for their rooms, a step of many: the rooms, the sums, the
+        tags and their writes as arrays over the step (what sign_rooms and write_rooms,
+        write_checksums give row by row)."""
+        b = self.b
+        at = np.asarray(slots, dtype=np.int64)
+        room = np.array(rooms, dtype=np.uint64)
+        b.write_rooms(at, room)
+        words = room.astype("<u8").view("<i2").reshape(-1, 4).astype(np.int64)  # _split of each room
+        c = np.mod(self.frozen[at] + words @ self._room_rows_np, P)  # type: ignore[index]  # set (caller)
+        pad = np.array(pads, dtype=np.int64).reshape(-1, 2)
+        tags = np.mod(c[:, 0] + pad[:, 0], P) | (np.mod(c[:, 1] + pad[:, 1], P) << 24) | MARK  # pack_tag's
+        if b.checksum_field is not None:
+            b.write_checksums(at, tags, SIGNATURE)
+        return Sealed(tags.tolist(), list(map("{:012x}".format, (c[:, 2] | c[:, 3] << 24).tolist())))
 
     def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
                     rows: Optional[StagedRows]) -> Sealed:

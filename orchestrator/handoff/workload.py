@@ -23,10 +23,15 @@ VOCAB = 152_000
 POOL = 256  # distinct synthetic requests per run (request i reuses entry i % POOL)
 
 
+_ROOM_HASH = hashlib.blake2b(digest_size=8, person=b"orch-room")  # set up once; a room copies it
+_SEED_GROUP = struct.Struct("<QQ").pack
+
+
 def room_for(seed: int, group: int) -> int:
     """A nonzero 63-bit bootstrap room; a different stream for every seed."""
-    raw = hashlib.blake2b(struct.pack("<QQ", seed, group), digest_size=8, person=b"orch-room").digest()
-    return (int.from_bytes(raw, "little") & _ROOM_MASK) or 1
+    h = _ROOM_HASH.copy()
+    h.update(_SEED_GROUP(seed, group))
+    return (int.from_bytes(h.digest(), "little") & _ROOM_MASK) or 1
 
 
 class Rooms(Protocol):
