@@ -239,3 +239,42 @@ def test_staged_rows_pack_the_rows_set_buf_wrote_and_words_address_rooms():
     assert int(b.words[b.words_at(b.room_field, [3])[0]]) == -9
     assert b.words_at(b.checksum_field, [3], (0, 1)).tolist() == [
         b.words_at(b.checksum_field, [3])[0], b.words_at(b.checksum_field, [3])[0] + 1]
+
+
+def test_slot_runs_follow_every_take_and_free():
+    """SlotAllocator.runs (found with bytes.find on its free mask) is the free runs a pass over
+    every slot finds, after any mix of alloc, alloc_run (from a start or not), free and
+    free_many; alloc_run from a free start takes the free slots from there, up to n."""
+    import random
+
+    rng = random.Random(5)
+    a = SlotAllocator(64, random.Random(1))
+    held: list[int] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            start = rng.choice([None, rng.randrange(64)])
+            free_from = start is not None and start in a._free
+            got = a.alloc_run(rng.randint(1, 20), start)
+            assert got == list(range(got[0], got[0] + len(got))) if got else True
+            if free_from:
+                assert got[0] == start
+            held += got
+        elif op < 0.5 and (s := a.alloc()) is not None:
+            held.append(s)
+        elif held and op < 0.75:
+            a.free(held.pop(rng.randrange(len(held))))
+        elif held:
+            batch = [held.pop(rng.randrange(len(held))) for _ in range(min(len(held), 5))]
+            a.free_many(batch)
+        free = set(a._free)
+        want, first = [], None
+        for s in range(65):
+            if s < 64 and s in free and first is None:
+                first = s
+            elif not (s < 64 and s in free) and first is not None:
+                want.append((first, s - first))
+                first = None
+        assert a.runs() == want and a.available == 64 - len(held)
+    with pytest.raises(ValueError):
+        a.free_many([held[0], held[0]] if held else [0, 0])

@@ -527,6 +527,7 @@ class SlotAllocator:
         self.size = size
         self._free = list(range(size))
         self._pos = list(range(size))  # slot -> index in _free, -1 when allocated
+        self._mask = bytearray(b"\x01" * size)  # 1 where free: runs are found by bytes.find, in C
         self._rng = rng or random.Random(secrets.randbits(64))
 
     @property
@@ -541,6 +542,7 @@ class SlotAllocator:
             self._free[i] = last
             self._pos[last] = i
         self._pos[slot] = -1
+        self._mask[slot] = 0
 
     def alloc(self) -> Optional[int]:
         if not self._free:
@@ -549,23 +551,29 @@ class SlotAllocator:
         self.take(slot)
         return slot
 
+    def runs(self) -> list[tuple[int, int]]:
+        """The free runs, (first slot, length), in slot order (two finds per run, not a
+        Python pass over every slot)."""
+        mask, out = self._mask, []
+        i = mask.find(1)
+        while i >= 0:
+            j = mask.find(0, i)
+            if j < 0:
+                j = self.size
+            out.append((i, j - i))
+            i = mask.find(1, j)
+        return out
+
     def alloc_run(self, n: int, start: Optional[int] = None) -> list[int]:
         """Up to `n` consecutive slots. From `start` when that slot is free (as many as are
         free from there); else a free run of at least n (one of them, at random), else the
         longest free run there is; [] when none is free."""
         if start is not None and 0 <= start < self.size and self._pos[start] >= 0:
-            slots = [start]
-            while len(slots) < n and slots[-1] + 1 < self.size and self._pos[slots[-1] + 1] >= 0:
-                slots.append(slots[-1] + 1)
+            stop = min(start + max(n, 1), self.size)
+            end = self._mask.find(0, start, stop)  # the first taken slot from start on
+            slots = list(range(start, stop if end < 0 else end))
         else:
-            runs, first = [], None
-            for s in range(self.size + 1):
-                free = s < self.size and self._pos[s] >= 0
-                if free and first is None:
-                    first = s
-                elif not free and first is not None:
-                    runs.append((first, s - first))
-                    first = None
+            runs = self.runs()
             if not runs:
                 return []
             fits = [r for r in runs if r[1] >= n]
@@ -576,8 +584,16 @@ class SlotAllocator:
             else:
                 begin, count = max(runs, key=lambda r: r[1])
             slots = list(range(begin, begin + count))
-        for s in slots:
-            self.take(s)
+        pos, free = self._pos, self._free
+        for slot in slots:  # take() of each, inline
+            i = pos[slot]
+            last = free.pop()
+            if last != slot:
+                free[i] = last
+                pos[last] = i
+            pos[slot] = -1
+        if slots:
+            self._mask[slots[0]:slots[-1] + 1] = bytes(len(slots))
         return slots
 
     def free(self, slot: int) -> None:
@@ -585,3 +601,14 @@ class SlotAllocator:
             raise ValueError(f"slot {slot} is not allocated")
         self._pos[slot] = len(self._free)
         self._free.append(slot)
+        self._mask[slot] = 1
+
+    def free_many(self, slots: Iterable[int]) -> None:
+        """free() of each (a step's rows at once); ValueError at the first not allocated."""
+        pos, free, mask, size = self._pos, self._free, self._mask, self.size
+        for slot in slots:
+            if not 0 <= slot < size or pos[slot] >= 0:
+                raise ValueError(f"slot {slot} is not allocated")
+            pos[slot] = len(free)
+            free.append(slot)
+            mask[slot] = 1

@@ -304,9 +304,9 @@ class PrefillLoop:
                     req.t_landed = landed
                 if t_status > req.t_status_out:
                     req.t_status_out = t_status
-        free, now = self.rows.src.free, 0.0
+        self.rows.src.free_many([req.src_slot for req in reqs])
+        now = 0.0
         for req in reqs:
-            free(req.src_slot)
             req.sent = True
             if req.verdict is not None:
                 if not req.done:
