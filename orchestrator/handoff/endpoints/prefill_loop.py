@@ -8,6 +8,7 @@ SourceRows, its sends through the Sender, and nothing else of the endpoint."""
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass
 from operator import attrgetter
@@ -27,7 +28,7 @@ from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.specs import PrefillSpec, WorkloadSpec
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, room_of
+from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, request_room, seed_of
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
@@ -161,16 +162,19 @@ class PrefillLoop:
         self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
         self.blocks_out = sender.blocks_done  # blocks handed to the engine so far
         self.staged = rows.staged if phase.set_buf is SetBufMode.staged else None
+        # a request's room and pad, from what is constant over the phase (room_of's, Keys.pad's)
+        self.rid_base = phase.rid_base
+        self.room_of = functools.partial(request_room, seed_of(w), w.duplicate_rooms)
+        self.pad_of = functools.partial(rows.keys.pad, settings.rank)
         if self.staged is not None:
             self.staged.take(rows.buffers)  # earlier phases may have written the device rows
 
     # ---- request lifecycle ------------------------------------------------------------------
     def arrive(self, i: int, t_arrive: float) -> None:
         instances = self.links.instances
-        rid = self.phase.rid_base + i
+        rid = self.rid_base + i
         inst = instances[decode_of(rid, len(instances))]
-        room = room_of(self.settings.workload, rid)
-        req = Req(rid, room, inst.index, t_arrive, self.rows.keys.pad(self.settings.rank, rid))
+        req = Req(rid, self.room_of(rid), inst.index, t_arrive, self.pad_of(rid))
         if inst.lost:
             req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
             self.finish(req, _clock())
