@@ -49,6 +49,7 @@ sender the engine's own ordering; see orchestrator.handoff.endpoints.prefill).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 import threading
 import time
@@ -585,11 +586,11 @@ class RowDigest:
         b.write_rooms(at, room)
         words = room.astype("<u8").view("<i2").reshape(-1, 4).astype(np.int64)  # _split of each room
         c = np.mod(self.frozen[at] + words @ self._room_rows_np, P)  # type: ignore[index]  # set (caller)
-        pad = np.array(pads, dtype=np.int64).reshape(-1, 2)
+        pad = np.fromiter(itertools.chain.from_iterable(pads), np.int64, 2 * len(at)).reshape(-1, 2)
         tags = np.mod(c[:, 0] + pad[:, 0], P) | (np.mod(c[:, 1] + pad[:, 1], P) << 24) | MARK  # pack_tag's
         if b.checksum_field is not None:
             b.write_checksums(at, tags, SIGNATURE)
-        return Sealed(tags.tolist(), list(map("{:012x}".format, (c[:, 2] | c[:, 3] << 24).tolist())))
+        return Sealed(tags.tolist(), ["%012x" % v for v in (c[:, 2] | c[:, 3] << 24).tolist()])
 
     def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
                     rows: Optional[StagedRows]) -> Sealed:
