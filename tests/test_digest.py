@@ -83,6 +83,28 @@ def test_sender_and_receiver_agree():
         assert r.expected_tag(c, keys.pad(*ident)) == tag
 
 
+@pytest.mark.parametrize("kw", [{}, {"kv_checksum_enabled": True}])
+def test_a_steps_read_of_host_rows_is_what_the_rows_words_give_in_runs_or_scattered(kw):
+    """_read_host gathers a step's rows a field at a time (a run of slots: a slice of each
+    field): its sums, rooms and tags are those of each slot's words as the gather table
+    places them, whatever the slots' order."""
+    b = _filled(size=16, **kw)
+    d = RowDigest(b, Keys(SECRET))
+    w, room_at, tag_at = d._host_read
+    for slots in ([3], list(range(2, 11)), [9, 0, 4, 4, 15], list(range(16)), [15, 14, 13]):
+        got = d._read_host(slots)
+        x = d._u16[d._idx[slots]]
+        assert (got.c == np.mod((x[:, :d.words].astype(np.float64) @ w).astype(np.int64), P)).all()
+        assert got.rooms.tolist() == [b.room(s) for s in slots]
+        if tag_at is not None:
+            assert got.tags.tolist() == [b.get_kv_checksum(s)[0] for s in slots]
+
+
+def test_pads_of_a_run_are_each_requests_pad():
+    keys = Keys(SECRET, "ab" * 16)
+    assert keys.pads(3, [5, 6, 1 << 40]) == [keys.pad(3, 5), keys.pad(3, 6), keys.pad(3, 1 << 40)]
+
+
 def test_long_rows_are_summed_in_chunks_exactly():
     b = _filled(hidden=20000, dtype=torch.float32)  # 80 KB of hidden state: 10 chunks
     d = RowDigest(b, Keys(SECRET))

@@ -296,6 +296,16 @@ class Keys:
         a, b = _HALVES.unpack(h.digest())
         return a % P, b % P
 
+    def pads(self, rank: int, rids: Iterable[int]) -> list[tuple[int, int]]:
+        """pad() of each request of one rank (a run of grants, a step's arrivals)."""
+        copy, ident, halves, out = self._padder.copy, _IDENT.pack, _HALVES.unpack, []
+        for rid in rids:
+            h = copy()
+            h.update(ident(rank, rid))
+            a, b = halves(h.digest())
+            out.append((a % P, b % P))
+        return out
+
 
 def _gather_layout(b: MetadataBuffers) -> tuple[np.ndarray, np.ndarray, int, Optional[int]]:
     """Where a slot's words lie in the arena, as 16-bit words: every field but kv_checksum
@@ -319,6 +329,18 @@ def _gather_layout(b: MetadataBuffers) -> tuple[np.ndarray, np.ndarray, int, Opt
         step.append(np.full(n // 2, n // 2, dtype=np.int64))
     assert room_at is not None, "every layout has a room field"
     return np.concatenate(base), np.concatenate(step), room_at, tag_at
+
+
+def _field_rows(b: MetadataBuffers, u16: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """Host rows: each field's rows as 16-bit words, (slots, words) views of the arena, in
+    _gather_layout's order, with the columns its words take in a gathered row (lo, hi)."""
+    covered = [i for i in range(len(b.specs)) if i != b.checksum_field]
+    out, lo = [], 0
+    for i in covered + ([b.checksum_field] if b.checksum_field is not None else []):
+        n, start = b.item_lens[i] // 2, b.offsets[i] // 2
+        out.append((u16[start:start + b.size * n].reshape(b.size, n), lo, lo + n))
+        lo += n
+    return out
 
 
 class RowDigest:
@@ -356,6 +378,8 @@ class RowDigest:
             self._w = weights
             # every slot's gather positions, taken once (a step indexes rows of this table)
             self._idx = np.arange(buffers.size, dtype=np.int64)[:, None] * self.step + self.base
+            # the same words field by field (a step's read copies rows, not single words)
+            self._fields = _field_rows(buffers, self._u16)
             # the receiver's read: the digest's columns, and where the room and tag lie in a row
             self._host_read = (np.ascontiguousarray(weights[:self.words, :4]), room_at, tag_at)
         else:
@@ -690,9 +714,19 @@ class RowDigest:
 
     def _read_host(self, slots: Sequence[int]) -> "StepRead":
         """Host rows: the digest's four columns in one product; the room's and the landed
-        tag's words read as they lie (what the one-hot columns give on device rows)."""
+        tag's words read as they lie (what the one-hot columns give on device rows). The
+        step's rows are gathered a field at a time (a run of slots: a slice of each)."""
         w, room_at, tag_at = self._host_read
-        x = self._u16[self._idx[slots]]
+        k = len(slots)
+        x = np.empty((k, len(self.base)), dtype=np.int16)
+        first = slots[0] if k else 0
+        if k and slots[-1] - first == k - 1 and list(slots) == list(range(first, first + k)):
+            for rows, lo, hi in self._fields:  # a run of slots: each field's rows are one block
+                x[:, lo:hi] = rows[first:first + k]
+        else:
+            at = np.fromiter(slots, dtype=np.intp, count=k)
+            for rows, lo, hi in self._fields:
+                x[:, lo:hi] = rows[at]
         n = self.words
         if n <= CHUNK_WORDS + 8:  # one product, exact in float64
             sums = (x[:, :n].astype(np.float64) @ w).astype(np.int64)
