@@ -15,6 +15,7 @@ from orchestrator.handoff.endpoints.decode_state import Drops, Grant, Ledger, Pe
 from orchestrator.handoff.endpoints.grants import Grants
 from orchestrator.handoff.transport import wire
 from orchestrator.handoff.transport.auth import Authenticator, new_nonce
+from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult
 
 from .helpers.peers import PrefillPeer
@@ -60,6 +61,25 @@ def test_a_heartbeat_goes_when_due_to_a_waiting_prefill_and_says_when_the_next_c
     prefill = Authenticator(b"s" * 32).session(0, nonces[0], peers.nonce, "prefill")
     assert wire.decode(prefill.unseal(sent.frames[0][1])) == wire.UpdateMsg(grants=[], v=[])
     assert nxt == pytest.approx(min(peers.ranks[0].told, t) + every) and nxt > later
+
+
+def test_arrivals_are_granted_in_runs_once_each_with_their_pads_and_shed_past_the_cap():
+    grants, peers, sent, _ = _grants(timeout_s=2.0)
+    led = grants.ledger
+    grants.arrive(0, [(7, 70), (8, 80), (7, 71)], True)  # a run, one of its requests twice
+    assert [(g.rid, g.room, g.slot) for g in led.granted[0]] == [(7, 70, led.grants[(0, 7)].slot),
+                                                                 (8, 80, led.grants[(0, 8)].slot)]
+    assert led.grants[(0, 8)].slot == led.grants[(0, 7)].slot + 1  # consecutive
+    assert grants.res.refused.unexpected == 1 and grants.res.grants == 2
+    assert grants.slots.available == 2  # the duplicate's slot went back
+    for (prank, rid), g in led.grants.items():
+        assert g.pad == peers.keys.pad(prank, rid) and led.by_slot[g.slot] is g
+    led.waiting_cap = 3
+    grants.arrive(1, [(1, 10), (2, 20), (3, 30), (4, 40), (5, 50)], False)  # 3 wait, then 2 are granted
+    assert [w[1] for w in led.waiting] == [3] and grants.res.refused.dropped_control == 2
+    assert [v[:3] for v in led.verdicts[1]] == [[rid, Outcome.failed.code, Detail.decode_overloaded.code]
+                                                for rid in (4, 5)]
+    assert [g.rid for g in led.granted[1]] == [1, 2]
 
 
 def test_the_poll_sleeps_until_the_timers_are_due_within_its_bounds():

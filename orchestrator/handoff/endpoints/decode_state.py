@@ -84,9 +84,13 @@ class Peers:
         self.watched_at = _clock()  # the last liveness check (role=decode)
         self.heartbeat_s = heartbeat_s(timeout_s)
 
-    def pad(self, prank: int, rid: int) -> tuple[int, int]:
+    def keys_of(self, prank: int) -> Keys:
+        """The pads' keys of a prefill rank: its session's once bound."""
         sess = self.ranks.get(prank)
-        return (sess.keys if sess is not None else self.keys).pad(prank, rid)
+        return sess.keys if sess is not None else self.keys
+
+    def pad(self, prank: int, rid: int) -> tuple[int, int]:
+        return self.keys_of(prank).pad(prank, rid)
 
     def bind(self, sess: PrefillSession) -> None:
         self.sessions[sess.identity] = sess
@@ -122,6 +126,14 @@ class Ledger:
         del self.grants[key]
         del self.by_slot[g.slot]
         self.ready.pop(key, None)
+
+    def drop_many(self, gs: list[Grant]) -> None:
+        grants, by_slot, ready = self.grants, self.by_slot, self.ready
+        for g in gs:
+            key = (g.prank, g.rid)
+            del grants[key]
+            del by_slot[g.slot]
+            ready.pop(key, None)
 
     def of(self, prank: int) -> list[Grant]:
         return [g for g in self.grants.values() if g.prank == prank]

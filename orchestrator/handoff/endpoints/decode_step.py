@@ -165,9 +165,7 @@ class Stepper:
                                           now_ns if taken_at is None else taken_at.get(g.slot, now_ns)])
         tail = f'"outcome": "{Outcome.verified.value}", "detail": "{Detail.none.value}"{self.tag}}}\n'
         self.records.write("".join(f'{{"prefill": {g.prank}, "rid": {g.rid}, {tail}' for g in gs))
-        remove = self.grants.remove
-        for g in gs:
-            remove(g)
+        self.grants.remove_many(gs)
         if before < _WARM <= before + n:
             res.memory["rss_kb_warm"] = rss_kb()
 

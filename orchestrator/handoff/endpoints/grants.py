@@ -34,6 +34,10 @@ class Grants:
         """Arrivals wait for a slot (and are granted what is free); past the waiting cap one
         is shed, failed at once as decode_overloaded."""
         led = self.ledger
+        if len(led.waiting) + len(reqs) <= led.waiting_cap:  # (as a rule: none is shed)
+            led.waiting.extend([(prank, rid, room, contiguous) for rid, room in reqs])
+            self.grant_waiting()
+            return
         for rid, room in reqs:
             if len(led.waiting) >= led.waiting_cap:  # shed, and say so
                 self.drop("dropped_control", "arrival_shed",
@@ -48,34 +52,43 @@ class Grants:
     def grant_waiting(self) -> None:
         """Grant slots to waiting arrivals, in order. Arrivals marked contiguous get
         consecutive slots (continuing after the prefill's previous grant when it can), so a
-        coalesced send covers them with one block per field."""
-        led = self.ledger
+        coalesced send covers them with one block per field. A run's pads are taken together
+        (its arrivals are one prefill rank's)."""
+        led, alloc = self.ledger, self.slots
+        waiting = led.waiting
+        if not (waiting and alloc.available):
+            return
         now = _clock()
-        while led.waiting and self.slots.available:
-            prank, rid, room, contiguous = led.waiting[0]
+        shared = self.group_size == 1  # one rank has no one to share it with
+        grants, by_slot, added = led.grants, led.by_slot, 0
+        while waiting and alloc.available:
+            prank, rid, room, contiguous = waiting[0]
             n = 1
             if contiguous:
-                while (n < len(led.waiting) and n < self.slots.available
-                       and led.waiting[n][0] == prank and led.waiting[n][3]):
+                while (n < len(waiting) and n < alloc.available
+                       and waiting[n][0] == prank and waiting[n][3]):
                     n += 1
-                slots = self.slots.alloc_run(n, led.next_slot.get(prank))
+                slots = alloc.alloc_run(n, led.next_slot.get(prank))
                 led.next_slot[prank] = slots[-1] + 1
             else:
-                slot = self.slots.alloc()
+                slot = alloc.alloc()
                 assert slot is not None  # (slots available)
                 slots = [slot]
-            for slot in slots:
-                prank, rid, room, _ = led.waiting.popleft()
-                if (prank, rid) in led.grants:
-                    self.slots.free(slot)
+            run = [waiting.popleft() for _ in slots]  # (one prefill rank's: see above)
+            pads = self.peers.keys_of(prank).pads(prank, [w[1] for w in run])
+            told = led.granted[prank]
+            for slot, (_, rid, room, _), pad in zip(slots, run, pads):
+                if (prank, rid) in grants:
+                    alloc.free(slot)
                     self.drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
-                g = Grant(prank, rid, room, slot, self.peers.pad(prank, rid), now,
-                          shared=self.group_size == 1)
-                self.add(g)
-                if self.group_size > 1:  # one rank has no one to share it with
+                g = Grant(prank, rid, room, slot, pad, now, shared=shared)
+                grants[(prank, rid)] = by_slot[slot] = g  # (Ledger.add)
+                added += 1
+                if not shared:
                     led.new_grants.append(g)
-                led.granted[prank].append(g)
+                told.append(g)
+        self.res.grants += added
 
     def add(self, g: Grant) -> None:
         self.ledger.add(g)
@@ -91,6 +104,11 @@ class Grants:
     def remove(self, g: Grant) -> None:
         self.ledger.drop(g)
         self.rows.free(g.slot)
+
+    def remove_many(self, gs: list[Grant]) -> None:
+        """remove() of each (a step's verified requests at once)."""
+        self.ledger.drop_many(gs)
+        self.rows.free_many([g.slot for g in gs])
 
     def release(self, prank: int, why: str) -> None:
         """A prefill that said bye (or died) writes nothing more: its slots go back (in a TP

@@ -5,6 +5,7 @@ gate and the verdict on one rank's row of a request)."""
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from typing import Optional
 
 import numpy as np
@@ -18,6 +19,9 @@ from orchestrator.profile.kinds import GateRead
 from orchestrator.profile.plan import Device
 from orchestrator.results.outcomes import Detail, KVPoll, Outcome
 from orchestrator.results.records import DecodeResult
+
+_CLEAN = attrgetter("status", "room", "pad", "tag")  # what Judge.clean reads of a grant
+_SUCCESS = int(KVPoll.Success)
 
 
 class Rows:
@@ -118,6 +122,15 @@ class Rows:
             self.to_clear.append(slot)
         self.slots.free(slot)
 
+    def free_many(self, slots: list[int]) -> None:
+        """free() of each (a step's verified requests' slots at once)."""
+        if self.zero_on_free and self.defer_clears:
+            self.quarantine += slots
+            return
+        if self.zero_on_free:
+            self.to_clear += slots
+        self.slots.free_many(slots)
+
     def zero_freed(self) -> None:
         """End of a step, host rows: zero the rooms of the slots freed in it (device rows
         hold theirs until the next pass has zeroed them: a freed slot is granted only after
@@ -187,14 +200,13 @@ class Judge:
         that landed (or that its status carried). Whatever the gate's settings, poll() takes
         such a row and judge() verifies it; every other row is judged one by one."""
         k = len(cands)
-        status = np.fromiter((-1 if g.status is None else g.status for g in cands), dtype=np.int64, count=k)
-        rooms = np.fromiter((g.room for g in cands), dtype=np.uint64, count=k)
-        pad0 = np.fromiter((g.pad[0] for g in cands), dtype=np.int64, count=k)
-        pad1 = np.fromiter((g.pad[1] for g in cands), dtype=np.int64, count=k)
+        status, room, pad, tag = zip(*map(_CLEAN, cands)) if k else ((), (), (), ())
+        ok = np.fromiter((s == _SUCCESS for s in status), dtype=bool, count=k)  # (None: no status)
+        rooms = np.fromiter(room, dtype=np.uint64, count=k)
+        pads = np.array(pad, dtype=np.int64).reshape(k, 2)
         landed = (step.tags if self.buffers.checksum_field is not None
-                  else np.fromiter((g.tag for g in cands), dtype=np.uint64, count=k))
-        return ((status == int(KVPoll.Success)) & (step.rooms == rooms) & (rooms != 0)
-                & (step.expected_tags(pad0, pad1) == landed))
+                  else np.fromiter(tag, dtype=np.uint64, count=k))
+        return ok & (step.rooms == rooms) & (rooms != 0) & (step.expected_tags(pads[:, 0], pads[:, 1]) == landed)
 
     def _digest_ok(self, g: Grant, r: RowCheck) -> bool:
         landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
