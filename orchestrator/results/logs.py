@@ -181,13 +181,22 @@ class DecisionLog:
     def write_fields(self, fields: list[str]) -> None:
         """Decisions already rendered as JSON object members without braces (the hot path
         renders what a step's decisions share once)."""
-        if not fields:
+        self.write_groups([(fields, "")])
+
+    def write_groups(self, groups: list[tuple[list[str], str]]) -> None:
+        """write_fields of groups of decisions, in one write: each group's decisions (their
+        own members) and the members they all end with (`shared`, rendered once: "" none)."""
+        if not any(fields for fields, _ in groups):
             return
         ts = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
         head = (f'{{"event": "route_decision", "timestamp": "{ts}", '
                 f'"logger": "orchestrator.decisions", "role": {self.role}, ')
-        tail = f", {self.static}{self.fh.tag}}}\n"
-        self.fh.write("".join([head + f + tail for f in fields]))
+        out = []
+        for fields, shared in groups:
+            if fields:
+                tail = f"{', ' if shared else ''}{shared}, {self.static}{self.fh.tag}}}\n"
+                out.append(head + (tail + head).join(fields) + tail)
+        self.fh.write("".join(out))
         now = time.monotonic()
         if now - self._flushed >= self.FLUSH_S:
             self.fh.flush()

@@ -166,16 +166,16 @@ class PrefillEndpoint:
     def log_decisions(self, step: ForwardStep) -> None:
         """One route_decision line per request and decode process, a step's in one write
         (once the step's sends finished)."""
-        lines = []
+        groups = []
         rank = self.rank
         for link, send in step.sends:  # what a send's requests share, rendered once
             shared = json.dumps({"decode": link.name, "send": {
                 "requests": len(send.transfers), "blocks": send.blocks, "bytes": send.nbytes},
                 "latency_us": round(send.latency_us, 2), "outcome": "ok" if send.error is None else "error",
                 "error": send.error})[1:-1]
-            lines += [f'"rank": {rank}, "rid": {t.rid}, "room": {t.room}, "slot": {t.src_slot}, '
-                      f'"dst_slot": {t.dst_slot}, {shared}' for t in send.transfers]
-        self.decisions.write_fields(lines)
+            groups.append(([f'"rank": {rank}, "rid": {t.rid}, "room": {t.room}, "slot": {t.src_slot}, '
+                            f'"dst_slot": {t.dst_slot}' for t in send.transfers], shared))
+        self.decisions.write_groups(groups)
 
     # ---- the workload -------------------------------------------------------------------
     def run(self, phase: PhaseSpec, conn: Optional[control.Pipe],
