@@ -23,6 +23,7 @@ about the benchmark.
 from __future__ import annotations
 
 from abc import abstractmethod
+from operator import attrgetter
 from typing import Optional, Sequence
 
 import zmq
@@ -35,6 +36,8 @@ from orchestrator.profile.kinds import StatusMode
 from orchestrator.profile.plan import Route
 from orchestrator.profile.platform import clock as now
 from orchestrator.results.outcomes import KVPoll
+
+_STATUS_ROW = attrgetter("rid", "room", "dst_slot", "status", "tag")  # a transfer's status entry
 
 
 class AuxRouter(SendPath):
@@ -109,8 +112,8 @@ class AuxRouter(SendPath):
     def status_frames(self, transfers: Sequence[Transfer], per_step: bool) -> list[bytes]:
         """The statuses of `transfers` as signed status frames (wire.status_frame): one per
         request, or with `per_step` one for them all (split only past wire.MAX_STATUSES)."""
-        tagged = self.tag_in_status
-        rows = [(t.rid, t.room, t.dst_slot, int(t.status), t.tag if tagged else 0) for t in transfers]
+        rows = (list(map(_STATUS_ROW, transfers)) if self.tag_in_status  # (KVPoll packs as its int)
+                else [(t.rid, t.room, t.dst_slot, t.status, 0) for t in transfers])
         at = range(0, len(rows), wire.MAX_STATUSES) if per_step else range(len(rows))
         width = wire.MAX_STATUSES if per_step else 1
         return [self.auth.sign_frame(wire.status_frame(self.rank, rows[i:i + width])) for i in at]
