@@ -4,6 +4,7 @@ reason. Codes are what travels on the wire; names are what lands in the run dir.
 from __future__ import annotations
 
 from enum import Enum, IntEnum
+from typing import Mapping
 
 
 class RunFailed(RuntimeError):
@@ -75,3 +76,6 @@ class Detail(Enum):
 
 _DETAIL_CODES = {d: i for i, d in enumerate(Detail)}
 _DETAILS_BY_CODE = {i: d for d, i in _DETAIL_CODES.items()}
+# Outcome.of / Detail.of as mappings (a batch of codes looked up without a call each)
+OUTCOME_OF: Mapping[int, Outcome] = _OUTCOMES_BY_CODE
+DETAIL_OF: Mapping[int, Detail] = _DETAILS_BY_CODE

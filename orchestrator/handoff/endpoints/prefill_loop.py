@@ -31,7 +31,7 @@ from orchestrator.handoff.transport import wire
 from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, request_room, seed_of
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.platform import clock as _clock
-from orchestrator.results.outcomes import Detail, Outcome
+from orchestrator.results.outcomes import DETAIL_OF, OUTCOME_OF, Detail, Outcome
 from orchestrator.results.records import Finished, RankResult
 from orchestrator.results.rundir import RunFile
 
@@ -165,22 +165,24 @@ class PrefillLoop:
         # a request's room and pad, from what is constant over the phase (room_of's, Keys.pad's)
         self.rid_base = phase.rid_base
         self.room_of = functools.partial(request_room, seed_of(w), w.duplicate_rooms)
-        self.pad_of = functools.partial(rows.keys.pad, settings.rank)
+        self.pads_of = functools.partial(rows.keys.pads, settings.rank)
         if self.staged is not None:
             self.staged.take(rows.buffers)  # earlier phases may have written the device rows
 
     # ---- request lifecycle ------------------------------------------------------------------
-    def arrive(self, i: int, t_arrive: float) -> None:
-        instances = self.links.instances
-        rid = self.rid_base + i
-        inst = instances[decode_of(rid, len(instances))]
-        req = Req(rid, self.room_of(rid), inst.index, t_arrive, self.pad_of(rid))
-        if inst.lost:
-            req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
-            self.finish(req, _clock())
-            return
-        self.outstanding[rid] = req
-        inst.backlog.append(req)
+    def arrive(self, i: int, t_arrive: float, n: int = 1) -> None:
+        """Requests i .. i+n-1 arrive at `t_arrive` (their pads taken together)."""
+        instances, room_of, outstanding = self.links.instances, self.room_of, self.outstanding
+        rids = range(self.rid_base + i, self.rid_base + i + n)
+        for rid, pad in zip(rids, self.pads_of(rids)):
+            inst = instances[decode_of(rid, len(instances))]
+            req = Req(rid, room_of(rid), inst.index, t_arrive, pad)
+            if inst.lost:
+                req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
+                self.finish(req, _clock())
+                continue
+            outstanding[rid] = req
+            inst.backlog.append(req)
 
     def flush_arrivals(self) -> None:
         """Announce arrivals, at most as many ungranted at a time as the decode has slots
@@ -325,15 +327,14 @@ class PrefillLoop:
         shed it). Anything else is counted and changes nothing."""
         now = _clock()
         res, get, index, same_clock = self.res, self.outstanding.get, inst.index, inst.same_clock
-        failed = Outcome.failed
+        failed, outcome_of, detail_of = Outcome.failed, OUTCOME_OF.get, DETAIL_OF.get
         for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
             req = get(rid)
             if req is None or req.inst != index or req.verdict is not None:
                 res.rejected += 1  # not ours, or judged twice (late, after a stop or a loss)
                 continue
-            try:
-                o, d = Outcome.of(outcome), Detail.of(detail)
-            except KeyError:
+            o, d = outcome_of(outcome), detail_of(detail)
+            if o is None or d is None:
                 res.rejected += 1
                 continue
             if (req.src_slot < 0 if req.dst_slot >= 0 else o is not failed):
@@ -507,10 +508,16 @@ class PrefillLoop:
         # rest of the phase would pass here without the loop reporting progress to the runner
         end = min(self.total, self.next_i + ISSUE_BUDGET)
         if self.offsets is None:
-            while (self.next_i < end and len(self.outstanding) < self.phase.concurrency
-                   and not holds(self.next_i)):
-                self.arrive(self.next_i, now)
-                self.next_i += 1
+            # as many as may arrive now, together (each one as long as no fault holds it)
+            while (n := min(end - self.next_i, self.phase.concurrency - len(self.outstanding))) > 0:
+                k = 0
+                while k < n and not holds(self.next_i + k):
+                    k += 1
+                if k:
+                    self.arrive(self.next_i, now, k)
+                    self.next_i += k
+                if k < n:  # held
+                    break
             self.more_now = self.next_i == end < self.total
             if self.deadline is not None and self.next_i == self.total:
                 self.res.ended_by = "requests"  # the ceiling came before the clock
