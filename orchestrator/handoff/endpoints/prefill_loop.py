@@ -120,6 +120,13 @@ class Book:
         if self.count == self.warm:
             self.memory["rss_kb_warm"] = rss_kb()
 
+    def add_many(self, reqs: list[Req]) -> None:
+        """add() of each."""
+        self.done += reqs
+        before, self.count = self.count, self.count + len(reqs)
+        if before < self.warm <= self.count:
+            self.memory["rss_kb_warm"] = rss_kb()
+
     def flush(self) -> None:
         if self.done:
             done, self.done = self.done, []
@@ -311,14 +318,15 @@ class PrefillLoop:
                 if t_status > req.t_status_out:
                     req.t_status_out = t_status
         self.rows.src.free_many([req.src_slot for req in reqs])
-        now = 0.0
+        judged = []
         for req in reqs:
             req.sent = True
             if req.verdict is not None:
                 if not req.done:
                     self.judged_unsent -= 1
-                now = now or _clock()
-                self.finish(req, now)
+                judged.append(req)
+        if judged:
+            self.finish_many(judged, _clock())
 
     def judged(self, inst: Instance, verdicts: wire.Rows) -> None:
         """Verdicts are taken only for a request in the state that expects one: judged
@@ -328,6 +336,7 @@ class PrefillLoop:
         now = _clock()
         res, get, index, same_clock = self.res, self.outstanding.get, inst.index, inst.same_clock
         failed, outcome_of, detail_of = Outcome.failed, OUTCOME_OF.get, DETAIL_OF.get
+        done: list[Req] = []  # finished by their verdict (together, below)
         for rid, outcome, detail, t_ns, t_status_ns, t_taken_ns in verdicts:
             req = get(rid)
             if req is None or req.inst != index or req.verdict is not None:
@@ -352,11 +361,12 @@ class PrefillLoop:
             if req.dst_slot < 0:
                 inst.ungranted -= 1
             if req.sent or req.src_slot < 0:
-                self.finish(req, now)
+                done.append(req)
             else:  # judged before its send finished (a held send may go now)
                 self.judged_unsent += 1
                 for link in inst.links:
                     link.router.judged(rid)
+        self.finish_many(done, now)
 
     def finish(self, req: Req, now: float) -> None:
         """A judged request is done (`now`: the clock at its verdict): its record is written
@@ -369,6 +379,20 @@ class PrefillLoop:
         self.outstanding.pop(req.rid, None)
         self.book.add(req)
         self.finished += 1
+
+    def finish_many(self, reqs: list[Req], now: float) -> None:
+        """finish() of each (a batch of verdicts)."""
+        pop, fresh = self.outstanding.pop, []
+        for req in reqs:
+            if req.done:
+                continue
+            req.done = True
+            assert req.verdict is not None, "finished once judged"
+            req.t_done = now
+            pop(req.rid, None)
+            fresh.append(req)
+        self.book.add_many(fresh)
+        self.finished += len(fresh)
 
     def flush_records(self) -> None:
         """The requests finished since the last flush, counted and written in one go (once a
