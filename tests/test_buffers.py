@@ -8,7 +8,7 @@ import torch
 
 from orchestrator import MetadataBuffers
 from orchestrator.handoff.buffers import SlotAllocator
-from orchestrator.handoff.workload import Shapes, make_request, room_for, room_of
+from orchestrator.handoff.workload import Shapes, make_request, request_room, request_rooms, room_for, room_of
 from orchestrator.profile.config import MemPoolType, WorkloadConfig
 from orchestrator.profile.layout import load_layout
 
@@ -182,6 +182,9 @@ def test_rooms_depend_on_the_seed_and_repeat_as_asked():
     assert room_for((1 << 63) - 1, 0) > 0
     w = WorkloadConfig(duplicate_rooms=2)
     assert room_of(w, 10) == room_of(w, 11) != room_of(w, 12)
+    rids = [0, 1, 10, 11, 12, 1 << 40]
+    for seed, dup in ((0, 1), (7, 2), ((1 << 63) - 1, 3)):  # a pass's rooms at once: each one's
+        assert request_rooms(seed, dup, rids) == [request_room(seed, dup, rid) for rid in rids]
 
 
 def test_workload_is_deterministic():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Iterable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -65,6 +65,16 @@ def room_of(w: Rooms, rid: int) -> int:
 def request_room(seed: int, duplicate_rooms: int, rid: int) -> int:
     """room_of from the two values it reads (the workload's seed, as seed_of gives it)."""
     return room_for(seed, rid // duplicate_rooms)
+
+
+def request_rooms(seed: int, duplicate_rooms: int, rids: Iterable[int]) -> list[int]:
+    """request_room of each (a pass's arrivals)."""
+    copy, pack, out = _ROOM_HASH.copy, _SEED_GROUP, []
+    for rid in rids:
+        h = copy()
+        h.update(pack(seed, rid // duplicate_rooms))
+        out.append((int.from_bytes(h.digest(), "little") & _ROOM_MASK) or 1)
+    return out
 
 
 @dataclass

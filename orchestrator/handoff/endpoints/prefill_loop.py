@@ -28,7 +28,7 @@ from orchestrator.handoff.endpoints.sender import ForwardStep, Sender
 from orchestrator.handoff.faults import LoopFaults
 from orchestrator.handoff.specs import PrefillSpec, WorkloadSpec
 from orchestrator.handoff.transport import wire
-from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, request_room, seed_of
+from orchestrator.handoff.workload import RequestPool, arrival_offsets, decode_of, request_rooms, seed_of
 from orchestrator.profile.kinds import FillMode, SetBufMode, StatusMode
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import DETAIL_OF, OUTCOME_OF, Detail, Outcome
@@ -169,9 +169,9 @@ class PrefillLoop:
         self.blocks_per_request = len(rows.buffers.specs) * ranks  # one block per field per rank
         self.blocks_out = sender.blocks_done  # blocks handed to the engine so far
         self.staged = rows.staged if phase.set_buf is SetBufMode.staged else None
-        # a request's room and pad, from what is constant over the phase (room_of's, Keys.pad's)
+        # requests' rooms and pads, from what is constant over the phase (request_rooms', Keys.pads')
         self.rid_base = phase.rid_base
-        self.room_of = functools.partial(request_room, seed_of(w), w.duplicate_rooms)
+        self.rooms_of = functools.partial(request_rooms, seed_of(w), w.duplicate_rooms)
         self.pads_of = functools.partial(rows.keys.pads, settings.rank)
         if self.staged is not None:
             self.staged.take(rows.buffers)  # earlier phases may have written the device rows
@@ -179,11 +179,11 @@ class PrefillLoop:
     # ---- request lifecycle ------------------------------------------------------------------
     def arrive(self, i: int, t_arrive: float, n: int = 1) -> None:
         """Requests i .. i+n-1 arrive at `t_arrive` (their pads taken together)."""
-        instances, room_of, outstanding = self.links.instances, self.room_of, self.outstanding
+        instances, outstanding = self.links.instances, self.outstanding
         rids = range(self.rid_base + i, self.rid_base + i + n)
-        for rid, pad in zip(rids, self.pads_of(rids)):
+        for rid, room, pad in zip(rids, self.rooms_of(rids), self.pads_of(rids)):
             inst = instances[decode_of(rid, len(instances))]
-            req = Req(rid, room_of(rid), inst.index, t_arrive, pad)
+            req = Req(rid, room, inst.index, t_arrive, pad)
             if inst.lost:
                 req.verdict = (Outcome.failed, Detail.not_sent_peer_lost, None)
                 self.finish(req, _clock())
