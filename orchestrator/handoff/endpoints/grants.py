@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import time
+from operator import attrgetter
 
 import structlog
 
@@ -18,6 +19,8 @@ from orchestrator.handoff.transport import wire
 from orchestrator.profile.platform import clock as _clock
 from orchestrator.results.outcomes import Detail, Outcome
 from orchestrator.results.records import DecodeResult
+
+_GRANT_ROW = attrgetter("rid", "slot")  # a grant as an update tells it
 
 
 class Grants:
@@ -134,12 +137,13 @@ class Grants:
         if self.leader and led.waiting:
             self.grant_waiting()
         for prank in set(led.verdicts) | set(led.granted):
-            told = [g for g in led.granted.get(prank, []) if g.shared]
+            granted = led.granted.get(prank, [])
+            told = [g for g in granted if g.shared]
             v = led.verdicts.pop(prank, [])
             if told or v:
                 self.replies.send(self.peers.ranks[prank].identity,
-                                  wire.encode(wire.UpdateMsg(grants=[[g.rid, g.slot] for g in told], v=v)))
-            left = [g for g in led.granted.get(prank, []) if not g.shared]
+                                  wire.update_frame(list(map(_GRANT_ROW, told)), v))
+            left = [g for g in granted if not g.shared] if len(told) < len(granted) else []
             if left:
                 led.granted[prank] = left
             else:

@@ -205,8 +205,7 @@ class PrefillLoop:
             if inst.announce:
                 if not inst.owed - len(inst.announce):
                     inst.last_heard = _clock()  # nothing was owed before: the clock starts now
-                self.links.send(inst, wire.encode(wire.ArriveMsg(reqs=inst.announce,
-                                                                 contiguous=self.phase.coalesce)))
+                self.links.send(inst, wire.arrive_frame(inst.announce, self.phase.coalesce))  # (an ArriveMsg)
                 inst.announce = []
 
     def form_step(self) -> None:

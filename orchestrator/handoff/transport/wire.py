@@ -72,6 +72,7 @@ import ctypes
 import dataclasses
 import itertools
 import json
+import operator
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence
@@ -520,6 +521,7 @@ def encode_status(room: int, status: KVPoll, prefill_rank: int, reason: str = ""
 
 
 _STATUS_ENTRY = struct.Struct("<QQIIQ")  # STEP_DTYPE's fields
+_SLOT_OF, _STATUS_OF = operator.itemgetter(2), operator.itemgetter(3)  # an entry's slot and status
 _SUCCESS = int(KVPoll.Success)
 MAX_STATUSES = (MAX_MESSAGE_BYTES - _HEAD.size) // _STATUS_ENTRY.size  # a status frame's entries, at most
 
@@ -602,9 +604,9 @@ def _statuses(frame: bytes, slots: int) -> StepStatus:
     if not 0 < n <= MAX_STATUSES or len(frame) != _HEAD.size + n * _STATUS_ENTRY.size:
         raise WireError(f"status frame of {n} entries has {len(frame) - _HEAD.size} B of them")
     entries: list[StatusRow] = list(_STATUS_ENTRY.iter_unpack(memoryview(frame)[_HEAD.size:]))
-    for e in entries:
-        if e[2] >= slots or e[3] > _SUCCESS:
-            raise WireError(f"status frame entry with slot {e[2]} (max {slots - 1}) or status {e[3]}")
+    if max(map(_SLOT_OF, entries)) >= slots or max(map(_STATUS_OF, entries)) > _SUCCESS:
+        e = next(e for e in entries if e[2] >= slots or e[3] > _SUCCESS)  # the first wrong one
+        raise WireError(f"status frame entry with slot {e[2]} (max {slots - 1}) or status {e[3]}")
     return StepStatus(rank, entries)
 
 
