@@ -4,6 +4,7 @@ gate and the verdict on one rank's row of a request)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from operator import attrgetter
 from typing import Optional
@@ -201,9 +202,10 @@ class Judge:
         such a row and judge() verifies it; every other row is judged one by one."""
         k = len(cands)
         status, room, pad, tag = zip(*map(_CLEAN, cands)) if k else ((), (), (), ())
-        ok = np.fromiter((s == _SUCCESS for s in status), dtype=bool, count=k)  # (None: no status)
+        ok = (np.fromiter(status, dtype=np.int64, count=k) == _SUCCESS if None not in status
+              else np.fromiter((s == _SUCCESS for s in status), dtype=bool, count=k))  # (None: no status)
         rooms = np.fromiter(room, dtype=np.uint64, count=k)
-        pads = np.array(pad, dtype=np.int64).reshape(k, 2)
+        pads = np.fromiter(itertools.chain.from_iterable(pad), dtype=np.int64, count=2 * k).reshape(k, 2)
         landed = (step.tags if self.buffers.checksum_field is not None
                   else np.fromiter(tag, dtype=np.uint64, count=k))
         return ok & (step.rooms == rooms) & (rooms != 0) & (step.expected_tags(pads[:, 0], pads[:, 1]) == landed)
