@@ -175,16 +175,8 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
     spin = dev == "gpu"
     if mode in ("engine-sync", "engine-pipe"):  # nothing to answer: the writes need no decode
         _recv_fn(pair, False, False, _limit_s(n))()
-    elif mode == "engine-1":
-        recv = _recv_fn(pair, spin, False)
-        while True:
-            m = recv()
-            if m == b"bye":
-                break
-            slot, room, _ = ST.unpack(m)
-            pair.send(REPLY.pack(slot, room))
-    elif mode == "engine-pipe+st":
-        recv = _recv_fn(pull, spin, False)
+    elif mode in ("engine-1", "engine-pipe+st"):  # the status on the PAIR (one in flight) or the PULL
+        recv = _recv_fn(pair if mode == "engine-1" else pull, spin, False)
         while True:
             m = recv()
             if m == b"bye":
@@ -465,18 +457,17 @@ def main() -> None:
         return med(a, ka)[0] / med(b, kb)[0], per
 
     print("floors (transports alone, none of this project's code): ratio of medians [per round]")
-    g1, g1r = ratio("tcp-1", "p50", "engine-1", "p50")
-    print(f"  G1  tcp-1 / engine-1 one in flight:       {g1:6.2f}x {[round(x, 2) for x in g1r]}"
-          "   goal: tcp route / NVLink handoff p50 >= 2x")
-    g2, g2r = ratio("engine-pipe", "rate", "tcp-pipe", "rate")
-    print(f"  G2  engine-pipe / tcp-pipe per request:   {g2:6.2f}x {[round(x, 2) for x in g2r]}"
-          "   goal: per-request NVLink / tcp route >= 3x")
-    g2w, g2wr = ratio("engine-sync", "rate", "tcp-pipe", "rate")
-    print(f"      engine-sync / tcp-pipe:               {g2w:6.2f}x {[round(x, 2) for x in g2wr]}"
-          "   (the engine's W=1: on NVLink it can beat the window)")
-    g2s, g2sr = ratio("engine-pipe+st", "rate", "tcp-pipe", "rate")
-    print(f"      engine-pipe+st / tcp-pipe:            {g2s:6.2f}x {[round(x, 2) for x in g2sr]}"
-          "   (the same control path on both routes)")
+    floors = (("G1  tcp-1 / engine-1 one in flight:    ", "tcp-1", "p50", "engine-1", "p50",
+               "goal: tcp route / NVLink handoff p50 >= 2x"),
+              ("G2  engine-pipe / tcp-pipe per request:", "engine-pipe", "rate", "tcp-pipe", "rate",
+               "goal: per-request NVLink / tcp route >= 3x"),
+              ("    engine-sync / tcp-pipe:            ", "engine-sync", "rate", "tcp-pipe", "rate",
+               "(the engine's W=1: on NVLink it can beat the window)"),
+              ("    engine-pipe+st / tcp-pipe:         ", "engine-pipe+st", "rate", "tcp-pipe", "rate",
+               "(the same control path on both routes)"))
+    for label, a, ka, b, kb, goal in floors:
+        r, per = ratio(a, ka, b, kb)
+        print(f"  {label}   {r:6.2f}x {[round(x, 2) for x in per]}   {goal}")
     intact = all(r["intact"] for v in got.values() for r in v)
     print(f"rows landed intact (decode's rows == prefill's after every run): {'yes' if intact else 'see notes'}")
     for note in sorted(notes):

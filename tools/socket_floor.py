@@ -63,6 +63,14 @@ def _verdict(s: Session, rid: int) -> bytes:
     return s.seal(wire.encode(wire.UpdateMsg(grants=[], v=[[rid, Outcome.verified.code, Detail.none.code, t, t, t]])))
 
 
+def _check_verdict(s: Session, frame: bytes) -> None:
+    """The prefill's side of a verdict: unsealed, decoded, verified (as the run's drain)."""
+    body = s.unseal(frame)
+    assert body is not None
+    m = wire.decode(body)
+    assert isinstance(m, wire.UpdateMsg) and Outcome.of(m.v[0][1]) is Outcome.verified
+
+
 def decode(mode: str, n: int, keys: tuple[bytes, bytes], addrs: "mp.Queue") -> None:
     ctx = zmq.Context()
     pair, pull, router = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
@@ -131,10 +139,7 @@ def prefill(mode: str, n: int, keys: tuple[bytes, bytes], pair_at: str, pull_at:
             _recv(dealer)
         else:
             push.send(s.sign_frame(wire.status_frame(0, [(i + 1, 1234, 3, success, 99)])))
-            body = s.unseal(_recv(pair))
-            assert body is not None
-            m = wire.decode(body)
-            assert isinstance(m, wire.UpdateMsg) and Outcome.of(m.v[0][1]) is Outcome.verified
+            _check_verdict(s, _recv(pair))
         if i >= WARM:
             out.append((pc() - t0) * 1e6)
     return out
@@ -150,10 +155,7 @@ def inproc(n: int, keys: tuple[bytes, bytes]) -> list[float]:
         assert body is not None
         st = wire.parse([body], ITEM_LENS, SLOTS)
         assert isinstance(st, wire.StepStatus)
-        back = p.unseal(_verdict(d, st.entries[0][0]))
-        assert back is not None
-        m = wire.decode(back)
-        assert isinstance(m, wire.UpdateMsg) and Outcome.of(m.v[0][1]) is Outcome.verified
+        _check_verdict(p, _verdict(d, st.entries[0][0]))
         if i >= WARM:
             out.append((pc() - t0) * 1e6)
     return out
