@@ -597,11 +597,7 @@ class SlotAllocator:
         return slots
 
     def free(self, slot: int) -> None:
-        if not 0 <= slot < self.size or self._pos[slot] >= 0:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._pos[slot] = len(self._free)
-        self._free.append(slot)
-        self._mask[slot] = 1
+        self.free_many((slot,))
 
     def free_many(self, slots: Iterable[int]) -> None:
         """free() of each (a step's rows at once); ValueError at the first not allocated."""

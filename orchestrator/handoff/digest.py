@@ -291,10 +291,7 @@ class Keys:
         self._padder = hashlib.blake2b(key=self.pad_key, digest_size=8)  # keyed once; a pad copies it
 
     def pad(self, rank: int, rid: int) -> tuple[int, int]:
-        h = self._padder.copy()
-        h.update(_IDENT.pack(rank, rid))
-        a, b = _HALVES.unpack(h.digest())
-        return a % P, b % P
+        return self.pads(rank, (rid,))[0]
 
     def pads(self, rank: int, rids: Iterable[int]) -> list[tuple[int, int]]:
         """pad() of each request of one rank (a run of grants, a step's arrivals)."""

@@ -69,12 +69,7 @@ def request_room(seed: int, duplicate_rooms: int, rid: int) -> int:
 
 def request_rooms(seed: int, duplicate_rooms: int, rids: Iterable[int]) -> list[int]:
     """request_room of each (a pass's arrivals)."""
-    copy, pack, out = _ROOM_HASH.copy, _SEED_GROUP, []
-    for rid in rids:
-        h = copy()
-        h.update(pack(seed, rid // duplicate_rooms))
-        out.append((int.from_bytes(h.digest(), "little") & _ROOM_MASK) or 1)
-    return out
+    return [room_for(seed, rid // duplicate_rooms) for rid in rids]
 
 
 @dataclass

@@ -122,10 +122,7 @@ class Ledger:
         self.by_slot[g.slot] = g
 
     def drop(self, g: Grant) -> None:
-        key = (g.prank, g.rid)
-        del self.grants[key]
-        del self.by_slot[g.slot]
-        self.ready.pop(key, None)
+        self.drop_many([g])
 
     def drop_many(self, gs: list[Grant]) -> None:
         grants, by_slot, ready = self.grants, self.by_slot, self.ready

@@ -63,7 +63,7 @@ class Grants:
             return
         now = _clock()
         shared = self.group_size == 1  # one rank has no one to share it with
-        grants, by_slot, added = led.grants, led.by_slot, 0
+        grants, add, added = led.grants, led.add, 0
         while waiting and alloc.available:
             prank, rid, room, contiguous = waiting[0]
             n = 1
@@ -86,7 +86,7 @@ class Grants:
                     self.drop("unexpected", "duplicate_arrival", prefill=prank, rid=rid)
                     continue
                 g = Grant(prank, rid, room, slot, pad, now, shared=shared)
-                grants[(prank, rid)] = by_slot[slot] = g  # (Ledger.add)
+                add(g)
                 added += 1
                 if not shared:
                     led.new_grants.append(g)
@@ -105,8 +105,7 @@ class Grants:
         return g
 
     def remove(self, g: Grant) -> None:
-        self.ledger.drop(g)
-        self.rows.free(g.slot)
+        self.remove_many([g])
 
     def remove_many(self, gs: list[Grant]) -> None:
         """remove() of each (a step's verified requests at once)."""

@@ -116,12 +116,7 @@ class Rows:
     def free(self, slot: int) -> None:
         """A judged or released request's slot: free now, at the step's end, or after the
         next read pass (see the class)."""
-        if self.zero_on_free and self.defer_clears:
-            self.quarantine.append(slot)
-            return
-        if self.zero_on_free:
-            self.to_clear.append(slot)
-        self.slots.free(slot)
+        self.free_many([slot])
 
     def free_many(self, slots: list[int]) -> None:
         """free() of each (a step's verified requests' slots at once)."""

@@ -114,14 +114,9 @@ class Book:
         self.done: list[Req] = []  # finished, not yet counted and written
         self.count = 0
 
-    def add(self, req: Req) -> None:
-        self.done.append(req)
-        self.count += 1
-        if self.count == self.warm:
-            self.memory["rss_kb_warm"] = rss_kb()
-
     def add_many(self, reqs: list[Req]) -> None:
-        """add() of each."""
+        """Finished requests, counted and written at the next flush (the process's memory is
+        sampled once `warm` are in)."""
         self.done += reqs
         before, self.count = self.count, self.count + len(reqs)
         if before < self.warm <= self.count:
@@ -370,14 +365,7 @@ class PrefillLoop:
     def finish(self, req: Req, now: float) -> None:
         """A judged request is done (`now`: the clock at its verdict): its record is written
         with the others of this pass (flush_records)."""
-        if req.done:
-            return
-        req.done = True
-        assert req.verdict is not None, "finished once judged"
-        req.t_done = now
-        self.outstanding.pop(req.rid, None)
-        self.book.add(req)
-        self.finished += 1
+        self.finish_many([req], now)
 
     def finish_many(self, reqs: list[Req], now: float) -> None:
         """finish() of each (a batch of verdicts)."""
