@@ -7,12 +7,19 @@ blocks for replies (as the yardstick).
   engine-1        one in flight: Mooncake's batch_transfer_sync_write of the slot's 10 blocks,
                   then a 24-byte status on a ZMQ PAIR, a 16-byte reply (no digest, no room
                   write); also the write alone
+  engine-1+gate   engine-1 with the device touches SGLang 0.5.23's NVLink rows add to every
+                  handoff, nothing else: the prefill's set_buf writes the request's bootstrap_room
+                  into the row on the device (`bootstrap_room[slot, 0] = room`, one scalar write)
+                  before the batch write; the decode's readiness gate reads it back
+                  (`_apply_metadata_gate`: `.item()`, one device sync), compares it with the
+                  status's room, and zeroes it when the slot is freed (clear_slot's scalar write)
   tcp-1           one in flight, SGLang 0.5.23's tcp route wire (host rows): 10 PUSHed
                   [b"AUX_DATA", room, field, slot, >I n, payload] messages (payloads are
                   memoryview slices of the prefill's rows; field, slot and length frames built
                   ahead), then the status [room, b"4", b"0"] on the same socket; the decode
                   parses each, memmoves the payload into its rows at the slot, and replies
                   16 bytes on the PAIR to the status. Timed: first AUX_DATA send -> reply
+  tcp-1+gate      tcp-1 with the same room written, read and zeroed (host rows: numpy scalars)
   engine-sync     requests/s, W=1: sync batch writes back to back (no status)
   engine-pipe     requests/s, W requests in flight: batch_transfer_async_write per request
                   (its 10 blocks), the oldest waited for with get_batch_transfer_status (a
@@ -33,7 +40,9 @@ Mooncake's per-batch INFO line is silenced after start-up (glog's minloglevel). 
 MPS daemon where the ladder runs under one. Needs numpy, pyzmq and the Mooncake wheel (torch on
 gpu). At the end of every run the decode's rows must equal the prefill's (every slot written).
 
-The floors: tcp-1 / engine-1 against "tcp route / NVLink one in flight >= 2x" (G1), and
+The floors: tcp-1 / engine-1 against "tcp route / NVLink one in flight >= 2x" (G1; G1g: the
+same with SGLang's room written, gated and zeroed on both routes, what a handoff on either
+route cannot skip), and
 engine-pipe / tcp-pipe against "per-request NVLink / tcp route >= 3x" (G2); engine-sync /
 tcp-pipe is G2 with the engine's W=1 (one H200, NVLink: sync writes ran as fast as a window of
 8-256, the transport waiting on the CPU before each submit), and engine-pipe+st / tcp-pipe G2
@@ -64,7 +73,7 @@ AUX = [64, 64, 64, 64, 512, 512, 64, 128, 14336, 64]  # DeepSeek-V3 MTP aux row,
 NSLOTS = 256
 WARM = 200  # untimed requests before each timed pass
 WAIT_S = 60.0  # the longest any process waits for its peer
-ONE = ("engine-1", "tcp-1")
+ONE = ("engine-1", "engine-1+gate", "tcp-1", "tcp-1+gate")
 RATE = ("engine-sync", "engine-pipe", "engine-pipe+st", "tcp-pipe")
 ST = struct.Struct("<qqq")  # 24-byte status: slot, room, 0
 REPLY = struct.Struct("<qq")  # 16-byte reply: slot or room, 1 or the status
@@ -93,11 +102,23 @@ def _rows(where: str, fill: bool) -> tuple[list, list[int]]:
     return trows, [t.data_ptr() for t in trows]
 
 
-def _digest(rows: list) -> str:
+def _digest(rows: list, gate: bool = False) -> str:
+    """The rows' hash; with `gate`, the bootstrap_room words left out (the decode zeroes them)."""
     h = hashlib.blake2b(digest_size=16)
-    for r in rows:
-        h.update((r.cpu().numpy() if hasattr(r, "cpu") else r).tobytes())
+    for f, r in enumerate(rows):
+        a = r.cpu().numpy() if hasattr(r, "cpu") else r
+        h.update((a.reshape(NSLOTS, AUX[f])[:, 8:] if gate and f == len(AUX) - 1 else a).tobytes())
     return h.hexdigest()
+
+
+def _rooms(rows: list):
+    """bootstrap_room per slot: the first 8 bytes of the last field's row (as the yardstick)."""
+    last = rows[-1]
+    if hasattr(last, "view") and not isinstance(last, np.ndarray):
+        import torch
+
+        return last.view(NSLOTS, AUX[-1])[:, :8].view(torch.int64)[:, 0]
+    return last.reshape(NSLOTS, AUX[-1])[:, :8].view(np.int64)[:, 0]
 
 
 def _quiet_glog() -> bool:
@@ -175,16 +196,22 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
     spin = dev == "gpu"
     if mode in ("engine-sync", "engine-pipe"):  # nothing to answer: the writes need no decode
         _recv_fn(pair, False, False, _limit_s(n))()
-    elif mode in ("engine-1", "engine-pipe+st"):  # the status on the PAIR (one in flight) or the PULL
-        recv = _recv_fn(pair if mode == "engine-1" else pull, spin, False)
+    elif mode in ("engine-1", "engine-1+gate", "engine-pipe+st"):  # the status on the PAIR (one in flight) or the PULL
+        recv = _recv_fn(pull if mode == "engine-pipe+st" else pair, spin, False)
+        rooms = _rooms(rows) if mode == "engine-1+gate" else None
         while True:
             m = recv()
             if m == b"bye":
                 break
             slot, room, _ = ST.unpack(m)
+            if rooms is not None:  # SGLang's readiness gate, then clear_slot when the slot is freed
+                landed = int(rooms[slot].item())
+                rooms[slot] = 0
+                room = room if landed == room else -1
             pair.send(REPLY.pack(slot, room))
-    else:  # tcp-1, tcp-pipe: SGLang's decode thread, its copy a memmove
+    else:  # tcp-1, tcp-1+gate, tcp-pipe: SGLang's decode thread, its copy a memmove
         recv = _recv_fn(pull, spin, True)
+        rooms = _rooms(rows) if mode == "tcp-1+gate" else None
         memmove, unpack = ctypes.memmove, struct.unpack
         while True:
             msg = recv()
@@ -197,8 +224,13 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
             elif len(msg) == 1:  # bye
                 break
             else:
-                pair.send(REPLY.pack(int(msg[0]), int(msg[1])))
-    pair.send(_digest(rows).encode())  # after bye: the rows as landed
+                status = int(msg[1])
+                if rooms is not None:  # the gate on host rows: the room read, compared, zeroed
+                    room = int(msg[0])  # its slot: the AUX_DATA messages' before it
+                    status = status if int(rooms[slot]) == room else -1
+                    rooms[slot] = 0
+                pair.send(REPLY.pack(int(msg[0]), status))
+    pair.send(_digest(rows, mode.endswith("+gate")).encode())  # after bye: the rows as landed
     ctx.destroy(linger=int(WAIT_S * 1000))
 
 
@@ -244,10 +276,13 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
     if mode in ONE:
         hand, write = [], []
         sync = te.batch_transfer_sync_write if te else None
+        rooms = _rooms(rows) if mode.endswith("+gate") else None
         for i in range(WARM + n):
             k = i % NSLOTS
             if sync:
                 t0 = pc()
+                if rooms is not None:  # set_buf's room write, on the rows' device, before the write
+                    rooms[k] = i + 1
                 rc = sync(session, *blocks[k])
                 t1 = pc()
                 pair.send(ST.pack(k, i + 1, 0))
@@ -255,6 +290,8 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
                 t2 = pc()
             else:
                 t0 = pc()
+                if rooms is not None:
+                    rooms[k] = i + 1
                 tcp_send(i)
                 r = pair.recv()
                 t2 = t1 = pc()
@@ -332,10 +369,10 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
         t0 = pc()
         one_pass(n, warm)
         result["rate"] = n / (pc() - t0)
-    (push if mode in ("tcp-1", "tcp-pipe", "engine-pipe+st") else pair).send(b"bye")
+    (push if mode.startswith("tcp") or mode == "engine-pipe+st" else pair).send(b"bye")
     landed = pair.recv().decode()
     result.update(bad=bad, quiet=quiet and info["quiet"],
-                  intact=landed == _digest(rows) if WARM + n >= NSLOTS else None)
+                  intact=landed == _digest(rows, mode.endswith("+gate")) if WARM + n >= NSLOTS else None)
     print("RESULT " + json.dumps(result), flush=True)
     ctx.destroy(linger=0)
 
@@ -439,7 +476,9 @@ def main() -> None:
     print("one in flight: p50 us (median of rounds) [rounds]")
     rows = [("engine-1", "p50", "sync batch write + 24-B status + 16-B reply"),
             ("engine-1", "write_p50", "  of it, the sync batch write alone"),
-            ("tcp-1", "p50", "10 AUX_DATA + status, payloads memmoved into rows, 16-B reply")]
+            ("engine-1+gate", "p50", "engine-1 + SGLang's room written, gated (.item()) and zeroed"),
+            ("tcp-1", "p50", "10 AUX_DATA + status, payloads memmoved into rows, 16-B reply"),
+            ("tcp-1+gate", "p50", "tcp-1 + the same room written, gated and zeroed (host)")]
     for m, key, what in rows:
         v, per = med(m, key)
         print(f"  {v:10.1f}  {m:15s} {what} {[round(x, 1) for x in per]}")
@@ -459,6 +498,8 @@ def main() -> None:
     print("floors (transports alone, none of this project's code): ratio of medians [per round]")
     floors = (("G1  tcp-1 / engine-1 one in flight:    ", "tcp-1", "p50", "engine-1", "p50",
                "goal: tcp route / NVLink handoff p50 >= 2x"),
+              ("G1g tcp-1+gate / engine-1+gate:        ", "tcp-1+gate", "p50", "engine-1+gate", "p50",
+               "(G1 with SGLang's per-handoff room on both routes)"),
               ("G2  engine-pipe / tcp-pipe per request:", "engine-pipe", "rate", "tcp-pipe", "rate",
                "goal: per-request NVLink / tcp route >= 3x"),
               ("    engine-sync / tcp-pipe:            ", "engine-sync", "rate", "tcp-pipe", "rate",
