@@ -101,7 +101,8 @@ def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence
     pair = PairSpec(plan, side_spec(job.buffers, job.layout, job.transport), job.transport,
                     workload_spec(job.workload), gate_spec(job.gate), job.verify.digest, job.endpoints.poll,
                     b.ladder_handoffs)
-    return LadderSpec(pair, build_specs(job, plan), job.transport.route, b.ladder_rounds, b.yardstick, tuple(overrides))
+    return LadderSpec(pair, build_specs(job, plan), job.transport.route, b.ladder_rounds, b.yardstick, tuple(overrides),
+                      tuple(b.ladder_rungs) if b.ladder_rungs is not None else None)
 
 
 register_configs()

@@ -119,6 +119,44 @@ def test_table_medians_increments_and_a_failed_rung():
     assert "| FAILED in 1 of 1 rounds: log: a \\| b (round 1) |" in lines["R1b"]  # the table's bars kept
 
 
+def test_full_run_against_the_yardstick_is_paired_round_by_round():
+    """The goal's ratio (R7 / yardstick) per round, and their median beside the ratio of the
+    medians; a round where either failed is left out of the pairs."""
+    rows = [_row("R7", [300.0, 540.0, 440.0, 380.0]), _row(YARDSTICK, [250.0, 300.0, 400.0, 200.0])]
+    rows[1].runs[3] = RungRun(3, error="the yardstick's decode ended")
+    res = LadderResults({"buffer_device": "cuda"}, 10, 4, rows)
+    assert res.paired() == [1.2, 1.8, 1.1]
+    md = markdown(res)
+    assert "round by round: [1.2, 1.8, 1.1]; median of the rounds' ratios **1.20x**; ratio of the medians 1.37x" in md
+    assert res.to_json()["full_over_yardstick_per_round"] == [1.2, 1.8, 1.1]
+    assert "round by round" not in markdown(LadderResults({}, 10, 1, [_row("R0", [1.0])]))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_ladder_runs_only_the_rungs_asked_for(tmp_path):
+    """bench.ladder_rungs: the rows left out are listed, not run."""
+    run_dir = tmp_path / "ladder"
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.bench", "phases=ladder", "bench.ladder_handoffs=10",
+         "bench.ladder_rounds=1", "bench.yardstick=off", "bench.ladder_rungs=[R0]", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["rung"]: r for r in json.loads((run_dir / "ladder.json").read_text())["rows"]}
+    assert rows["R0"]["verified"] == 10 and rows["R0"]["ok"]
+    assert all(r["skipped"] == "not selected (bench.ladder_rungs)" and not r["runs"]
+               for k, r in rows.items() if k != "R0"), rows
+    assert not (run_dir / "round0" / "R7").exists()
+
+
+def test_an_unknown_rung_is_refused_before_start():
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.bench", "phases=ladder", "bench.ladder_rungs=[R9]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "bench.ladder_rungs" in err[0] and "R9" in err[0] and "yardstick" in err[0], err
+
+
 def test_full_run_rung_keeps_the_profile_overrides_only():
     got = run_overrides(["experiment=deepseek_v3_mtp", "bench.phases=ladder", "bench.ladder_rounds=5",
                          "hydra.run.dir=x", "gate.settle_ms=0"], 300)

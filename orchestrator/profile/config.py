@@ -519,6 +519,9 @@ class FaultsConfig:
         _seconds("faults.margin_us", self.margin_us, 0.0, 60e6, "microseconds", closed=True)
 
 
+LADDER_ROWS = ("R0", "R1", "R2", "R3", "R4", "R5", "R6", "R7", "yardstick")  # bench.ladder_rungs' names
+
+
 @dataclass
 class BenchConfig:
     """python -m orchestrator.bench: sizes of the measurement (ignored by plain runs)."""
@@ -541,6 +544,9 @@ class BenchConfig:
     """phases=ladder: timed handoffs per rung and round (one in flight; 50 untimed first)"""
     ladder_rounds: int = 5
     """phases=ladder: rounds, each running every rung once (R0..R7, the yardstick), interleaved"""
+    ladder_rungs: Optional[List[str]] = None
+    """phases=ladder: the rows a round runs, of R0..R7 and yardstick (e.g. [R7,yardstick]: more
+    rounds of the goal's pair in the same time); null: every row. The rest are listed, not run."""
     yardstick: Optional[str] = None
     """phases=ladder: the reference loop handoff_yardstick.py, run in every round as the row
     `yardstick`. null: ../shared/tools/handoff_yardstick.py, else .whl/handoff_yardstick.py
@@ -551,6 +557,9 @@ class BenchConfig:
                     "ladder_rounds"):
             _positive(f"bench.{key}", getattr(self, key))
         _require(self.bulk_mib >= 0, "bench.bulk_mib", self.bulk_mib, "0 (skip) or MiB > 0")
+        if self.ladder_rungs is not None:
+            _require(bool(self.ladder_rungs) and all(r in LADDER_ROWS for r in self.ladder_rungs),
+                     "bench.ladder_rungs", self.ladder_rungs, f"null or a non-empty list of {', '.join(LADDER_ROWS)}")
 
 
 MAX_PERCENTILES = 12

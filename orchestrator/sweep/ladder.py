@@ -63,7 +63,7 @@ from orchestrator.job.lifecycle import spawn
 from orchestrator.job.mps import mps_for
 from orchestrator.job.runner import run_handoffs
 from orchestrator.job.specs import JobSpecs
-from orchestrator.profile.config import ConfigError, RouteSetting
+from orchestrator.profile.config import LADDER_ROWS, ConfigError, RouteSetting
 from orchestrator.profile.plan import Device, Plan, Route
 from orchestrator.results.logs import configure
 from orchestrator.results.rundir import write_atomic, write_tables
@@ -83,6 +83,7 @@ RUNGS: list[tuple[str, str]] = [
     ("R7", "full `python -m orchestrator` run, same profile (results.json handoff p50)"),
 ]
 YARDSTICK = "yardstick"
+assert (*(r for r, _ in RUNGS), YARDSTICK) == LADDER_ROWS  # bench.ladder_rungs' vocabulary
 DEFAULT_YARDSTICKS = ("../shared/tools/handoff_yardstick.py", ".whl/handoff_yardstick.py")
 _RESULT = re.compile(r"RESULT .*?, (\d+) verified: p50 ([\d.]+) us p99 ([\d.]+) us")
 
@@ -143,9 +144,17 @@ class LadderResults:
     load_avg: list[float] = field(default_factory=list)
     interrupted: Optional[str] = None  # "SIGINT": the rounds not run are left out
 
+    def paired(self) -> list[float]:
+        """R7 / yardstick in each round where both passed: the goal's ratio, paired by round
+        (the rounds drift together; the ratio of the two medians mixes rounds)."""
+        by = {r.rung: {run.round: run.p50_us for run in r.runs if run.ok and run.p50_us} for r in self.rows}
+        full, ys = by.get("R7", {}), by.get(YARDSTICK, {})
+        return [round(full[k] / ys[k], 3) for k in sorted(full.keys() & ys.keys())]
+
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile, "handoffs": self.handoffs, "rounds": self.rounds,
                 "load_avg_1_5_15": self.load_avg, "rows": [r.to_json() for r in self.rows],
+                "full_over_yardstick_per_round": self.paired(),
                 **({"interrupted": self.interrupted} if self.interrupted else {})}
 
 
@@ -160,6 +169,7 @@ class LadderSpec:
     rounds: int  # bench.ladder_rounds
     yardstick: Optional[str]  # bench.yardstick
     overrides: tuple[str, ...]  # R7: the command line's overrides (the full run's)
+    rungs: Optional[tuple[str, ...]] = None  # bench.ladder_rungs: the rows run (None: all)
 
     @property
     def plan(self) -> Plan:
@@ -476,6 +486,10 @@ def _rows(spec: LadderSpec) -> tuple[list[RungRow], Optional[Path]]:
         if ypath is None:
             yrow.skipped = f"not found: {spec.yardstick or ' nor '.join(DEFAULT_YARDSTICKS)}"
         rows.append(yrow)
+    if spec.rungs is not None:
+        for row in rows:
+            if row.rung not in spec.rungs and row.skipped is None:
+                row.skipped = "not selected (bench.ladder_rungs)"
     return rows, ypath
 
 
@@ -552,6 +566,12 @@ def markdown(results: LadderResults) -> str:
         if row.rung != YARDSTICK:
             below = med
     prof = results.profile
+    paired, meds = results.paired(), {r.rung: r.median_us for r in rows}
+    if paired:
+        full, ys = meds.get("R7"), meds.get(YARDSTICK)
+        mixed = f"; ratio of the medians {full / ys:.2f}x" if full and ys else ""
+        lines += ["", f"Full run (R7) / yardstick, round by round: {paired}; median of the rounds' ratios "
+                  f"**{statistics.median(paired):.2f}x**{mixed}."]
     lines += ["", f"{results.handoffs} handoffs per rung and round, one in flight, rows filled ahead; "
               f"{results.rounds} rounds, interleaved; rows on {prof.get('buffer_device')}, "
               f"{prof.get('declared_transport') or prof.get('engine_transport')}; load average "
