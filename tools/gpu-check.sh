@@ -6,8 +6,8 @@
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
 # (ladder: the cost ladder, `python -m orchestrator.bench phases=ladder` on experiment=deepseek_v3_mtp
 # (NVLink rows, endpoints.mps=auto: MPS where the pair shares a GPU), R0..R7 and the yardstick
-# (YARDSTICK_ROOM=1) interleaved over 5 rounds of bench.ladder_handoffs each; LADDER_HANDOFFS and
-# LADDER_ROUNDS override; ladder.md / ladder.json in OUTDIR's tarball; the CPU twin is the same
+# (YARDSTICK_ROOM=1) interleaved over 5 rounds of bench.ladder_handoffs each; LADDER_HANDOFFS,
+# LADDER_ROUNDS and LADDER_RUNGS (e.g. [R7,yardstick]: the goal's pair alone, more rounds) override; ladder.md / ladder.json in OUTDIR's tarball; the CPU twin is the same
 # command without the experiment)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
 # with, run in the same call just before and just after the bench, plain and with
@@ -123,7 +123,7 @@ fi
 if want ladder; then
   echo "== the cost ladder: R0..R7 and the yardstick (YARDSTICK_ROOM=1), interleaved rounds, experiment=deepseek_v3_mtp"
   YARDSTICK_ROOM=1 timeout "${LADDER_TIMEOUT:-540}" python3 -m orchestrator.bench phases=ladder experiment=deepseek_v3_mtp \
-    bench.ladder_rounds="${LADDER_ROUNDS:-5}" bench.ladder_handoffs="${LADDER_HANDOFFS:-2000}" bench.yardstick="$yardstick" \
+    bench.ladder_rounds="${LADDER_ROUNDS:-5}" bench.ladder_handoffs="${LADDER_HANDOFFS:-2000}" bench.yardstick="$yardstick" ${LADDER_RUNGS:+bench.ladder_rungs=$LADDER_RUNGS} \
     hydra.run.dir="$out/ladder" > "$out/ladder.log" 2>&1
   echo "(exit $?)"
   cp "$out/ladder/ladder.md" "$out/ladder.md" 2>/dev/null; cp "$out/ladder/ladder.json" "$out/ladder.json" 2>/dev/null
