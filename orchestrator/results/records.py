@@ -8,6 +8,7 @@ in; the runner merges them; orchestrator.results.reporting turns a RunResult int
 from __future__ import annotations
 
 import json
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,63 +83,88 @@ _LINE = ('{"rid": %s, "room": %s, "decode": %s, "dst_slot": %s, "route": "%s", "
          '"fault": %s, "taken_us": %s')  # Record.line's, for a batch (Finished.lines)
 
 
-_VALUES: dict[Any, str] = {e: e.value for e in (*Outcome, *Detail)}
+_VALUES: dict[int, str] = {id(e): e.value for e in (*Outcome, *Detail)}  # by id: an Enum hashes in Python
+RUN_FIELDS = ("decode", "route", "send_us", "handoff_us", "e2e_us", "outcome", "detail", "taken_us", "t_verdict")
 
 
 @dataclass
 class Finished:
-    """Requests finished together (a pass of the prefill's loop), column by column: what
-    each one's Record would hold, in RECORD_FIELDS' order, then the prefill's clock at each
-    verdict and the verified ones' stage times (add_stages' arguments, a row each). Written
-    (lines) and counted (RankResult.add_finished) in one go, with no object per request."""
+    """Requests finished together (a pass of the prefill's loop), column by column, run by
+    run: each request's own values (rid, room, dst_slot, set_buf_us, checksum, fault), then
+    per run of consecutive requests that share the rest (a forward step's requests do) its
+    length `n` and what its Records share: RUN_FIELDS (t_verdict: the prefill's clock at the
+    verdicts) and its stage times (add_stages' arguments; None: the run has none). Written
+    (lines) and counted (RankResult.add_finished) in one go, with no object per request and
+    each shared value taken once per run."""
 
     rid: Sequence[int]
     room: Sequence[int]
-    decode: Sequence[int]
     dst_slot: Sequence[int]
-    route: Sequence[str]
     set_buf_us: Sequence[Optional[float]]
+    checksum: Sequence[str]
+    fault: Sequence[Optional[str]]
+    n: Sequence[int]
+    decode: Sequence[int]
+    route: Sequence[str]
     send_us: Sequence[Optional[float]]
     handoff_us: Sequence[Optional[float]]
     e2e_us: Sequence[Optional[float]]
     outcome: Sequence[Outcome]
     detail: Sequence[Detail]
-    checksum: Sequence[str]
-    fault: Sequence[Optional[str]]
     taken_us: Sequence[Optional[float]]
     t_verdict: Sequence[Optional[float]]
-    stages: Sequence[tuple[float, ...]] = ()
+    stages: Sequence[Optional[tuple[float, ...]]]
 
     def __len__(self) -> int:
         return len(self.rid)
 
     @classmethod
-    def of_records(cls, recs: Sequence[Record], stages: Sequence[tuple[float, ...]] = ()) -> "Finished":
-        cols = [[getattr(r, k) for r in recs] for k in RECORD_FIELDS + ("t_verdict",)]
-        out = cls(*cols)
-        out.stages = stages
+    def of_records(cls, recs: Sequence[Record]) -> "Finished":
+        """Records as a batch, each its own run."""
+        col = {k: [getattr(r, k) for r in recs] for k in RECORD_FIELDS + ("t_verdict",)}
+        return cls(col["rid"], col["room"], col["dst_slot"], col["set_buf_us"], col["checksum"], col["fault"],
+                   [1] * len(recs), col["decode"], col["route"], col["send_us"], col["handoff_us"], col["e2e_us"],
+                   col["outcome"], col["detail"], col["taken_us"], col["t_verdict"], [None] * len(recs))
+
+    def expanded(self, name: str) -> list[Any]:
+        """A run's column (RUN_FIELDS, or "stages") as one value per request."""
+        out: list[Any] = []
+        for n, v in zip(self.n, getattr(self, name)):
+            out += [v] * n
         return out
 
     def records(self) -> list[Record]:
         """One Record per request (what reads them back would build)."""
-        cols = [getattr(self, k) for k in RECORD_FIELDS + ("t_verdict",)]
-        return [Record(*row) for row in zip(*cols)]
+        return [Record(rid, room, decode, dst, route, set_buf, send, handoff, e2e, outcome, detail, checksum, fault,
+                       taken, t)
+                for (rid, room, dst, set_buf, checksum, fault, decode, route, send, handoff, e2e, outcome, detail,
+                     taken, t) in zip(self.rid, self.room, self.dst_slot, self.set_buf_us, self.checksum, self.fault,
+                                      *map(self.expanded, RUN_FIELDS))]
 
     def lines(self, tag: str = "") -> str:
-        """The requests.jsonl lines, each what Record.line(tag) gives, newline-ended."""
+        """The requests.jsonl lines, each what Record.line(tag) gives, newline-ended: a run's
+        shared values formatted once into its line's format, each request's own into that."""
         if not len(self):
             return ""
-        fmt = _LINE + tag.replace("%", "%%") + "}\n"
-        values = _VALUES.__getitem__
-        # each distinct float and fault written once (a step's requests share most of theirs):
-        # repr() as %s would write it, None as JSON's null
+        end = tag.replace("%", "%%") + "}\n"
+        value = _VALUES.__getitem__
+        # each distinct float and fault written once: repr() as %s would write it, None as JSON's null
         floats = _Text(repr).__getitem__
         faults = _Text(json.dumps).__getitem__
-        return "".join(map(fmt.__mod__, zip(
-            self.rid, self.room, self.decode, self.dst_slot, self.route, map(floats, self.set_buf_us),
-            map(floats, self.send_us), map(floats, self.handoff_us), map(floats, self.e2e_us),
-            map(values, self.outcome), map(values, self.detail), self.checksum, map(faults, self.fault),
-            map(floats, self.taken_us))))
+        n = len(self)
+        bare = self.set_buf_us.count(None) == n and self.fault.count(None) == n  # (both null: in the format)
+        own = "null" if bare else "%s"
+        fmts: list[str] = []
+        for k, decode, route, send, handoff, e2e, outcome, detail, taken in zip(
+                self.n, self.decode, self.route, self.send_us, self.handoff_us, self.e2e_us, self.outcome,
+                self.detail, self.taken_us):
+            fmt = _LINE % ("%s", "%s", decode, "%s", route.replace("%", "%%"), own, floats(send), floats(handoff),
+                           floats(e2e), value(id(outcome)), value(id(detail)), "%s", own, floats(taken)) + end
+            fmts += [fmt] * k
+        if bare:
+            return "".join(map(operator.mod, fmts, zip(self.rid, self.room, self.dst_slot, self.checksum)))
+        return "".join(map(operator.mod, fmts, zip(
+            self.rid, self.room, self.dst_slot, map(floats, self.set_buf_us), self.checksum, map(faults, self.fault))))
 
 
 class _Text(dict):
@@ -153,16 +179,59 @@ class _Text(dict):
         return text
 
 
-def _count(counter: Counter, col: Sequence[Any], keys: Sequence[Any] = tuple(Outcome)) -> None:
-    """Add to `counter` how often each of `keys` (enum members) occurs in `col`, counted by
-    identity (an Enum hashes in Python: a Counter would call it once per element)."""
-    if len(col) and col.count(col[0]) == len(col):
-        counter[col[0]] += len(col)
+_OUTCOMES, _DETAILS = tuple(Outcome), tuple(Detail)
+
+
+class _Runs:
+    """A batch's values for one histogram, each with how often it occurs (a run's requests
+    share theirs), in order."""
+
+    __slots__ = ("values", "repeats")
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.repeats: list[int] = []
+
+    def add(self, value: float, n: int) -> None:
+        self.values.append(value)
+        self.repeats.append(n)
+
+    def into(self, hist: LatencyHistogram) -> None:
+        if self.values:
+            hist.extend_runs(self.values, self.repeats)
+
+
+class _PairRuns:
+    """What a batch's runs add to one decode's PairStats: its verified requests, its other
+    runs' outcomes, its handoff times."""
+
+    __slots__ = ("pair", "verified", "others", "handoff")
+
+    def __init__(self, pair: "PairStats"):
+        self.pair, self.verified, self.handoff = pair, 0, _Runs()
+        self.others: list[tuple[Outcome, int]] = []
+
+
+def _add_counts(counter: Counter, verified: int, others: Sequence[tuple[Any, ...]],
+                keys: Sequence[Any] = _OUTCOMES) -> None:
+    """Add a batch's counts to `counter`: `verified` requests verified, and each of `others`
+    (member, ..., count) as often as it says. One member alone, or in `keys`' order: as a
+    Counter of the batch's column would add them (members hashed only for `others`)."""
+    if not others:
+        if verified:
+            counter[Outcome.verified] += verified
+        return
+    counts: dict[Any, int] = {Outcome.verified: verified} if verified else {}
+    for o in others:
+        counts[o[0]] = counts.get(o[0], 0) + o[-1]
+    if len(counts) == 1:
+        for k, c in counts.items():
+            counter[k] += c
         return
     for k in keys:
-        c = col.count(k)
-        if c:
-            counter[k] += c
+        n = counts.get(k)
+        if n:
+            counter[k] += n
 
 
 @dataclass
@@ -183,28 +252,6 @@ class PairStats:
             if t is not None:
                 self.first_verdict = t if self.first_verdict is None else min(self.first_verdict, t)
                 self.last_verdict = t if self.last_verdict is None else max(self.last_verdict, t)
-
-    def add_finished(self, f: "Finished", mine: Optional[Sequence[bool]], ok: Optional[Sequence[bool]]) -> None:
-        """The requests of a Finished batch that `mine` marks (None: all of them; `ok`: which
-        were verified, None: all were), as add() each would."""
-        if mine is None:
-            _count(self.outcomes, f.outcome)
-            sel = ok
-        else:
-            _count(self.outcomes, [o for o, m in zip(f.outcome, mine) if m])
-            sel = mine if ok is None else [m and y for m, y in zip(mine, ok)]
-        if sel is None:
-            handoff = [v for v in f.handoff_us if v is not None]
-            times = [t for t in f.t_verdict if t is not None]
-        else:
-            handoff = [v for v, s in zip(f.handoff_us, sel) if s and v is not None]
-            times = [t for t, s in zip(f.t_verdict, sel) if s and t is not None]
-        if handoff:
-            self.handoff_us.extend(handoff)
-        if times:
-            lo, hi = min(times), max(times)
-            self.first_verdict = lo if self.first_verdict is None else min(self.first_verdict, lo)
-            self.last_verdict = hi if self.last_verdict is None else max(self.last_verdict, hi)
 
     @property
     def verified(self) -> int:
@@ -266,64 +313,88 @@ class RankResult:
         """Records finished together (a pass of the loop), as add() each would, in one go
         (Finished.of_records, add_finished). `stages`: the verified ones' stage times, as
         add_stages takes them."""
-        self.add_finished(Finished.of_records(recs, stages))
+        self.add_finished(Finished.of_records(recs))
+        if stages:
+            self._add_stage_rows(Counter(stages))
 
     def add_finished(self, f: "Finished") -> None:
-        """Requests finished together, counted column by column as add() would count each of
-        their records (and add_stages each verified one's stage times): counters and
-        histograms fed per batch, no object per request (and no enum hashed per request)."""
-        n = len(f)
-        if not n:
+        """Requests finished together, counted run by run as add() would count each of their
+        records (and add_stages each verified one's stage times): counters and histograms fed
+        per batch, each run's values taken once, no object per request (and no enum hashed per
+        run, but for the runs not verified)."""
+        if not len(f):
             return
-        verified, latency = Outcome.verified, self.latency
-        _count(self.outcomes, f.outcome)
-        every = f.outcome.count(verified) == n
-        routes = self.routes
-        routes.update(f.route)
-        if "" in routes:  # add() counts no empty route
-            del routes[""]
-        ok = None if every else [o is verified for o in f.outcome]
-        if ok is not None:
-            _count(self.details, [d for d, v in zip(f.detail, ok) if not v], tuple(Detail))
-        for key, col in (("set_buf_us", f.set_buf_us), ("send_us", f.send_us)):
-            values = [v for v in col if v is not None]
-            if values:
-                latency[key].extend(values)
-        for key, col in (("taken_us", f.taken_us), ("handoff_us", f.handoff_us), ("e2e_us", f.e2e_us)):
-            values = ([v for v in col if v is not None] if ok is None
-                      else [v for v, y in zip(col, ok) if y and v is not None])
-            if values:
-                latency[key].extend(values)
-        decodes = f.decode
-        if decodes.count(decodes[0]) == n:  # one decode instance (a batch usually is)
-            groups: list[tuple[int, Optional[list[bool]]]] = [(decodes[0], None)]
-        else:
-            groups = [(d, [x == d for x in decodes]) for d in dict.fromkeys(decodes)]
-        for d, mine in groups:
-            pair = self.pairs.get(d)
-            if pair is None:
-                pair = self.pairs[d] = PairStats()
-            pair.add_finished(f, mine, ok)
-        t_last = max((t for t in f.t_verdict if t is not None) if ok is None else
-                     (t for t, dt in zip(f.t_verdict, f.detail) if t is not None and dt not in LOCAL_FAILURES),
-                     default=None)
+        verified, local = Outcome.verified, LOCAL_FAILURES
+        routes, pairs = self.routes, self.pairs
+        by_pair: dict[int, _PairRuns] = {}
+        send, taken, handoff, e2e = _Runs(), _Runs(), _Runs(), _Runs()
+        others: list[tuple[Outcome, Detail, int]] = []  # the runs not verified
+        stages: dict[tuple[float, ...], int] = {}
+        every = f.outcome.count(verified) == len(f.outcome)
+        t_last = None
+        for n, decode, route, send_us, handoff_us, e2e_us, outcome, detail, taken_us, t, row in zip(
+                f.n, f.decode, f.route, f.send_us, f.handoff_us, f.e2e_us, f.outcome, f.detail, f.taken_us,
+                f.t_verdict, f.stages):
+            if route:
+                routes[route] += n
+            if send_us is not None:
+                send.add(send_us, n)
+            at = by_pair.get(decode)
+            if at is None:
+                pair = pairs.get(decode)
+                if pair is None:
+                    pair = pairs[decode] = PairStats()
+                at = by_pair[decode] = _PairRuns(pair)
+            if outcome is verified:
+                at.verified += n
+                if taken_us is not None:
+                    taken.add(taken_us, n)
+                if handoff_us is not None:
+                    handoff.add(handoff_us, n)
+                    at.handoff.add(handoff_us, n)
+                if e2e_us is not None:
+                    e2e.add(e2e_us, n)
+                if t is not None:
+                    pair = at.pair
+                    if pair.first_verdict is None or t < pair.first_verdict:
+                        pair.first_verdict = t
+                    if pair.last_verdict is None or t > pair.last_verdict:
+                        pair.last_verdict = t
+            else:
+                others.append((outcome, detail, n))
+                at.others.append((outcome, n))
+            if t is not None and (every or detail not in local) and (t_last is None or t > t_last):
+                t_last = t
+            if row is not None:
+                stages[row] = stages.get(row, 0) + n
+        _add_counts(self.outcomes, sum(f.n) - sum(n for _, _, n in others), others)
+        if others:
+            _add_counts(self.details, 0, [(d, n) for _, d, n in others], _DETAILS)
+        set_buf = [v for v in f.set_buf_us if v is not None]
+        latency = self.latency
+        if set_buf:
+            latency["set_buf_us"].extend(set_buf)
+        for key, runs in (("send_us", send), ("taken_us", taken), ("handoff_us", handoff), ("e2e_us", e2e)):
+            runs.into(latency[key])
+        for at in by_pair.values():
+            _add_counts(at.pair.outcomes, at.verified, at.others)
+            at.handoff.into(at.pair.handoff_us)
         if t_last is not None:
             self.t_last = t_last if self.t_last is None else max(self.t_last, t_last)
-        if f.stages:
-            self._add_stage_rows(f.stages)
+        if stages:
+            self._add_stage_rows(stages)
 
-    def _add_stage_rows(self, rows: Sequence[tuple[float, ...]]) -> None:
-        """add_stages of each row, each distinct row's stage times taken once (a step's
-        requests share theirs)."""
-        per: list[list[float]] = [[] for _ in STAGES]
-        for t, n in Counter(rows).items():
+    def _add_stage_rows(self, rows: dict[tuple[float, ...], int]) -> None:
+        """add_stages of each row as often as `rows` counts it, each distinct row's stage
+        times taken once (a step's requests share theirs)."""
+        per = [_Runs() for _ in STAGES]
+        for t, n in rows.items():
             for j, values in enumerate(per):
                 a, b = t[j], t[j + 1]
                 if a and b:
-                    values += [max(0.0, (b - a) * 1e6)] * n
+                    values.add(max(0.0, (b - a) * 1e6), n)
         for name, values in zip(STAGES, per):
-            if values:
-                self.stages[name].extend(values)
+            values.into(self.stages[name])
 
     def add_stages(self, *times: float) -> None:
         """One verified request's stage times (all on one clock): step start, row ready,

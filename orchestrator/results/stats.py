@@ -36,18 +36,35 @@ class LatencyHistogram:
         self.total = 0.0
         self.max: Optional[float] = None  # exact (the buckets round)
         self._pending: list[float] = []
+        self._repeats: Optional[list[int]] = None  # how often each pending value counts (extend_runs)
+        self._extra = 0  # pending values beyond len(_pending) (their repeats)
         for v in values:
             self.add(v)
 
     def add(self, us: float) -> None:
         self._pending.append(us)
-        if len(self._pending) >= self.BUFFER:
+        if self._repeats is not None:
+            self._repeats.append(1)
+        if len(self._pending) + self._extra >= self.BUFFER:
             self.fold()
 
     def extend(self, values: Sequence[float]) -> None:
         """Many values at once (as add() each)."""
         self._pending.extend(values)
-        if len(self._pending) >= self.BUFFER:
+        if self._repeats is not None:
+            self._repeats += [1] * len(values)
+        if len(self._pending) + self._extra >= self.BUFFER:
+            self.fold()
+
+    def extend_runs(self, values: Sequence[float], repeats: Sequence[int]) -> None:
+        """Each of `values` as often as `repeats` says, in order (as extend() of them spelled
+        out: folded at the same points into the same buckets, the same total)."""
+        if self._repeats is None:
+            self._repeats = [1] * len(self._pending)
+        self._pending.extend(values)
+        self._repeats.extend(repeats)
+        self._extra += sum(repeats) - len(repeats)
+        if len(self._pending) + self._extra >= self.BUFFER:
             self.fold()
 
     def fold(self) -> "LatencyHistogram":
@@ -57,7 +74,9 @@ class LatencyHistogram:
         import numpy as np  # here: a refusal or --help reads this module without numpy
 
         v = np.asarray(self._pending, dtype=np.float64)
-        self._pending = []
+        if self._repeats is not None:
+            v = np.repeat(v, self._repeats)
+        self._pending, self._repeats, self._extra = [], None, 0
         b = np.where(v > _BASE_US, np.log(np.maximum(v, _BASE_US) / _BASE_US) / _LOG_RATIO, 0).astype(np.int64)
         keys, counts = np.unique(b, return_counts=True)
         for k, c in zip(keys.tolist(), counts.tolist()):

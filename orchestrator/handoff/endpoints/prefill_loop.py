@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 import time
 from dataclasses import dataclass
 from operator import attrgetter
@@ -625,9 +627,10 @@ class PrefillLoop:
 
 
 _STEP = attrgetter("rid", "room", "pad", "dst_slot", "inst")
-_COLUMNS = attrgetter("rid", "room", "inst", "dst_slot", "route", "set_buf_us", "send_us", "content", "verdict",
-                      "t_done", "t_arrive", "t_step", "t_taken", "t_ready", "t_landed", "t_status_out",
-                      "t_status_in")
+_OWN = attrgetter("rid", "room", "dst_slot", "set_buf_us", "content")  # a request's own record values
+# what a forward step's requests share (its runs in a batch of finished requests)
+_RUN = attrgetter("inst", "route", "send_us", "verdict", "t_done", "t_arrive", "t_step", "t_taken", "t_ready",
+                  "t_landed", "t_status_out", "t_status_in")
 
 
 def finished_columns(reqs: Sequence[Req], labels: Callable[[Sequence[int]], list[Optional[str]]]) -> Finished:
@@ -635,25 +638,30 @@ def finished_columns(reqs: Sequence[Req], labels: Callable[[Sequence[int]], list
     of, per request): latencies rounded to 0.01 us, a handoff's times only for a verified
     one (from its step's start where it had a step), stage times for a verified one whose
     status the decode timed on this clock. `labels`: a fault's name for each request it hit.
-    Each latency is computed once per distinct pair of times (_Micros): a step's requests
-    share most of theirs."""
-    (rid, room, inst, dst, route, set_buf, send, content, verdict, t_done, t_arrive, t_step, t_taken,
-     t_ready, t_landed, t_out, t_in) = zip(*map(_COLUMNS, reqs))
-    outcome, detail, t_verified = zip(*verdict)
+    Consecutive requests that share everything but their own values (a step's) are one run:
+    its latencies and stage times are computed once."""
+    rid, room, dst, set_buf, content = zip(*map(_OWN, reqs))
+    keys = list(map(_RUN, reqs))
+    starts = [0, *itertools.compress(range(1, len(keys)), map(operator.ne, keys[1:], keys))]
+    counts = list(map(operator.sub, starts[1:] + [len(keys)], starts))
     verified = Outcome.verified
-    tv = [t if o is verified else None for o, t in zip(outcome, t_verified)]
-    rounded = _Rounded({None: None}).__getitem__
-    since_step = _Micros(True).__getitem__
-    return Finished(
-        rid, room, inst, dst, route,
-        list(map(rounded, set_buf)),
-        list(map(rounded, send)),
-        list(map(since_step, zip(tv, t_step))),
-        list(map(_Micros(False).__getitem__, zip(tv, t_arrive))),
-        outcome, detail, content, labels(rid),
-        list(map(since_step, zip(tv, t_taken, t_step))),
-        t_done,
-        [row for row in zip(t_step, t_ready, t_landed, t_out, t_in, tv) if row[5] is not None and row[4] and row[0]])
+    cols: tuple[list, ...] = ([], [], [], [], [], [], [], [], [], [])
+    decode, route, send, handoff, e2e, outcome, detail, taken, t_done, stages = cols
+    for i in starts:
+        inst, r, send_us, (o, d, t), done, t_arrive, t_step, t_taken, t_ready, t_landed, t_out, t_in = keys[i]
+        tv = t if o is verified else None
+        decode.append(inst)
+        route.append(r)
+        send.append(None if send_us is None else round(send_us, 2))
+        handoff.append(None if tv is None or not t_step else round((tv - t_step) * 1e6, 2))
+        e2e.append(None if tv is None else round((tv - t_arrive) * 1e6, 2))
+        outcome.append(o)
+        detail.append(d)
+        taken.append(round((t_taken - t_step) * 1e6, 2) if tv is not None and t_taken and t_step else None)
+        t_done.append(done)
+        stages.append((t_step, t_ready, t_landed, t_out, t_in, tv) if tv is not None and t_in and t_step else None)
+    return Finished(rid, room, dst, list(map(_Rounded({None: None}).__getitem__, set_buf)), content, labels(rid),
+                    counts, *cols)
 
 
 class _Rounded(dict):
@@ -661,24 +669,4 @@ class _Rounded(dict):
 
     def __missing__(self, v: float) -> float:
         r = self[v] = round(v, 2)
-        return r
-
-
-class _Micros(dict):
-    """Microseconds between two times, rounded to 0.01 us, once per distinct key: (t, since),
-    None where t is None (or `since` is unset, with `needs_since`); or (t, at, since): from
-    `since` to `at`, None where t is None or either is unset."""
-
-    def __init__(self, needs_since: bool):
-        super().__init__()
-        self.needs_since = needs_since
-
-    def __missing__(self, key: tuple) -> Optional[float]:
-        if len(key) == 3:
-            v, at, since = key
-            r = round((at - since) * 1e6, 2) if v is not None and at and since else None
-        else:
-            v, since = key
-            r = None if v is None or (self.needs_since and not since) else round((v - since) * 1e6, 2)
-        self[key] = r
         return r
