@@ -153,6 +153,27 @@ def test_frozen_rows_of_a_large_step_equal_the_full_digest():
     assert d.sign_rooms(slots, rooms, pads, idents) == d.sign(slots, idents, pads)
 
 
+def test_a_large_steps_arrays_are_what_the_row_by_row_seal_writes():
+    """The ahead seal of device rows writes a step of many from _frozen_step's arrays: the
+    rooms' int64 view is _as_i64 of each (rooms at and past 2^63 too), the tags are the ones
+    signed row by row (sign_rooms of each row alone) and the full digest gives."""
+    from orchestrator.handoff.buffers import _as_i64
+
+    b = _filled(size=40)
+    d = RowDigest(b, Keys(SECRET))
+    d.freeze()
+    slots = [7, 8, 9, 30, 31, 2, 3, 4, 5, 39]
+    rooms = [(1 << 63) + 977 * i if i % 2 else 1 + 31337 * i for i in range(len(slots))]
+    idents = [(1, 500 + i) for i in range(len(slots))]
+    pads = Keys(SECRET).pads(1, [i for _, i in idents])
+    at, room, tags, contents = d._frozen_step(slots, rooms, pads)
+    assert at.tolist() == slots and room.view(np.int64).tolist() == [_as_i64(r) for r in rooms]
+    one = [d.sign_rooms([s], [r], [p], [i]) for s, r, p, i in zip(slots, rooms, pads, idents)]  # row by row
+    assert tags.tolist() == [t[0][0] for t in one] and contents == [t[1][0] for t in one]
+    b.write_rooms(slots, rooms)
+    assert (tags.tolist(), contents) == d.sign(slots, idents, pads)
+
+
 @pytest.mark.parametrize("hidden,kv_checksum", [(24, False), (24, True), (20000, True)])
 def test_a_host_read_gives_what_the_device_reads_product_gives(hidden, kv_checksum):
     """Host rows read the room and the landed tag as they lie, not through the one-hot

@@ -553,11 +553,16 @@ class RowDigest:
         """Device rows as frozen but for their rooms: sign on the host, then one upload and one
         indexed write of the rooms and tags (no digest on the device)."""
         b = self.b
-        tags, contents = self.sign_rooms(slots, rooms, pads, idents)
+        k = len(slots)
+        step = self._frozen_step(slots, rooms, pads) if k >= 8 else None  # a step of many: as arrays
+        if step is not None:
+            at, room, tag_arr, contents = step
+            tags = tag_arr.tolist()
+        else:
+            tags, contents = self.sign_rooms(slots, rooms, pads, idents)
         if not self._write:
             b.write_rooms(slots, rooms, tags if b.checksum_field is not None else None, SIGNATURE)
             return Sealed(tags, contents)
-        k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, slot = self._write[kb].next()
         slot.reuse()
@@ -568,6 +573,11 @@ class RowDigest:
             val[0, 0] = _as_i64(rooms[0])
             if m == 3:
                 val[1, 0] = _as_i64(tags[0])
+        elif step is not None:
+            pos[:, :k] = b.slot_words[at, :m].T
+            val[0, :k] = room.view(np.int64)  # _as_i64 of each
+            if m == 3:
+                val[1, :k] = tag_arr  # (tags are below 2^63)
         else:
             pos[:, :k] = b.slot_words[list(slots), :m].T
             val[0, :k] = [_as_i64(r) for r in rooms]
@@ -602,16 +612,24 @@ class RowDigest:
         tags and their writes as arrays over the step (what sign_rooms and write_rooms,
         write_checksums give row by row)."""
         b = self.b
+        at, room, tags, contents = self._frozen_step(slots, rooms, pads)
+        b.write_rooms(at, room)
+        if b.checksum_field is not None:
+            b.write_checksums(at, tags, SIGNATURE)
+        return Sealed(tags.tolist(), contents)
+
+    def _frozen_step(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """fill=ahead, a step of many: the slots (int64) and rooms (uint64) as arrays, the tags
+        (int64) and the fingerprints of frozen rows that now hold `rooms`: sign_rooms' row by
+        row arithmetic over the step at once (each room's words its little-endian int16 view)."""
         at = np.asarray(slots, dtype=np.int64)
         room = np.array(rooms, dtype=np.uint64)
-        b.write_rooms(at, room)
         words = room.astype("<u8").view("<i2").reshape(-1, 4).astype(np.int64)  # _split of each room
         c = np.mod(self.frozen[at] + words @ self._room_rows_np, P)  # type: ignore[index]  # set (caller)
         pad = np.fromiter(itertools.chain.from_iterable(pads), np.int64, 2 * len(at)).reshape(-1, 2)
         tags = np.mod(c[:, 0] + pad[:, 0], P) | (np.mod(c[:, 1] + pad[:, 1], P) << 24) | MARK  # pack_tag's
-        if b.checksum_field is not None:
-            b.write_checksums(at, tags, SIGNATURE)
-        return Sealed(tags.tolist(), ["%012x" % v for v in (c[:, 2] | c[:, 3] << 24).tolist()])
+        return at, room, tags, ["%012x" % v for v in (c[:, 2] | c[:, 3] << 24).tolist()]
 
     def _seal_graph(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
                     rows: Optional[StagedRows]) -> Sealed:
@@ -661,11 +679,10 @@ class RowDigest:
         """fill=ahead: the tags of frozen rows that now hold `rooms` (host arithmetic)."""
         if self.frozen is None:
             return self.sign(slots, idents, pads)
-        frozen, rr = self._frozen_rows, self._room_rows
         if len(slots) >= 8:  # a step of many rows: one vectorized pass
-            words = np.array([_split(r) for r in rooms], dtype=np.int64)
-            c = np.mod(self.frozen[np.asarray(slots)] + words @ self._room_rows_np, P).tolist()
-            return self._tags(c, pads)
+            _, _, tags, contents = self._frozen_step(slots, rooms, pads)
+            return tags.tolist(), contents
+        frozen, rr = self._frozen_rows, self._room_rows
         c = []
         for slot, room in zip(slots, rooms):
             w = _split(room)
