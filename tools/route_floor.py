@@ -28,8 +28,33 @@ blocks for replies (as the yardstick).
                   reply per status on the PAIR, at most W unanswered (tcp-pipe's control path)
   tcp-pipe        requests/s: tcp-1's messages with at most W requests unanswered
 
-    python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W]   # N requests a run (default 3000),
-                                                          # ROUNDS interleaved (3), window W (256)
+On SGLang 0.5.23's default aux rows instead (conf/buffers/default.yaml: its own MetadataBuffers,
+compiled from the installed wheel as tests/helpers/sglang_oracle.py does, 64 slots, 10 fields,
+1,600 B a slot, each field registered with the engine as SGLang does), the default run's shape
+(conf/workload/default.yaml, conf/transport/default.yaml) with none of this project's code:
+  engine-raw      requests/s: engine-sync on these rows (the bench's "raw": Mooncake's
+                  batch_transfer_sync_write of one request's 10 blocks, back to back)
+  engine-inline   requests/s, a closed loop of 8 in flight (the default concurrency): per
+                  request SGLang's own set_buf into a free slot (a request object with the
+                  default workload's fields: first token, logprob and top 5, hidden states and
+                  a top-16 draft), one batch_transfer_async_write of the row's 10 blocks, and
+                  once it has landed (get_batch_transfer_status) a 24-byte status PUSHed; the
+                  decode compares every byte of the landed row with what set_buf writes for
+                  that request (its rows computed at start-up from the same requests, the room
+                  from the request id) and replies a 16-byte verdict on the PAIR; a verdict
+                  frees the slot and starts the next request. The loop itself waits on its
+                  oldest write, only when no verdict is waiting and the window is full
+  engine-inline+thr  the same, a second thread waiting on each write in turn and sending its
+                  status (the loop blocks on verdicts)
+Per rate mode, the CPU of each process (every thread: /proc/PID/task/*/schedstat) over the
+timed pass, in us a request, and the box's other work over it (/proc/stat's busy time less both
+processes' CPU): a run with 0.1 cores or more of it is not quiet, and a floor line then adds its
+ratio of medians over the quiet rounds. On cpu the driver waits before each run (at most 60 s)
+for the box's work to fall under 0.1 cores; the box is shared, so a run may still not be quiet.
+
+    python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W] [MODES]
+        # N requests a run (default 3000), ROUNDS interleaved (3), window W (256), MODES a comma
+        # list (default: all; the default-row modes on cpu only)
 
 cpu: every row in host memory, the engine with MC_FORCE_TCP=1 and its TCP lane queue raised to
 10 W blocks a peer (MC_TCP_MAX_{QUEUED_TRANSFERS,PENDING_ADMISSIONS}_PER_PEER: past 1024 + 1024
@@ -46,10 +71,12 @@ route cannot skip), and
 engine-pipe / tcp-pipe against "per-request NVLink / tcp route >= 3x" (G2); engine-sync /
 tcp-pipe is G2 with the engine's W=1 (one H200, NVLink: sync writes ran as fast as a window of
 8-256, the transport waiting on the CPU before each submit), and engine-pipe+st / tcp-pipe G2
-with the same control messages on both routes. Where a floor is below its goal with the
-transports alone, the goal's floor lies outside this project's code. The tcp route here is
-leaner than SGLang's own: SGLang 0.5.23 copies each row into bytes before the send and writes
-the payload with a ctypes slice assignment on receipt."""
+with the same control messages on both routes; engine-inline / engine-raw (and the +thr form)
+against "2-core CPU box: the default run >= 0.8x raw" (G5: the transport with SGLang's set_buf,
+a status and a checked verdict). Where a floor is below its goal, the goal's floor lies outside
+this project's code. The tcp route here is leaner than SGLang's own: SGLang 0.5.23 copies each
+row into bytes before the send and writes the payload with a ctypes slice assignment on
+receipt."""
 
 from __future__ import annotations
 
@@ -58,13 +85,16 @@ import ctypes
 import hashlib
 import json
 import os
+import queue
 import re
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import types
 
 import numpy as np
 import zmq
@@ -73,10 +103,20 @@ AUX = [64, 64, 64, 64, 512, 512, 64, 128, 14336, 64]  # DeepSeek-V3 MTP aux row,
 NSLOTS = 256
 WARM = 200  # untimed requests before each timed pass
 WAIT_S = 60.0  # the longest any process waits for its peer
+QUIET = 0.1  # a rate run is quiet while the box's other work stays under this many cores
+QUIET_WAIT_S = 60.0  # cpu: the longest the driver waits, before a run, for the box to fall quiet
+# SGLang 0.5.23's default aux row (conf/buffers/default.yaml), bytes a field, bootstrap_room last
+DEFAULT_AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 64]
+DEFAULT_SLOTS = 64
+INFLIGHT = 8  # conf/workload/default.yaml: concurrency, a closed loop
+POOL = 256  # distinct requests; request i fills its row from request i % POOL
 ONE = ("engine-1", "engine-1+gate", "tcp-1", "tcp-1+gate")
 RATE = ("engine-sync", "engine-pipe", "engine-pipe+st", "tcp-pipe")
-ST = struct.Struct("<qqq")  # 24-byte status: slot, room, 0
-REPLY = struct.Struct("<qq")  # 16-byte reply: slot or room, 1 or the status
+INLINE = ("engine-inline", "engine-inline+thr")
+DEFAULT_ROW = ("engine-raw",) + INLINE  # the modes on SGLang's default rows, cpu's by default
+ST = struct.Struct("<qqq")  # 24-byte status: slot, room (engine-inline: the request id), 0
+REPLY = struct.Struct("<qq")  # 16-byte reply: slot or room, 1 or the status (engine-inline: 1 if the row is right)
+ROOM_ROW = struct.Struct("<Q56x")  # a bootstrap_room row as set_buf leaves it: the room, then zeros
 AUX_DATA = b"AUX_DATA"
 _TRANSPORTS = ((re.compile(r"Intra-Node NVLink transport|IntraNodeNvlinkTransport", re.I), "nvlink-intra"),
                (re.compile(r"RdmaTransport|using RDMA|rdma_transport", re.I), "rdma"),
@@ -84,14 +124,118 @@ _TRANSPORTS = ((re.compile(r"Intra-Node NVLink transport|IntraNodeNvlinkTranspor
 
 
 # ---- the two processes -------------------------------------------------------------------
-def _rows(where: str, fill: bool) -> tuple[list, list[int]]:
-    """The 10 field-major row buffers (random on the prefill, zeros on the decode) and their
-    addresses: numpy on the host, torch on a CUDA device."""
+def _layout(mode: str) -> tuple[list[int], int]:
+    """The mode's row: bytes a field, and slots."""
+    return (DEFAULT_AUX, DEFAULT_SLOTS) if mode in DEFAULT_ROW else (AUX, NSLOTS)
+
+
+def _sglang_buffers(slots: int):
+    """SGLang 0.5.23's own MetadataBuffers, compiled from the installed wheel
+    (tests/helpers/sglang_oracle.py), in conf/buffers/default.yaml's shape: hidden 16 float32,
+    256 sampling-mask tokens (off), top logprobs 128, no DSA indices, no kv_checksum."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.helpers.sglang_oracle import load
+
+    bufs = load().MetadataBuffers(slots, 16, torch.float32, 256, 128, None, 0, kv_checksum_enabled=False)
+    ptrs, _, lens = bufs.get_buf_infos()
+    if lens != DEFAULT_AUX or ptrs[-1] != bufs.bootstrap_room.data_ptr():
+        raise SystemExit(f"route_floor: SGLang's default aux row is {lens}, not {DEFAULT_AUX}")
+    return bufs
+
+
+def _buffer_rows(bufs) -> tuple[list[np.ndarray], list[int]]:
+    """The MetadataBuffers' fields as flat uint8 arrays over their memory, and their addresses."""
+    ptrs, sizes, _ = bufs.get_buf_infos()
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)) for p, n in zip(ptrs, sizes)], ptrs
+
+
+class _Req:
+    """What SGLang 0.5.23's set_buf reads of a Req, as the default workload's requests have it
+    (conf/workload/default.yaml): a first token with its logprob and top 5, hidden states with a
+    top-16 draft; no sampling mask, no multimodal tokens (no DSA field on the default rows)."""
+
+    return_logprob = True
+    return_sampling_mask = False
+    cached_tokens_storage = 0
+    output_dsa_topk_indices = None
+
+    def __init__(self, index: int) -> None:
+        import torch
+
+        rng = np.random.default_rng(7_000_003 + index)
+        self.metadata_buffer_index, self.bootstrap_room = -1, 0
+        self.output_ids = [int(rng.integers(0, 152_000))]
+        prompt = int(rng.integers(16, 8192))
+        self.cached_tokens = int(rng.integers(0, prompt))
+        self.cached_tokens_device = int(rng.integers(0, self.cached_tokens + 1))
+        self.cached_tokens_host = self.cached_tokens - self.cached_tokens_device
+        top = sorted((-rng.random(5) * 10).tolist(), reverse=True)
+        self.logprob = types.SimpleNamespace(
+            output_token_logprobs_val=[top[0]], output_token_logprobs_idx=[self.output_ids[0]],
+            output_top_logprobs_val=[top], output_top_logprobs_idx=[rng.integers(0, 152_000, 5).tolist()])
+        self.hidden_states_tensor = torch.from_numpy(rng.standard_normal(16, dtype=np.float32))
+        self.output_topk_p = torch.softmax(torch.from_numpy(rng.standard_normal(16, dtype=np.float32)), 0)
+        self.output_topk_index = torch.from_numpy(rng.integers(0, 152_000, 16, dtype=np.int64))
+
+    def get_mm_token_counts(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+
+def _room(rid: int) -> int:
+    """Request `rid`'s bootstrap room: nonzero, 63 bits."""
+    return ((rid + 1) * 0x9E3779B97F4A7C15) & ((1 << 63) - 1) or 1
+
+
+def _expected(pool: list[_Req]) -> list[bytes]:
+    """Per request of the pool, its row as set_buf writes it into a fresh slot, less the room
+    (the last field): SGLang's set_buf run on a MetadataBuffers of the pool's size."""
+    bufs = _sglang_buffers(len(pool))
+    for e, req in enumerate(pool):
+        req.metadata_buffer_index, req.bootstrap_room = e, 0
+        bufs.set_buf(req)
+    rows, _ = _buffer_rows(bufs)
+    return [b"".join(r[e * n:(e + 1) * n] for r, n in zip(rows[:-1], DEFAULT_AUX)) for e in range(len(pool))]
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds every thread of `pid` has run so far (schedstat, ns)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def _box_s() -> float:
+    """CPU seconds the box has been busy so far, every CPU (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as fh:
+        v = [int(x) for x in fh.readline().split()[1:8]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _rows(mode: str, where: str, fill: bool) -> tuple[list, list[int], object]:
+    """The mode's field-major row buffers (random on the prefill, zeros on the decode) and
+    their addresses: numpy on the host, torch on a CUDA device; on the default rows SGLang's
+    MetadataBuffers (the third value; else None), random only for engine-raw's prefill (set_buf
+    writes part of a row: the rest stays zero, as in SGLang)."""
+    if mode in DEFAULT_ROW:
+        bufs = _sglang_buffers(DEFAULT_SLOTS)
+        rows, ptrs = _buffer_rows(bufs)
+        if fill and mode not in INLINE:
+            rng = np.random.default_rng(7)
+            for r in rows:
+                r[:] = rng.integers(0, 256, len(r), dtype=np.uint8)
+        return rows, ptrs, bufs
     if where == "host":
         rng = np.random.default_rng(7)
         rows = [rng.integers(0, 256, NSLOTS * n, dtype=np.uint8) if fill else np.zeros(NSLOTS * n, np.uint8)
                 for n in AUX]
-        return rows, [r.ctypes.data for r in rows]
+        return rows, [r.ctypes.data for r in rows], None
     import torch
 
     torch.cuda.set_device(torch.device(where))
@@ -99,7 +243,7 @@ def _rows(where: str, fill: bool) -> tuple[list, list[int]]:
     trows = [torch.randint(0, 256, (NSLOTS * n,), generator=g, dtype=torch.uint8).to(where) if fill
              else torch.zeros(NSLOTS * n, dtype=torch.uint8, device=where) for n in AUX]
     torch.cuda.synchronize()
-    return trows, [t.data_ptr() for t in trows]
+    return trows, [t.data_ptr() for t in trows], None
 
 
 def _digest(rows: list, gate: bool = False) -> str:
@@ -134,20 +278,21 @@ def _quiet_glog() -> bool:
     return False
 
 
-def _engine(ptrs: list[int]):
+def _engine(ptrs: list[int], mode: str):
     from mooncake.engine import TransferEngine
 
     te = TransferEngine()
     if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
         raise SystemExit("route_floor: Mooncake initialize failed")
-    for p, n in zip(ptrs, AUX):
-        if te.register_memory(p, NSLOTS * n) != 0:
+    lens, slots = _layout(mode)
+    for p, n in zip(ptrs, lens):
+        if te.register_memory(p, slots * n) != 0:
             raise SystemExit("route_floor: Mooncake register_memory failed")
     return te
 
 
 def _where(mode: str, dev: str, side: str) -> str:
-    if mode.startswith("tcp") or dev == "cpu":
+    if mode.startswith("tcp") or mode in DEFAULT_ROW or dev == "cpu":
         return "host"
     return "cuda:0" if side == "prefill" else f"cuda:{os.environ.get('IDEAL_GPU_D', '0')}"
 
@@ -181,21 +326,32 @@ def _limit_s(n: int) -> float:
 
 
 def decode(mode: str, dev: str, rdv: str, n: int) -> None:
-    rows, ptrs = _rows(_where(mode, dev, "decode"), False)
-    te = _engine(ptrs) if mode.startswith("engine") else None
+    rows, ptrs, _bufs = _rows(mode, _where(mode, dev, "decode"), False)  # _bufs: the rows' memory
+    te = _engine(ptrs, mode) if mode.startswith("engine") else None
     quiet = _quiet_glog() if te else True
+    expected = _expected([_Req(e) for e in range(POOL)]) if mode in INLINE else []
     ctx = zmq.Context()
     pair, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PULL)
     pair.setsockopt(zmq.SNDHWM, 0)  # replies never wait on a high-water mark, whatever W
-    info = dict(session=f"127.0.0.1:{te.get_rpc_port()}" if te else "", ptrs=ptrs, quiet=quiet,
+    info = dict(session=f"127.0.0.1:{te.get_rpc_port()}" if te else "", ptrs=ptrs, quiet=quiet, pid=os.getpid(),
                 pair=f"tcp://127.0.0.1:{pair.bind_to_random_port('tcp://127.0.0.1')}",
                 pull=f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
     with open(rdv + ".tmp", "w") as fh:
         json.dump(info, fh)
     os.rename(rdv + ".tmp", rdv)
     spin = dev == "gpu"
-    if mode in ("engine-sync", "engine-pipe"):  # nothing to answer: the writes need no decode
+    if mode in ("engine-sync", "engine-pipe", "engine-raw"):  # nothing to answer: the writes need no decode
         _recv_fn(pair, False, False, _limit_s(n))()
+    elif mode in INLINE:  # every byte of the landed row against set_buf's, a verdict back
+        recv = _recv_fn(pull, spin, False)
+        at = [[memoryview(r)[k * ln:(k + 1) * ln] for r, ln in zip(rows, DEFAULT_AUX)] for k in range(DEFAULT_SLOTS)]
+        join, room_row = b"".join, ROOM_ROW.pack
+        while True:
+            m = recv()
+            if m == b"bye":
+                break
+            slot, rid, _ = ST.unpack(m)
+            pair.send(REPLY.pack(slot, join(at[slot]) == expected[rid % POOL] + room_row(_room(rid))))
     elif mode in ("engine-1", "engine-1+gate", "engine-pipe+st"):  # the status on the PAIR (one in flight) or the PULL
         recv = _recv_fn(pull if mode == "engine-pipe+st" else pair, spin, False)
         rooms = _rooms(rows) if mode == "engine-1+gate" else None
@@ -235,8 +391,8 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
 
 
 def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
-    rows, ptrs = _rows(_where(mode, dev, "prefill"), True)
-    te = _engine(ptrs) if mode.startswith("engine") else None
+    rows, ptrs, bufs = _rows(mode, _where(mode, dev, "prefill"), True)
+    te = _engine(ptrs, mode) if mode.startswith("engine") else None
     quiet = _quiet_glog() if te else True
     end = time.monotonic() + WAIT_S
     while not os.path.exists(rdv):
@@ -255,8 +411,9 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
     pair.connect(info["pair"])
     push.connect(info["pull"])
     session = info["session"]
-    blocks = [([ptrs[f] + ln * k for f, ln in enumerate(AUX)],
-               [info["ptrs"][f] + ln * k for f, ln in enumerate(AUX)], list(AUX)) for k in range(NSLOTS)]
+    row_lens, nslots = _layout(mode)
+    blocks = [([ptrs[f] + ln * k for f, ln in enumerate(row_lens)],
+               [info["ptrs"][f] + ln * k for f, ln in enumerate(row_lens)], list(row_lens)) for k in range(nslots)]
     views = [memoryview(r) for r in rows] if mode.startswith("tcp") else []
     payloads = [[views[f][ln * k:ln * (k + 1)] for f, ln in enumerate(AUX)] for k in range(NSLOTS)] if views else []
     fields = [str(f).encode() for f in range(len(AUX))]
@@ -307,7 +464,7 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
         def sync_pass(count: int, start: int) -> None:
             write = te.batch_transfer_sync_write
             for i in range(start, start + count):
-                if write(session, *blocks[i % NSLOTS]) != 0:
+                if write(session, *blocks[i % nslots]) != 0:
                     raise SystemExit("route_floor: batch_transfer_sync_write failed")
 
         def engine_pass(count: int, start: int, status: bool) -> None:
@@ -342,6 +499,58 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
                         pair.recv()
                         replied += 1
 
+        pool = [_Req(e) for e in range(POOL)] if mode in INLINE else []
+        free = list(range(nslots))
+        waits: queue.SimpleQueue = queue.SimpleQueue()  # engine-inline+thr: (batch, slot, rid), None to stop
+        failed: list[int] = []  # engine-inline+thr: batches whose wait failed
+
+        def waiter() -> None:
+            """engine-inline+thr's second thread: each write waited for in turn, then its status."""
+            wait, send, pack = te.get_batch_transfer_status, push.send, ST.pack
+            while (item := waits.get()) is not None:
+                bid, slot, rid = item
+                if wait([bid]) != 0:
+                    failed.append(bid)
+                send(pack(slot, rid, 0))
+
+        def inline_pass(count: int, start: int) -> None:
+            """The default run's shape: a closed loop of INFLIGHT requests, each set_buf, one
+            async batch write, a status once landed (the loop's own wait on its oldest write
+            when nothing else is to do, or the waiter thread's) and a verdict that frees its slot."""
+            nonlocal bad
+            set_buf, submit, wait = bufs.set_buf, te.batch_transfer_async_write, te.get_batch_transfer_status
+            send, recv, pack, unpack = push.send, pair.recv, ST.pack, REPLY.unpack
+            hand = waits.put if mode == "engine-inline+thr" else None
+            flight: collections.deque = collections.deque()  # the loop's writes not yet waited for
+            started = done = 0
+            while done < count:
+                while started < count and started - done < INFLIGHT:
+                    rid = start + started
+                    slot = free.pop()
+                    req = pool[rid % POOL]
+                    req.bootstrap_room, req.metadata_buffer_index = _room(rid), slot
+                    set_buf(req)
+                    bid = submit(session, *blocks[slot])
+                    if bid == 0:
+                        raise SystemExit("route_floor: batch_transfer_async_write failed")
+                    (hand or flight.append)((bid, slot, rid))
+                    started += 1
+                if hand or not flight:
+                    m = recv()
+                else:
+                    try:
+                        m = recv(zmq.NOBLOCK)
+                    except zmq.Again:  # nothing else to do: the oldest write
+                        bid, slot, rid = flight.popleft()
+                        if wait([bid]) != 0:
+                            raise SystemExit("route_floor: get_batch_transfer_status failed") from None
+                        send(pack(slot, rid, 0))
+                        continue
+                slot, ok = unpack(m)
+                bad += ok != 1
+                free.append(slot)
+                done += 1
+
         def tcp_pass(count: int, start: int) -> None:
             sent = done = 0
             while done < count:
@@ -358,31 +567,63 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
                         break
 
         def one_pass(count: int, start: int) -> None:
-            if mode == "engine-sync":
+            if mode in ("engine-sync", "engine-raw"):
                 return sync_pass(count, start)
             if mode == "tcp-pipe":
                 return tcp_pass(count, start)
+            if mode in INLINE:
+                return inline_pass(count, start)
             return engine_pass(count, start, mode == "engine-pipe+st")
 
+        thread = threading.Thread(target=waiter, daemon=True) if mode == "engine-inline+thr" else None
+        if thread:
+            thread.start()
         warm = max(WARM, 2 * w)
         one_pass(warm, 0)
+        pids = (os.getpid(), info["pid"])
+        c0, b0 = [_cpu_s(p) for p in pids], _box_s()
         t0 = pc()
         one_pass(n, warm)
-        result["rate"] = n / (pc() - t0)
-    (push if mode.startswith("tcp") or mode == "engine-pipe+st" else pair).send(b"bye")
+        wall = pc() - t0
+        cpu = [_cpu_s(p) - c for p, c in zip(pids, c0)]
+        result.update(rate=n / wall, cpu_us=[c / n * 1e6 for c in cpu],  # prefill, decode
+                      others=max(0.0, _box_s() - b0 - sum(cpu)) / wall)  # cores busy outside both
+        if thread:
+            waits.put(None)
+            thread.join()
+        bad += len(failed)
+    (push if mode.startswith("tcp") or mode in ("engine-pipe+st",) + INLINE else pair).send(b"bye")
     landed = pair.recv().decode()
     result.update(bad=bad, quiet=quiet and info["quiet"],
-                  intact=landed == _digest(rows, mode.endswith("+gate")) if WARM + n >= NSLOTS else None)
+                  intact=landed == _digest(rows, mode.endswith("+gate")) if WARM + n >= nslots else None)
     print("RESULT " + json.dumps(result), flush=True)
     ctx.destroy(linger=0)
 
 
 # ---- the driver --------------------------------------------------------------------------
+def _loadavg() -> str:
+    with open("/proc/loadavg") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
 def _transport(log: str) -> str:
     for pattern, name in _TRANSPORTS:
         if pattern.search(log):
             return name
     return "?"
+
+
+def _wait_quiet(limit_s: float = QUIET_WAIT_S) -> bool:
+    """Until the box's work (other than this driver's, which sleeps) stays under QUIET cores
+    for half a second, at most `limit_s`; whether it did."""
+    end = time.monotonic() + limit_s
+    while True:
+        b = _box_s()
+        time.sleep(0.5)
+        if _box_s() - b < QUIET * 0.5:
+            return True
+        if time.monotonic() > end:
+            return False
 
 
 def run_one(mode: str, dev: str, n: int, w: int, tmp: str, env: dict[str, str]) -> tuple[dict, str]:
@@ -430,11 +671,15 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--prefill":
         return prefill(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))
     if len(sys.argv) < 2 or sys.argv[1] not in ("cpu", "gpu"):
-        raise SystemExit("usage: python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W]")
+        raise SystemExit("usage: python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W] [MODES]")
     dev = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     w = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+    every = ONE + RATE + DEFAULT_ROW
+    modes = tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else every if dev == "cpu" else ONE + RATE
+    if not set(modes) <= set(every):
+        raise SystemExit(f"route_floor: MODES is a comma list of {', '.join(every)}")
     env = dict(os.environ)
     if dev == "gpu":
         env["MC_INTRANODE_NVLINK"] = "1"
@@ -446,12 +691,13 @@ def main() -> None:
         # waiting by default): room for the window's 10 blocks a request
         for k in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
             env[k] = str(max(1024, 10 * w))
-    modes = ONE + RATE
     got: dict[str, list[dict]] = {m: [] for m in modes}
     transports, notes = set(), set()
+    loud = 0  # runs started on a box still busy after QUIET_WAIT_S
     with tempfile.TemporaryDirectory(prefix="route-floor-") as tmp:
         for _ in range(rounds):  # interleaved rounds
             for m in modes:
+                loud += dev == "cpu" and not _wait_quiet()
                 r, t = run_one(m, dev, n, w, tmp, env)
                 got[m].append(r)
                 if t:
@@ -470,9 +716,11 @@ def main() -> None:
     where = ("engine rows on cuda:0 -> cuda:" + os.environ.get("IDEAL_GPU_D", "0") + ", MC_INTRANODE_NVLINK=1"
              if dev == "gpu" else f"engine rows in host memory, MC_FORCE_TCP=1, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER="
              f"{env['MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER']} (and PENDING_ADMISSIONS)")
-    print(f"route floor: one DeepSeek-V3 MTP aux row (10 fields, {sum(AUX):,} B, {NSLOTS} slots), {dev}: {where}, "
-          f"Mooncake transport from its log: {'/'.join(sorted(transports))}; tcp route on host rows; "
-          f"{n} requests a run, {rounds} interleaved rounds")
+    print(f"route floor: one DeepSeek-V3 MTP aux row (10 fields, {sum(AUX):,} B, {NSLOTS} slots)"
+          + (f", the default modes on SGLang 0.5.23's default row (10 fields, {sum(DEFAULT_AUX):,} B, "
+             f"{DEFAULT_SLOTS} slots)" if set(modes) & set(DEFAULT_ROW) else "")
+          + f", {dev}: {where}, Mooncake transport from its log: {'/'.join(sorted(transports))}; tcp route on "
+          f"host rows; {n} requests a run, {rounds} interleaved rounds; load {_loadavg()}")
     print("one in flight: p50 us (median of rounds) [rounds]")
     rows = [("engine-1", "p50", "sync batch write + 24-B status + 16-B reply"),
             ("engine-1", "write_p50", "  of it, the sync batch write alone"),
@@ -480,22 +728,38 @@ def main() -> None:
             ("tcp-1", "p50", "10 AUX_DATA + status, payloads memmoved into rows, 16-B reply"),
             ("tcp-1+gate", "p50", "tcp-1 + the same room written, gated and zeroed (host)")]
     for m, key, what in rows:
-        v, per = med(m, key)
-        print(f"  {v:10.1f}  {m:15s} {what} {[round(x, 1) for x in per]}")
-    print(f"per request: requests/s (median of rounds) [rounds], W={w}")
+        if m in modes:
+            v, per = med(m, key)
+            print(f"  {v:10.1f}  {m:15s} {what} {[round(x, 1) for x in per]}")
+    print(f"per request: requests/s (median of rounds) [rounds], W={w}; CPU us a request, prefill + decode, "
+          "every thread (median of rounds)")
     whats = {"engine-sync": "sync batch writes back to back (W=1)",
              "engine-pipe": f"async batch writes, {w} in flight, writes only",
              "engine-pipe+st": f"the same + 24-B status PUSH and 16-B reply per request, {w} unanswered",
-             "tcp-pipe": f"10 AUX_DATA + status per request, 16-B reply, {w} unanswered"}
-    for m in RATE:
-        v, per = med(m, "rate")
-        print(f"  {v:10,.0f}  {m:15s} {whats[m]} {[round(x) for x in per]}")
+             "tcp-pipe": f"10 AUX_DATA + status per request, 16-B reply, {w} unanswered",
+             "engine-raw": "default rows: sync batch writes back to back (W=1), the bench's raw",
+             "engine-inline": f"default rows, {INFLIGHT} in flight closed loop: set_buf, async write, the loop "
+                              "waits its oldest, status, row checked, verdict",
+             "engine-inline+thr": "the same, a waiter thread waits each write and sends its status"}
+    for m in RATE + DEFAULT_ROW:
+        if m in modes:
+            v, per = med(m, "rate")
+            cpu = [statistics.median(r["cpu_us"][k] for r in got[m]) for k in (0, 1)]
+            print(f"  {v:10,.0f}  {m:17s} {whats[m]} {[round(x) for x in per]}; "
+                  f"CPU {cpu[0]:.0f} + {cpu[1]:.0f} = {sum(cpu):.0f} us; other work on the box "
+                  f"{[round(r['others'], 2) for r in got[m]]} cores")
 
-    def ratio(a: str, ka: str, b: str, kb: str) -> tuple[float, list[float]]:
+    def ratio(a: str, ka: str, b: str, kb: str) -> tuple[float, list[float], str]:
+        """The ratio of medians, per round, and over the quiet rounds where some were not."""
         per = [x[ka] / y[kb] for x, y in zip(got[a], got[b])]
-        return med(a, ka)[0] / med(b, kb)[0], per
+        quiet = [(x[ka], y[kb]) for x, y in zip(got[a], got[b]) if max(x.get("others", 0), y.get("others", 0)) < QUIET]
+        mq = statistics.median
+        note = (f"; quiet rounds {mq(x for x, _ in quiet) / mq(y for _, y in quiet):.2f}x ({len(quiet)} of {len(per)})"
+                if quiet and len(quiet) < len(per) else "")
+        return med(a, ka)[0] / med(b, kb)[0], per, note
 
-    print("floors (transports alone, none of this project's code): ratio of medians [per round]")
+    print("floors (transports alone; G5 with SGLang's set_buf; none of this project's code): ratio of medians "
+          "[per round]")
     floors = (("G1  tcp-1 / engine-1 one in flight:    ", "tcp-1", "p50", "engine-1", "p50",
                "goal: tcp route / NVLink handoff p50 >= 2x"),
               ("G1g tcp-1+gate / engine-1+gate:        ", "tcp-1+gate", "p50", "engine-1+gate", "p50",
@@ -505,11 +769,18 @@ def main() -> None:
               ("    engine-sync / tcp-pipe:            ", "engine-sync", "rate", "tcp-pipe", "rate",
                "(the engine's W=1: on NVLink it can beat the window)"),
               ("    engine-pipe+st / tcp-pipe:         ", "engine-pipe+st", "rate", "tcp-pipe", "rate",
-               "(the same control path on both routes)"))
+               "(the same control path on both routes)"),
+              ("G5  engine-inline / engine-raw:        ", "engine-inline", "rate", "engine-raw", "rate",
+               "goal: 2-core CPU box, the default run >= 0.8x raw"),
+              ("    engine-inline+thr / engine-raw:    ", "engine-inline+thr", "rate", "engine-raw", "rate",
+               "(the writes waited for on a second thread)"))
     for label, a, ka, b, kb, goal in floors:
-        r, per = ratio(a, ka, b, kb)
-        print(f"  {label}   {r:6.2f}x {[round(x, 2) for x in per]}   {goal}")
+        if a in modes and b in modes:
+            r, per, note = ratio(a, ka, b, kb)
+            print(f"  {label}   {r:6.2f}x {[round(x, 2) for x in per]}   {goal}{note}")
     intact = all(r["intact"] for v in got.values() for r in v)
+    print(f"load after: {_loadavg()}" + (f"; {loud} runs started on a box not quiet after {QUIET_WAIT_S:.0f} s"
+                                          if loud else ""))
     print(f"rows landed intact (decode's rows == prefill's after every run): {'yes' if intact else 'see notes'}")
     for note in sorted(notes):
         print(f"warning: {note}")
