@@ -132,6 +132,19 @@ def test_full_run_against_the_yardstick_is_paired_round_by_round():
     assert "round by round" not in markdown(LadderResults({}, 10, 1, [_row("R0", [1.0])]))
 
 
+def test_rung_increments_are_paired_round_by_round():
+    """A rung's cost as the median of its rounds' differences from the rung below (a round
+    that moved every rung moves both), skipping a rung with no reading."""
+    rows = [_row("R0", [100.0, 200.0, 110.0]), _row("R1", [120.0, 230.0, 400.0]),
+            RungRow("R2", "label R2", skipped="not selected (bench.ladder_rungs)"), _row("R3", [130.0, 260.0, 405.0]),
+            _row(YARDSTICK, [90.0, 95.0, 99.0])]
+    res = LadderResults({}, 10, 3, rows)
+    assert res.paired_steps() == {"R1": 30.0, "R3": 10.0}
+    assert "paired by round (the median of the rounds' differences, us): R1 +30.0 (27% of R0), R3 +10.0 (9% of R0)." \
+        in markdown(res)
+    assert res.to_json()["paired_increment_us"] == {"R1": 30.0, "R3": 10.0}
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_ladder_runs_only_the_rungs_asked_for(tmp_path):

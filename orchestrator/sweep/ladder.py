@@ -144,17 +144,31 @@ class LadderResults:
     load_avg: list[float] = field(default_factory=list)
     interrupted: Optional[str] = None  # "SIGINT": the rounds not run are left out
 
+    def _by_round(self) -> dict[str, dict[int, float]]:
+        return {r.rung: {run.round: run.p50_us for run in r.runs if run.ok and run.p50_us} for r in self.rows}
+
     def paired(self) -> list[float]:
         """R7 / yardstick in each round where both passed: the goal's ratio, paired by round
         (the rounds drift together; the ratio of the two medians mixes rounds)."""
-        by = {r.rung: {run.round: run.p50_us for run in r.runs if run.ok and run.p50_us} for r in self.rows}
+        by = self._by_round()
         full, ys = by.get("R7", {}), by.get(YARDSTICK, {})
         return [round(full[k] / ys[k], 3) for k in sorted(full.keys() & ys.keys())]
+
+    def paired_steps(self) -> dict[str, float]:
+        """Each rung's increment over the rung run below it, paired by round: the median of
+        the rounds' differences (rounds where both passed)."""
+        by, out = self._by_round(), {}
+        rungs = [r.rung for r in self.rows if r.rung != YARDSTICK and by.get(r.rung)]
+        for lo, hi in zip(rungs, rungs[1:]):
+            both = sorted(by[lo].keys() & by[hi].keys())
+            if both:
+                out[hi] = round(statistics.median(by[hi][k] - by[lo][k] for k in both), 1)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile, "handoffs": self.handoffs, "rounds": self.rounds,
                 "load_avg_1_5_15": self.load_avg, "rows": [r.to_json() for r in self.rows],
-                "full_over_yardstick_per_round": self.paired(),
+                "full_over_yardstick_per_round": self.paired(), "paired_increment_us": self.paired_steps(),
                 **({"interrupted": self.interrupted} if self.interrupted else {})}
 
 
@@ -572,6 +586,11 @@ def markdown(results: LadderResults) -> str:
         mixed = f"; ratio of the medians {full / ys:.2f}x" if full and ys else ""
         lines += ["", f"Full run (R7) / yardstick, round by round: {paired}; median of the rounds' ratios "
                   f"**{statistics.median(paired):.2f}x**{mixed}."]
+    steps = results.paired_steps()
+    if steps and results.rounds > 1:
+        lines += ["", "Each rung over the one below, paired by round (the median of the rounds' differences, us): "
+                  + ", ".join(f"{k} {v:+.1f}" + (f" ({100 * v / r0:.0f}% of R0)" if r0 else "")
+                              for k, v in steps.items()) + "."]
     lines += ["", f"{results.handoffs} handoffs per rung and round, one in flight, rows filled ahead; "
               f"{results.rounds} rounds, interleaved; rows on {prof.get('buffer_device')}, "
               f"{prof.get('declared_transport') or prof.get('engine_transport')}; load average "
