@@ -71,6 +71,7 @@ _HALVES = struct.Struct("<II")  # a pad's 8 bytes: its two little-endian halves
 # of digests whose signature differs from its own KV layout signature)
 SIGNATURE = int.from_bytes(b"ORCHAUX1", "little") & ((1 << 63) - 1)
 _PUBLIC_SEED = 0x5EED_0A0C
+_TAKE_MOST = 4  # host rows: a read of up to this many slots gathers them in one take
 
 
 def buckets(n: int) -> list[int]:
@@ -728,30 +729,42 @@ class RowDigest:
 
     def _read_host(self, slots: Sequence[int]) -> "StepRead":
         """Host rows: the digest's four columns in one product; the room's and the landed
-        tag's words read as they lie (what the one-hot columns give on device rows). The
-        step's rows are gathered a field at a time (a run of slots: a slice of each)."""
+        tag's words read as they lie (what the one-hot columns give on device rows). A few
+        slots are gathered in one take through the gather table; more a field at a time (a
+        run of slots: a slice of each), cast to float64 as they are copied (one pass over
+        the step's words, not a copy and then a cast)."""
         w, room_at, tag_at = self._host_read
         k = len(slots)
-        x = np.empty((k, len(self.base)), dtype=np.int16)
-        first = slots[0] if k else 0
-        if k and slots[-1] - first == k - 1 and list(slots) == list(range(first, first + k)):
-            for rows, lo, hi in self._fields:  # a run of slots: each field's rows are one block
-                x[:, lo:hi] = rows[first:first + k]
+        x: np.ndarray
+        if k <= _TAKE_MOST:
+            x = self._u16.take(self._idx[slots[0]] if k == 1 else self._idx[list(slots)]).reshape(k, -1)
+            words = x  # int16 as it lies
         else:
-            at = np.fromiter(slots, dtype=np.intp, count=k)
-            for rows, lo, hi in self._fields:
-                x[:, lo:hi] = rows[at]
+            x = np.empty((k, len(self.base)), dtype=np.float64)
+            first = slots[0]
+            if slots[-1] - first == k - 1 and list(slots) == list(range(first, first + k)):
+                for rows, lo, hi in self._fields:  # a run of slots: each field's rows are one block
+                    x[:, lo:hi] = rows[first:first + k]
+            else:
+                at = np.fromiter(slots, dtype=np.intp, count=k)
+                for rows, lo, hi in self._fields:
+                    x[:, lo:hi] = rows[at]
+            words = None  # the room's and tag's words, cast back below (exact: 16-bit values)
         n = self.words
         if n <= CHUNK_WORDS + 8:  # one product, exact in float64
-            sums = (x[:, :n].astype(np.float64) @ w).astype(np.int64)
+            sums = (x[:, :n] @ w if words is None else x[:, :n].astype(np.float64) @ w).astype(np.int64)
         else:
-            sums = np.zeros((len(x), 4), dtype=np.int64)
+            sums = np.zeros((k, 4), dtype=np.int64)
             for lo in range(0, n, CHUNK_WORDS):
                 hi = min(n, lo + CHUNK_WORDS)
-                sums += (x[:, lo:hi].astype(np.float64) @ w[lo:hi]).astype(np.int64)
-        rooms = np.ascontiguousarray(x[:, room_at:room_at + 4]).view(np.uint64)[:, 0]
-        tags = (np.ascontiguousarray(x[:, tag_at:tag_at + 4]).view(np.uint64)[:, 0]
-                if tag_at is not None else np.zeros(len(x), dtype=np.uint64))
+                sums += (x[:, lo:hi].astype(np.float64, copy=False) @ w[lo:hi]).astype(np.int64)
+
+        def u64(at: int) -> np.ndarray:
+            part = x[:, at:at + 4]
+            return (np.ascontiguousarray(part) if words is not None else part.astype(np.int16)).view(np.uint64)[:, 0]
+
+        rooms = u64(room_at)
+        tags = u64(tag_at) if tag_at is not None else np.zeros(k, dtype=np.uint64)
         return StepRead(np.mod(sums, P), rooms, tags)
 
     def _read_graph(self, slots: Sequence[int], clear: Sequence[int] = ()) -> np.ndarray:
