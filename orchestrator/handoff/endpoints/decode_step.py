@@ -64,7 +64,7 @@ class Stepper:
         res.gate_read_us.add(gate_s * 1e6)
         res.stall_us.add(stall_s * 1e6)
         now, now_ns = _clock(), time.monotonic_ns()
-        clean = judge.clean(cands, step).tolist()
+        clean = judge.clean(cands, step)
         waits = 0
         verified = []
         for i, (g, ok) in enumerate(zip(cands, clean)):

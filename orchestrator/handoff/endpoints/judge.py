@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from orchestrator.handoff.buffers import MetadataBuffers, SlotAllocator
-from orchestrator.handoff.digest import RowCheck, RowDigest, StepRead
+from orchestrator.handoff.digest import RowCheck, RowDigest, StepRead, pack_tag
 from orchestrator.handoff.endpoints.decode_state import Grant
 from orchestrator.handoff.specs import GateSpec
 from orchestrator.profile.kinds import GateRead
@@ -23,6 +23,7 @@ from orchestrator.results.records import DecodeResult
 
 _CLEAN = attrgetter("status", "room", "pad", "tag")  # what Judge.clean reads of a grant
 _SUCCESS = int(KVPoll.Success)
+_SCALAR_MOST = 4  # Judge.clean: up to this many candidates compared one by one
 
 
 class Rows:
@@ -190,20 +191,31 @@ class Judge:
             return True
         return False
 
-    def clean(self, cands: list[Grant], step: StepRead) -> np.ndarray:
-        """Which candidates this step verifies outright, as a mask: a success status, the
-        request's own room landed, and the tag its row's sums give under its pad is the one
-        that landed (or that its status carried). Whatever the gate's settings, poll() takes
-        such a row and judge() verifies it; every other row is judged one by one."""
+    def clean(self, cands: list[Grant], step: StepRead) -> list[bool]:
+        """Which candidates this step verifies outright: a success status, the request's
+        own room landed, and the tag its row's sums give under its pad is the one that
+        landed (or that its status carried). Whatever the gate's settings, poll() takes such
+        a row and judge() verifies it; every other row is judged one by one. A few
+        candidates are compared one by one in Python (pack_tag's arithmetic), more as arrays
+        (StepRead.expected_tags): the same test either way."""
         k = len(cands)
-        status, room, pad, tag = zip(*map(_CLEAN, cands)) if k else ((), (), (), ())
+        if k <= _SCALAR_MOST:
+            rooms = step.rooms.tolist()
+            landed = (step.tags.tolist() if self.buffers.checksum_field is not None
+                      else [g.tag for g in cands])
+            keyed = step.c[:, 0].tolist() if step.blake else [
+                pack_tag(c0, c1, g.pad) for g, (c0, c1) in zip(cands, step.c[:, :2].tolist())]
+            return [g.status == _SUCCESS and room == g.room and room != 0 and tag == want
+                    for g, room, tag, want in zip(cands, rooms, landed, keyed)]
+        status, room, pad, tag = zip(*map(_CLEAN, cands))
         ok = (np.fromiter(status, dtype=np.int64, count=k) == _SUCCESS if None not in status
               else np.fromiter((s == _SUCCESS for s in status), dtype=bool, count=k))  # (None: no status)
-        rooms = np.fromiter(room, dtype=np.uint64, count=k)
+        rooms_a = np.fromiter(room, dtype=np.uint64, count=k)
         pads = np.fromiter(itertools.chain.from_iterable(pad), dtype=np.int64, count=2 * k).reshape(k, 2)
-        landed = (step.tags if self.buffers.checksum_field is not None
-                  else np.fromiter(tag, dtype=np.uint64, count=k))
-        return ok & (step.rooms == rooms) & (rooms != 0) & (step.expected_tags(pads[:, 0], pads[:, 1]) == landed)
+        landed_a = (step.tags if self.buffers.checksum_field is not None
+                    else np.fromiter(tag, dtype=np.uint64, count=k))
+        return (ok & (step.rooms == rooms_a) & (rooms_a != 0)
+                & (step.expected_tags(pads[:, 0], pads[:, 1]) == landed_a)).tolist()
 
     def _digest_ok(self, g: Grant, r: RowCheck) -> bool:
         landed = r.landed_tag if self.buffers.checksum_field is not None else g.tag
