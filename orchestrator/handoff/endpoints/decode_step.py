@@ -22,6 +22,7 @@ from orchestrator.results.records import DecodeResult
 from orchestrator.results.rundir import RunFile
 
 HOLDS = (Detail.room_never_landed, Detail.written_by_someone_else)  # failures that held a slot long
+_VERIFIED, _NONE = Outcome.verified.code, Detail.none.code  # a verified verdict's codes
 _WARM = 1000  # judged requests after which the process's memory is taken as warm (rss_kb_warm)
 
 
@@ -34,6 +35,8 @@ class Stepper:
         self.ledger, self.rows, self.judge, self.group, self.grants = ledger, rows, judge, group, grants
         self.res, self.records, self.log, self.slots = res, records, log, slots
         self.tag = getattr(records, "tag", "")  # the run's id, on every verdict line
+        # a verified request's line after its identity (the same for every one)
+        self.verified_tail = f'"outcome": "{Outcome.verified.value}", "detail": "{Detail.none.value}"{self.tag}}}\n'
         self.leader = group.rank == 0
 
     def step(self) -> None:
@@ -156,15 +159,20 @@ class Stepper:
         verdicts (made at `t_ns`, taken as the sglang gate read each, else at `now_ns`), one
         write of their records, their slots freed."""
         res, n = self.res, len(gs)
-        before = res.judged
-        res.outcomes[Outcome.verified] += n
+        outcomes = res.outcomes
+        before = sum(outcomes.values())
+        outcomes[Outcome.verified] += n
         if self.leader:
-            ok, none, verdicts = Outcome.verified.code, Detail.none.code, self.ledger.verdicts
-            for g in gs:
-                verdicts[g.prank].append([g.rid, ok, none, t_ns, int(g.t_status * 1e9),
-                                          now_ns if taken_at is None else taken_at.get(g.slot, now_ns)])
-        tail = f'"outcome": "{Outcome.verified.value}", "detail": "{Detail.none.value}"{self.tag}}}\n'
-        self.records.write("".join(f'{{"prefill": {g.prank}, "rid": {g.rid}, {tail}' for g in gs))
+            verdicts = self.ledger.verdicts
+            if taken_at is None:
+                for g in gs:
+                    verdicts[g.prank].append([g.rid, _VERIFIED, _NONE, t_ns, int(g.t_status * 1e9), now_ns])
+            else:
+                for g in gs:
+                    verdicts[g.prank].append([g.rid, _VERIFIED, _NONE, t_ns, int(g.t_status * 1e9),
+                                              taken_at.get(g.slot, now_ns)])
+        tail = self.verified_tail
+        self.records.write("".join([f'{{"prefill": {g.prank}, "rid": {g.rid}, {tail}' for g in gs]))
         self.grants.remove_many(gs)
         if before < _WARM <= before + n:
             res.memory["rss_kb_warm"] = rss_kb()

@@ -135,18 +135,25 @@ class Grants:
         led = self.ledger
         if self.leader and led.waiting:
             self.grant_waiting()
-        for prank in set(led.verdicts) | set(led.granted):
-            granted = led.granted.get(prank, [])
-            told = [g for g in granted if g.shared]
-            v = led.verdicts.pop(prank, [])
+        verdicts, granted = led.verdicts, led.granted
+        if not (verdicts or granted):
+            return
+        ranks = self.peers.ranks
+        for prank in (list(verdicts) if not granted else list(granted) if not verdicts
+                      else list(set(verdicts) | set(granted))):
+            gs = granted.pop(prank, None)
+            v = verdicts.pop(prank, None) or []
+            told: list[tuple[int, int]] = []
+            if gs:
+                if self.group_size == 1:  # one rank: every grant is known, told at once
+                    told = list(map(_GRANT_ROW, gs))
+                else:
+                    told = [_GRANT_ROW(g) for g in gs if g.shared]
+                    left = [g for g in gs if not g.shared]
+                    if left:
+                        granted[prank] = left
             if told or v:
-                self.replies.send(self.peers.ranks[prank].identity,
-                                  wire.update_frame(list(map(_GRANT_ROW, told)), v))
-            left = [g for g in granted if not g.shared] if len(told) < len(granted) else []
-            if left:
-                led.granted[prank] = left
-            else:
-                led.granted.pop(prank, None)
+                self.replies.send(ranks[prank].identity, wire.update_frame(told, v))
 
     def heartbeat(self, now: float) -> float:
         """The leader's word (an empty update) to every bound prefill that waits on this
