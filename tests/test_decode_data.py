@@ -125,3 +125,48 @@ def test_a_bare_sglang_status_is_matched_by_its_room():
     p.dp.on_data(p.tx[0].sign(wire.encode_status(102, KVPoll.Success, 0)))
     p.dp.on_data(p.tx[0].sign(wire.encode_status(555, KVPoll.Success, 0)))  # no grant has that room
     assert p.ready() == {(0, 2): (OK, 0)} and p.refused() == {"unexpected": 1}
+
+
+@pytest.mark.parametrize("checksum_field, blake", [(1, False), (None, False), (1, True)])
+def test_judge_clean_one_by_one_is_the_array_test(monkeypatch, checksum_field, blake):
+    """Judge.clean compares a few candidates one by one in Python and more as arrays: the
+    same mask either way, over rows that pass and rows each test on its own fails (status,
+    room, a zero room, the tag)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from orchestrator.handoff.digest import MARK, P, StepRead, pack_tag
+    from orchestrator.handoff.endpoints import judge as judge_mod
+    from orchestrator.results.outcomes import KVPoll
+
+    rng = np.random.default_rng(11)
+    k = 12
+    c = rng.integers(0, P, (k, 4), dtype=np.int64)
+    if blake:
+        c[:, 0] = rng.integers(0, 1 << 40, k, dtype=np.int64) | MARK
+    rooms = rng.integers(1, 1 << 63, k, dtype=np.uint64)
+    pads = [tuple(int(x) for x in rng.integers(0, P, 2)) for _ in range(k)]
+    want = [int(c[i, 0]) if blake else pack_tag(int(c[i, 0]), int(c[i, 1]), pads[i]) for i in range(k)]
+    grants = [SimpleNamespace(status=int(KVPoll.Success), room=int(rooms[i]), pad=pads[i], tag=want[i])
+              for i in range(k)]
+    tags = np.array(want, dtype=np.uint64)
+    grants[1].status = int(KVPoll.Failed)
+    grants[2].room += 1
+    rooms[3] = 0
+    grants[3].room = 0
+    if checksum_field is not None:
+        tags[4] ^= 1
+    else:
+        grants[4].tag ^= 1
+    grants[5].status = None
+    step = StepRead(c, rooms, tags, [None] * k if blake else None)  # type: ignore[list-item]
+    me = SimpleNamespace(buffers=SimpleNamespace(checksum_field=checksum_field))
+    expect = [True, False, False, False, False, False] + [True] * (k - 6)
+    assert judge_mod.Judge.clean(me, grants, step) == expect  # 12 > _SCALAR_MOST: arrays
+    monkeypatch.setattr(judge_mod, "_SCALAR_MOST", k)
+    assert judge_mod.Judge.clean(me, grants, step) == expect  # one by one
+    for i in range(k):  # each alone (one by one at the default bound)
+        monkeypatch.setattr(judge_mod, "_SCALAR_MOST", 4)
+        one = StepRead(c[i:i + 1], rooms[i:i + 1], tags[i:i + 1], [None] if blake else None)  # type: ignore[list-item]
+        assert judge_mod.Judge.clean(me, [grants[i]], one) == [expect[i]], i
