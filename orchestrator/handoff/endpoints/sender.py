@@ -2,13 +2,9 @@
 requests and, per decode process, its sends. SendQueue starts a step's sends, finishes them in
 order, sends each status behind its send and hands the finished step back, on whichever thread
 drives it. Sender picks that thread per step: a step alone in flight runs to completion on the
-loop's own thread (no thread hop between its write, its completion and its status). Steps that
-overlap go to the transfer thread where the loops spin (endpoints.poll; hosts of 8 cores or
-more), which finishes each write as it lands while the loop fills the next (Mooncake's wait
-releases the GIL; it has no non-blocking completion for a batch). Where the loops block (a
-small host), the loop drives every step itself: it forms what it can, then finishes every
-write started (the earlier ones landed meanwhile); the thread's wake-ups and the GIL passed
-back and forth cost more there than the overlap buys (BENCHMARKS.md)."""
+loop's own thread (no thread hop between its write, its completion and its status); steps that
+overlap go to the transfer thread, which finishes each write as it lands while the loop fills
+the next (Mooncake's wait releases the GIL; it has no non-blocking completion for a batch)."""
 
 from __future__ import annotations
 
@@ -70,8 +66,7 @@ class SendQueue:
     at the next pump(). pump() starts what may start (up to `max_inflight` writes in flight,
     as SGLang's transfer workers keep several), then finishes sends in order (a send a fault
     holds back lets the ones behind it go first), each status behind its send, until a step is
-    done (or, for the loop, until all are, or all started before a given time); a finished step
-    lands in `done` (`landed` is called, then its decisions are logged).
+    done; a finished step lands in `done` (`landed` is called, then its decisions are logged).
     Finishing an engine write waits for it to land."""
 
     def __init__(self, log_decisions: Callable[[ForwardStep], None], nap_s: float = 0.0,
@@ -85,7 +80,6 @@ class SendQueue:
         self.done: collections.deque[ForwardStep] = collections.deque()  # finished, not yet taken
         self.inflight = 0  # sends started, not finished
         self.blocks_done = 0  # blocks of finished sends
-        self.deferred = False  # the last pump() left a send it was told to leave (`before`)
 
     @property
     def backlog(self) -> int:
@@ -109,18 +103,14 @@ class SendQueue:
         while queue and (self.inflight < self.max_inflight or not self.pending):
             self._start(queue.popleft())
 
-    def pump(self, drain: bool = False, before: Optional[float] = None) -> bool:
-        """Start what may start, then finish sends in order until a step is done (the transfer
-        thread then takes what was handed over since, and starts it: the engine's queue stays
-        fed), or with `drain` until none is left (the loop, which formed what it could before:
-        it hears its sockets next), or until none can finish now. `before`: finish only sends
-        started before this time (monotonic s); the next one left is `deferred`. Whether any
-        send finished."""
+    def pump(self) -> bool:
+        """Start what may start, then finish sends in order until a step is done or none can
+        finish now (the loop then hears its sockets and forms what it can before it waits for
+        the next write: the engine's queue stays fed). Whether any send finished."""
         self.start_queued()
         done, finished = len(self.done), False
-        self.deferred = False
-        while self.pending and (drain or len(self.done) == done):
-            if not self._finish_oldest(before):
+        while self.pending and len(self.done) == done:
+            if not self._finish_oldest():
                 break
             finished = True
             if self.queue:
@@ -139,18 +129,14 @@ class SendQueue:
                 self.inflight += 1
         step.started = True
 
-    def _finish_oldest(self, before: Optional[float] = None) -> bool:
+    def _finish_oldest(self) -> bool:
         """Finish the oldest send that can be finished (in order, unless a send is held
-        back: then the ones behind it go first); False when none can, or when that send
-        started at or after `before` (then it is `deferred`)."""
+        back: then the ones behind it go first); False when none can."""
         pending = self.pending
         i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
         if i is None:
             return False
         step, link, transfers, send = pending[i]
-        if before is not None and send.t0 >= before:
-            self.deferred = True
-            return False
         if self.nap_s:
             left = send.t0 + self.nap_s - time.monotonic()
             if left > 0:
@@ -262,18 +248,15 @@ class Sender:
     """The send path as the prefill's loop sees it: a SendQueue and the transfer thread.
     submit(step, alone): a step alone in flight (`alone`: no other request outstanding) while
     the thread holds nothing runs to completion on the loop's thread (its sends start now,
-    pump() finishes them); with `overlap`, any other goes to the thread, with the queue and
-    whatever the loop left in it. The thread pays for itself only where steps overlap (the
-    loop fills the next one while it waits for a write: BENCHMARKS.md, "run to completion"),
-    and only where its wake-ups are cheap: without `overlap` (the loops block: a small host)
-    the loop drives every step, and the thread only finishes what is left at close()."""
+    pump() finishes them); any other goes to the thread, with the queue and whatever the
+    loop left in it. The thread pays for itself only where steps overlap (the loop fills the
+    next one while it waits for a write: BENCHMARKS.md, "run to completion")."""
 
     def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
                  nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
-                 spin: bool = False, overlap: bool = True):
+                 spin: bool = False):
         self.queue = SendQueue(log_decisions, nap_s, max_inflight)
         self.thread = TransferThread(self.queue, ctx, wake_addr, device, spin)
-        self.overlap = overlap
 
     def start(self) -> None:
         self.thread.start()
@@ -312,7 +295,7 @@ class Sender:
         self.thread.want_wake = wants
 
     def submit(self, step: ForwardStep, alone: bool) -> None:
-        if (alone or not self.overlap) and self.loop_drives:
+        if alone and self.loop_drives:
             self.queue.submit(step)
             return
         # Rows sealed on the host side (host rows; fill=ahead, signed on the host): started
@@ -325,17 +308,9 @@ class Sender:
             step.started = True
         self.thread.submit(step)
 
-    def pump(self, before: Optional[float] = None) -> bool:
-        """The loop drives the queue while the thread holds none of it: every send it started
-        (before `before`, where given) finished in order where it can be; whether a send
-        finished."""
-        return self.queue.pump(drain=True, before=before) if self.loop_drives else False
-
-    @property
-    def deferred(self) -> bool:
-        """The loop's last pump() left a send started since its `before` (the loop hears its
-        sockets first, then finishes it)."""
-        return self.loop_drives and self.queue.deferred
+    def pump(self) -> bool:
+        """The loop drives the queue while the thread holds none of it: whether a send finished."""
+        return self.queue.pump() if self.loop_drives else False
 
     def close(self, timeout_s: float) -> bool:
         """The thread finishes what is left (the loop's too) and ends; False when a write
