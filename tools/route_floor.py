@@ -63,12 +63,12 @@ on cuda:0 (prefill) and cuda:$IDEAL_GPU_D (decode, default 0), MC_INTRANODE_NVLI
 MC_FORCE_TCP unset; the tcp route stays on host rows (as the bench's tcp route, mem_pool=host).
 Mooncake's per-batch INFO line is silenced after start-up (glog's minloglevel). Run it under the
 MPS daemon where the ladder runs under one. Needs numpy, pyzmq and the Mooncake wheel (torch on
-gpu). At the end of every run the decode's rows must equal the prefill's (every slot written).
+gpu). At the end of every run the decode's rows must equal the prefill's (every slot written;
+the gate modes: but for the rooms the decode zeroed).
 
 The floors: tcp-1 / engine-1 against "tcp route / NVLink one in flight >= 2x" (G1; G1g: the
 same with SGLang's room written, gated and zeroed on both routes, what a handoff on either
-route cannot skip), and
-engine-pipe / tcp-pipe against "per-request NVLink / tcp route >= 3x" (G2); engine-sync /
+route cannot skip), and engine-pipe / tcp-pipe against "per-request NVLink / tcp route >= 3x" (G2); engine-sync /
 tcp-pipe is G2 with the engine's W=1 (one H200, NVLink: sync writes ran as fast as a window of
 8-256, the transport waiting on the CPU before each submit), and engine-pipe+st / tcp-pipe G2
 with the same control messages on both routes; engine-inline / engine-raw (and the +thr form)
