@@ -98,6 +98,7 @@ import types
 
 import numpy as np
 import zmq
+from cpu_floor import box, threads, wait_quiet  # (tools/: /proc readers; it imports nothing of orchestrator at load)
 
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 14336, 64]  # DeepSeek-V3 MTP aux row, bytes a field
 NSLOTS = 256
@@ -200,22 +201,8 @@ def _expected(pool: list[_Req]) -> list[bytes]:
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds every thread of `pid` has run so far (schedstat, ns)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / 1e9
-
-
-def _box_s() -> float:
-    """CPU seconds the box has been busy so far, every CPU (/proc/stat: all but idle and iowait)."""
-    with open("/proc/stat") as fh:
-        v = [int(x) for x in fh.readline().split()[1:8]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds every live thread of `pid` has run so far (schedstat)."""
+    return sum(t.run_ns for t in threads(pid, split=False).values()) / 1e9
 
 
 def _rows(mode: str, where: str, fill: bool) -> tuple[list, list[int], object]:
@@ -258,7 +245,7 @@ def _digest(rows: list, gate: bool = False) -> str:
 def _rooms(rows: list):
     """bootstrap_room per slot: the first 8 bytes of the last field's row (as the yardstick)."""
     last = rows[-1]
-    if hasattr(last, "view") and not isinstance(last, np.ndarray):
+    if not isinstance(last, np.ndarray):  # torch, on a CUDA device
         import torch
 
         return last.view(NSLOTS, AUX[-1])[:, :8].view(torch.int64)[:, 0]
@@ -581,13 +568,13 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
         warm = max(WARM, 2 * w)
         one_pass(warm, 0)
         pids = (os.getpid(), info["pid"])
-        c0, b0 = [_cpu_s(p) for p in pids], _box_s()
+        c0, b0 = [_cpu_s(p) for p in pids], box()[0]
         t0 = pc()
         one_pass(n, warm)
         wall = pc() - t0
         cpu = [_cpu_s(p) - c for p, c in zip(pids, c0)]
         result.update(rate=n / wall, cpu_us=[c / n * 1e6 for c in cpu],  # prefill, decode
-                      others=max(0.0, _box_s() - b0 - sum(cpu)) / wall)  # cores busy outside both
+                      others=max(0.0, box()[0] - b0 - sum(cpu)) / wall)  # cores busy outside both
         if thread:
             waits.put(None)
             thread.join()
@@ -611,19 +598,6 @@ def _transport(log: str) -> str:
         if pattern.search(log):
             return name
     return "?"
-
-
-def _wait_quiet(limit_s: float = QUIET_WAIT_S) -> bool:
-    """Until the box's work (other than this driver's, which sleeps) stays under QUIET cores
-    for half a second, at most `limit_s`; whether it did."""
-    end = time.monotonic() + limit_s
-    while True:
-        b = _box_s()
-        time.sleep(0.5)
-        if _box_s() - b < QUIET * 0.5:
-            return True
-        if time.monotonic() > end:
-            return False
 
 
 def run_one(mode: str, dev: str, n: int, w: int, tmp: str, env: dict[str, str]) -> tuple[dict, str]:
@@ -697,7 +671,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="route-floor-") as tmp:
         for _ in range(rounds):  # interleaved rounds
             for m in modes:
-                loud += dev == "cpu" and not _wait_quiet()
+                loud += dev == "cpu" and wait_quiet(QUIET_WAIT_S, QUIET) > QUIET_WAIT_S
                 r, t = run_one(m, dev, n, w, tmp, env)
                 got[m].append(r)
                 if t:
