@@ -2,7 +2,8 @@
 or at the next pump (still sealed on the device), finish in order with each status behind its
 send, one step a pump, a send a fault holds back lets the ones behind it go first, at most
 max_inflight are in flight. Sender: a step alone in flight runs to completion on the loop's
-thread, others go to the transfer thread (with what the loop left in the queue), which wakes
+thread, others go to the transfer thread (with what the loop left in the queue) or, without
+`overlap` (the loops block), stay on the loop's thread too; the thread wakes
 the loop only when it waits (want_wake), and once; close gives up on a write that never
 returns. Holds and hand-offs are forced by hooks, never by timing; the router is a stand-in
 recording its calls (no bytes move: the real engine path is tests/test_transports.py)."""
@@ -127,12 +128,12 @@ def test_a_step_sealed_on_the_device_starts_at_the_pump_with_its_tags():
 class _Pair:
     """A Sender with its wake-up socket's bound end; the thread says when it logged a step."""
 
-    def __init__(self, name):
+    def __init__(self, name, overlap=True):
         self.ctx = zmq.Context()
         self.wake = self.ctx.socket(zmq.PAIR)
         self.wake.bind(f"inproc://{name}")
         self.logged = threading.Semaphore(0)
-        self.sender = Sender(self.ctx, f"inproc://{name}", lambda step: self.logged.release())
+        self.sender = Sender(self.ctx, f"inproc://{name}", lambda step: self.logged.release(), overlap=overlap)
         self.sender.start()
 
     def close(self):
@@ -167,6 +168,31 @@ def test_overlapping_steps_go_to_the_thread_with_what_the_loop_left():
         assert [s.reqs[0].rid for s in sender.done] == [1, 2]
         assert router.threads == {sender.thread.ident}
         assert not sender.pump()  # the queue was the thread's until it emptied
+    finally:
+        pair.close()
+
+
+def test_without_overlap_the_loop_drives_every_step_and_finishes_all_it_started():
+    """The loops block (a small host): overlapping steps stay on the loop's thread; one pump
+    finishes every send it started, in order, each status behind its send."""
+    pair, router = _Pair("wake-inline", overlap=False), _Router()
+    sender = pair.sender
+    try:
+        steps = [_step(router, rid) for rid in (1, 2, 3)]
+        for step in steps:
+            sender.submit(step, alone=False)
+        assert router.calls == [("start", 1), ("start", 2), ("start", 3)]  # started here, before any pump
+        assert sender.loop_drives and sender.busy and not sender.thread.inbox
+        assert sender.pump() and list(sender.done) == steps and not sender.busy
+        assert router.calls[3:] == [(c, rid) for rid in (1, 2, 3) for c in ("finish", "status", "step")]
+        assert router.threads == {threading.get_ident()} and not pair.wake.poll(0)
+        router.held.add(4)  # held back by a fault: the one behind it goes, the loop looks again
+        sender.submit(_step(router, 4), alone=False)
+        sender.submit(_step(router, 5), alone=False)
+        assert sender.pump() and [s.reqs[0].rid for s in sender.done][3:] == [5] and sender.busy
+        router.held.clear()
+        assert sender.pump() and [s.reqs[0].rid for s in sender.done][3:] == [5, 4] and not sender.busy
+        assert router.threads == {threading.get_ident()}
     finally:
         pair.close()
 

@@ -158,9 +158,12 @@ class PrefillEndpoint:
             self.stuck = self.stuck or handshake.stuck
         spin = spec.poll.spins(usable_cores())
         nap_s = spec.nap_us / 1e6 if self.plan.completion is CompletionSetting.nap else 0.0
+        # steps that overlap go to the transfer thread only where the loops spin (a host of
+        # 8 cores or more); on a small host the loop drives every step (Sender)
         self._sender = Sender(self.ctx, self.links.wake_addr, self.log_decisions, nap_s,
-                              spec.max_inflight_sends, self.buffers.device, spin)
-        self.log.info("prefill_loop", transfer_thread="spin" if spin else "block", alone_in_flight="inline")
+                              spec.max_inflight_sends, self.buffers.device, spin, overlap=spin)
+        self.log.info("prefill_loop", transfer_thread="spin" if spin else "block", alone_in_flight="inline",
+                      overlapping="transfer_thread" if spin else "inline")
         self._sender.start()
 
     def log_decisions(self, step: ForwardStep) -> None:

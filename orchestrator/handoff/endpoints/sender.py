@@ -2,9 +2,13 @@
 requests and, per decode process, its sends. SendQueue starts a step's sends, finishes them in
 order, sends each status behind its send and hands the finished step back, on whichever thread
 drives it. Sender picks that thread per step: a step alone in flight runs to completion on the
-loop's own thread (no thread hop between its write, its completion and its status); steps that
-overlap go to the transfer thread, which finishes each write as it lands while the loop fills
-the next (Mooncake's wait releases the GIL; it has no non-blocking completion for a batch)."""
+loop's own thread (no thread hop between its write, its completion and its status). Steps that
+overlap go to the transfer thread where the loops spin (endpoints.poll; hosts of 8 cores or
+more), which finishes each write as it lands while the loop fills the next (Mooncake's wait
+releases the GIL; it has no non-blocking completion for a batch). Where the loops block (a
+small host), the loop drives every step itself: it forms what it can, then finishes every
+write started (the earlier ones landed meanwhile); the thread's wake-ups and the GIL passed
+back and forth cost more there than the overlap buys (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -103,13 +107,14 @@ class SendQueue:
         while queue and (self.inflight < self.max_inflight or not self.pending):
             self._start(queue.popleft())
 
-    def pump(self) -> bool:
-        """Start what may start, then finish sends in order until a step is done or none can
-        finish now (the loop then hears its sockets and forms what it can before it waits for
-        the next write: the engine's queue stays fed). Whether any send finished."""
+    def pump(self, drain: bool = False) -> bool:
+        """Start what may start, then finish sends in order until a step is done (the transfer
+        thread then takes what was handed over since, and starts it: the engine's queue stays
+        fed), or with `drain` until none is left (the loop, which formed what it could before:
+        it hears its sockets next), or until none can finish now. Whether any send finished."""
         self.start_queued()
         done, finished = len(self.done), False
-        while self.pending and len(self.done) == done:
+        while self.pending and (drain or len(self.done) == done):
             if not self._finish_oldest():
                 break
             finished = True
@@ -248,15 +253,18 @@ class Sender:
     """The send path as the prefill's loop sees it: a SendQueue and the transfer thread.
     submit(step, alone): a step alone in flight (`alone`: no other request outstanding) while
     the thread holds nothing runs to completion on the loop's thread (its sends start now,
-    pump() finishes them); any other goes to the thread, with the queue and whatever the
-    loop left in it. The thread pays for itself only where steps overlap (the loop fills the
-    next one while it waits for a write: BENCHMARKS.md, "run to completion")."""
+    pump() finishes them); with `overlap`, any other goes to the thread, with the queue and
+    whatever the loop left in it. The thread pays for itself only where steps overlap (the
+    loop fills the next one while it waits for a write: BENCHMARKS.md, "run to completion"),
+    and only where its wake-ups are cheap: without `overlap` (the loops block: a small host)
+    the loop drives every step, and the thread only finishes what is left at close()."""
 
     def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
                  nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
-                 spin: bool = False):
+                 spin: bool = False, overlap: bool = True):
         self.queue = SendQueue(log_decisions, nap_s, max_inflight)
         self.thread = TransferThread(self.queue, ctx, wake_addr, device, spin)
+        self.overlap = overlap
 
     def start(self) -> None:
         self.thread.start()
@@ -295,7 +303,7 @@ class Sender:
         self.thread.want_wake = wants
 
     def submit(self, step: ForwardStep, alone: bool) -> None:
-        if alone and self.loop_drives:
+        if (alone or not self.overlap) and self.loop_drives:
             self.queue.submit(step)
             return
         # Rows sealed on the host side (host rows; fill=ahead, signed on the host): started
@@ -309,8 +317,9 @@ class Sender:
         self.thread.submit(step)
 
     def pump(self) -> bool:
-        """The loop drives the queue while the thread holds none of it: whether a send finished."""
-        return self.queue.pump() if self.loop_drives else False
+        """The loop drives the queue while the thread holds none of it: every send it started
+        finished (in order) where it can be; whether a send finished."""
+        return self.queue.pump(drain=True) if self.loop_drives else False
 
     def close(self, timeout_s: float) -> bool:
         """The thread finishes what is left (the loop's too) and ends; False when a write
