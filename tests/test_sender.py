@@ -197,6 +197,26 @@ def test_without_overlap_the_loop_drives_every_step_and_finishes_all_it_started(
         pair.close()
 
 
+def test_a_pump_before_a_time_leaves_the_sends_started_since_and_says_so():
+    """The loop finishes the writes of earlier passes and leaves those it started in this one
+    (deferred) until it has heard its sockets; a held send does not count as deferred."""
+    router, pair = _Router(), _Pair("wake-before", overlap=False)
+    sender = pair.sender
+    try:
+        steps = [_step(router, rid) for rid in (1, 2, 3)]
+        for step, t0 in zip(steps, (1.0, 2.0, 3.0)):
+            sender.submit(step, alone=False)
+            step.work[0][2][0].t0 = t0  # when its write started (the stand-in sets none)
+        assert sender.pump(before=2.5) and list(sender.done) == steps[:2]
+        assert sender.deferred and sender.busy and ("finish", 3) not in router.calls
+        router.held.add(3)  # held back by a fault: nothing to finish, nothing deferred
+        assert not sender.pump(before=5.0) and not sender.deferred and sender.busy
+        router.held.clear()
+        assert sender.pump() and list(sender.done) == steps and not sender.deferred and not sender.busy
+    finally:
+        pair.close()
+
+
 def test_the_main_loop_is_woken_only_when_it_waits():
     pair, router = _Pair("wake-test"), _Router()
     sender, wake = pair.sender, pair.wake

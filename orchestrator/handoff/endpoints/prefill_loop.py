@@ -205,11 +205,12 @@ class PrefillLoop:
                 self.links.send(inst, wire.arrive_frame(inst.announce, self.phase.coalesce))  # (an ArriveMsg)
                 inst.announce = []
 
-    def form_step(self) -> None:
+    def form_step(self) -> bool:
         """One forward step: fill (inline) and seal the step's rows, hand its sends over.
         Device rows: the seal is one graph replay and the step waits at most once (the
         engine's own wait where it orders our writes, else one stream sync). The step's
-        request ids, rooms, pads, slots and instances are taken once, as lists."""
+        request ids, rooms, pads, slots and instances are taken once, as lists. Whether the
+        step is alone in flight (no other request outstanding)."""
         rows, ph = self.rows, self.phase
         b, src = rows.buffers, rows.src
         k = min(ph.batch_size, len(self.ready), src.available)
@@ -246,7 +247,9 @@ class PrefillLoop:
         for req in reqs:
             req.t_ready = t_ready
         # alone in flight (no other request outstanding): the loop sends it itself, no hop
-        self.sender.submit(step, alone=len(self.outstanding) == len(reqs))
+        alone = len(self.outstanding) == len(reqs)
+        self.sender.submit(step, alone)
+        return alone
 
     def _fill(self, target: MetadataBuffers | StagedRows, rids: Sequence[int], slots: Sequence[int]) -> list[float]:
         """workload.fill=inline: each request's row by SGLang's set_buf, timed one by one (us)."""
@@ -277,14 +280,17 @@ class PrefillLoop:
                 work.append((link, transfers, link.router.sends(transfers, ph.coalesce, ph.status)))
         return work
 
-    def pump(self) -> int:
-        """The sends the loop drives itself: finished in order with their statuses, a step a
-        call; the steps finished (by it or by the transfer thread) taken. The milliseconds the
-        loop may then wait in its poll: none while its sends wait to be finished, at most one
-        while a fault holds them back, else the loop's longest."""
+    def pump(self, before: Optional[float] = None) -> int:
+        """The sends the loop drives itself: finished in order with their statuses (those
+        started before `before`, where given); the steps finished (by it or by the transfer
+        thread) taken. The milliseconds the loop may then wait in its poll: none while its
+        sends wait to be finished, at most one while a fault holds them back, else the loop's
+        longest."""
         sender = self.sender
-        finished = sender.pump()
+        finished = sender.pump(before)
         self.take_sent()
+        if sender.deferred:
+            return 0
         return (0 if finished else 1) if sender.busy else HEAR_MS
 
     def take_sent(self) -> None:
@@ -443,9 +449,16 @@ class PrefillLoop:
                         inst.last_heard = now
                 last_iter = now
                 self.issue(now, t0)
+                # Sends the loop drives (Sender): the writes of earlier passes first, landed
+                # meanwhile (Mooncake's wait returns without spinning), their statuses out. The
+                # writes of steps that overlap, started in this pass, wait until the loop has
+                # heard its sockets: finished in the next pass, or below when nothing came. A
+                # step alone in flight runs to completion here.
+                sender.pump(now)
+                overlapping = False
                 while self.can_form():
-                    self.form_step()
-                wait = min(self.pump(), self.wait_ms(now, t0))
+                    overlapping |= not self.form_step()
+                wait = min(self.pump(now if overlapping else None), self.wait_ms(now, t0))
                 if wait:
                     # set before looking at sender.done: either the transfer thread sees the
                     # flag after it appends a step, or this loop sees the step (no lost wake)
@@ -453,6 +466,8 @@ class PrefillLoop:
                     if sender.done:
                         wait = 0
                 events = links.poll(wait)
+                if not events and sender.deferred:
+                    self.pump()  # nothing else to do: the writes left above
                 if links.wake in events:
                     links.drain_wake()
                 self.take_sent()

@@ -84,6 +84,7 @@ class SendQueue:
         self.done: collections.deque[ForwardStep] = collections.deque()  # finished, not yet taken
         self.inflight = 0  # sends started, not finished
         self.blocks_done = 0  # blocks of finished sends
+        self.deferred = False  # the last pump() left a send it was told to leave (`before`)
 
     @property
     def backlog(self) -> int:
@@ -107,15 +108,18 @@ class SendQueue:
         while queue and (self.inflight < self.max_inflight or not self.pending):
             self._start(queue.popleft())
 
-    def pump(self, drain: bool = False) -> bool:
+    def pump(self, drain: bool = False, before: Optional[float] = None) -> bool:
         """Start what may start, then finish sends in order until a step is done (the transfer
         thread then takes what was handed over since, and starts it: the engine's queue stays
         fed), or with `drain` until none is left (the loop, which formed what it could before:
-        it hears its sockets next), or until none can finish now. Whether any send finished."""
+        it hears its sockets next), or until none can finish now. `before`: finish only sends
+        started before this time (monotonic s); the next one left is `deferred`. Whether any
+        send finished."""
         self.start_queued()
         done, finished = len(self.done), False
+        self.deferred = False
         while self.pending and (drain or len(self.done) == done):
-            if not self._finish_oldest():
+            if not self._finish_oldest(before):
                 break
             finished = True
             if self.queue:
@@ -134,14 +138,18 @@ class SendQueue:
                 self.inflight += 1
         step.started = True
 
-    def _finish_oldest(self) -> bool:
+    def _finish_oldest(self, before: Optional[float] = None) -> bool:
         """Finish the oldest send that can be finished (in order, unless a send is held
-        back: then the ones behind it go first); False when none can."""
+        back: then the ones behind it go first); False when none can, or when that send
+        started at or after `before` (then it is `deferred`)."""
         pending = self.pending
         i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
         if i is None:
             return False
         step, link, transfers, send = pending[i]
+        if before is not None and send.t0 >= before:
+            self.deferred = True
+            return False
         if self.nap_s:
             left = send.t0 + self.nap_s - time.monotonic()
             if left > 0:
@@ -316,10 +324,17 @@ class Sender:
             step.started = True
         self.thread.submit(step)
 
-    def pump(self) -> bool:
+    def pump(self, before: Optional[float] = None) -> bool:
         """The loop drives the queue while the thread holds none of it: every send it started
-        finished (in order) where it can be; whether a send finished."""
-        return self.queue.pump(drain=True) if self.loop_drives else False
+        (before `before`, where given) finished in order where it can be; whether a send
+        finished."""
+        return self.queue.pump(drain=True, before=before) if self.loop_drives else False
+
+    @property
+    def deferred(self) -> bool:
+        """The loop's last pump() left a send started since its `before` (the loop hears its
+        sockets first, then finishes it)."""
+        return self.loop_drives and self.queue.deferred
 
     def close(self, timeout_s: float) -> bool:
         """The thread finishes what is left (the loop's too) and ends; False when a write
