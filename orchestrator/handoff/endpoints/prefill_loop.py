@@ -1,9 +1,11 @@
 """The prefill's main loop, one phase of it: requests arrive, are announced to their decode
 instance, take a slot when it grants one, are filled and sealed a forward step at a time, and
 sent: a step alone in flight by the loop itself (run to completion: its write, completion
-and status with no thread hop), steps that overlap by the transfer thread; verdicts come back
-in batches. The loop owns the phase; it reaches the decodes through Links, its rows through
-SourceRows, its sends through the Sender, and nothing else of the endpoint."""
+and status with no thread hop), steps that overlap by the transfer thread where the loops spin
+(a host of 8 cores or more), else by the loop too (each write finished in the pass after it
+started, once landed); verdicts come back in batches. The loop owns the phase; it reaches the
+decodes through Links, its rows through SourceRows, its sends through the Sender, and nothing
+else of the endpoint."""
 
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ class SendQueue:
     at the next pump(). pump() starts what may start (up to `max_inflight` writes in flight,
     as SGLang's transfer workers keep several), then finishes sends in order (a send a fault
     holds back lets the ones behind it go first), each status behind its send, until a step is
-    done; a finished step lands in `done` (`landed` is called, then its decisions are logged).
+    done (or, for the loop, until all are, or all started before a given time); a finished step
+    lands in `done` (`landed` is called, then its decisions are logged).
     Finishing an engine write waits for it to land."""
 
     def __init__(self, log_decisions: Callable[[ForwardStep], None], nap_s: float = 0.0,
