@@ -199,9 +199,14 @@ def _decode_side(conn):
         conn.send(buf[:4096].cpu())
 
 
-def test_the_engine_never_reads_a_row_before_the_steps_writes_landed():
+@pytest.mark.parametrize("completion", ["wait", "landed"])
+def test_the_engine_never_reads_a_row_before_the_steps_writes_landed(completion):
     """The prefill's row writes are queued behind ~50 ms of device work and the NVLink write
-    is submitted with no wait of ours (engine_orders_writes): what lands is the new row."""
+    is submitted with no wait of ours (engine_orders_writes): what lands is the new row. Its
+    completion is the engine's wait, or (`landed`, the loop's) the batch status asked without
+    waiting (completion.py), which the CUDA 13 wheel exports: done means landed there too."""
+    import time
+
     from orchestrator.handoff.backends.mooncake.engine import MooncakeEngine
 
     ctx = mp.get_context("spawn")
@@ -218,7 +223,13 @@ def test_the_engine_never_reads_a_row_before_the_steps_writes_landed():
         for value in (7, 99, 201):
             torch.cuda._sleep(100_000_000)  # ~50 ms of GPU cycles queued first
             src.fill_(value)  # the step's write, queued behind it
-            eng.wait(eng.submit(session, [src.data_ptr()], [dst], [4096]))  # no sync of ours
+            batch, t0 = eng.submit(session, [src.data_ptr()], [dst], [4096]), time.monotonic()  # no sync of ours
+            if completion == "wait":
+                eng.wait(batch)
+            else:
+                assert eng.polls
+                while not eng.landed(batch, t0, 4096):
+                    pass
             parent.send("check")
             landed = parent.recv()
             assert torch.all(landed == value), (value, landed[:8])

@@ -26,6 +26,8 @@ class _Router:
         self.threads = set()  # the threads that finished sends
         self.held = set()  # rids whose send is not ready (a fault holds it)
         self.gate = None  # a threading.Event finish() waits on (a write that does not return)
+        self.unlanded = set()  # rids whose write has not landed (landed() says so, finish() would wait)
+        self.asked = 0  # landed() calls
 
     def start(self, send):
         self.calls.append(("start", send.transfers[0].rid))
@@ -33,7 +35,12 @@ class _Router:
     def ready(self, send):
         return send.transfers[0].rid not in self.held
 
+    def landed(self, send):
+        self.asked += 1
+        return send.transfers[0].rid not in self.unlanded
+
     def finish(self, send):
+        assert send.transfers[0].rid not in self.unlanded, "finish() would wait in the engine"
         if self.gate is not None:
             self.gate.wait()
         self.calls.append(("finish", send.transfers[0].rid))
@@ -128,12 +135,13 @@ def test_a_step_sealed_on_the_device_starts_at_the_pump_with_its_tags():
 class _Pair:
     """A Sender with its wake-up socket's bound end; the thread says when it logged a step."""
 
-    def __init__(self, name, overlap=True):
+    def __init__(self, name, overlap=True, polls=False):
         self.ctx = zmq.Context()
         self.wake = self.ctx.socket(zmq.PAIR)
         self.wake.bind(f"inproc://{name}")
         self.logged = threading.Semaphore(0)
-        self.sender = Sender(self.ctx, f"inproc://{name}", lambda step: self.logged.release(), overlap=overlap)
+        self.sender = Sender(self.ctx, f"inproc://{name}", lambda step: self.logged.release(), overlap=overlap,
+                             polls=polls)
         self.sender.start()
 
     def close(self):
@@ -213,6 +221,27 @@ def test_a_pump_before_a_time_leaves_the_sends_started_since_and_says_so():
         assert not sender.pump(before=5.0) and not sender.deferred and sender.busy
         router.held.clear()
         assert sender.pump() and list(sender.done) == steps and not sender.deferred and not sender.busy
+    finally:
+        pair.close()
+
+
+def test_where_the_path_can_be_asked_the_loop_never_waits_in_the_engine():
+    """`polls` (Mooncake's batch status): a write not landed is asked for at most LAND_SPIN_S,
+    then left, deferred, and finish() is not called on it (the engine's wait would spin until
+    its timeout on a cut link); once it landed, the next pump finishes it and the ones behind."""
+    router, pair = _Router(), _Pair("wake-polls", overlap=False, polls=True)
+    sender = pair.sender
+    try:
+        steps = [_step(router, rid) for rid in (1, 2, 3)]
+        router.unlanded.add(2)
+        for step in steps:
+            sender.submit(step, alone=False)
+        assert sender.pump() and list(sender.done) == steps[:1]
+        assert sender.deferred and sender.busy and router.asked > 2  # asked again while it spun
+        assert ("finish", 2) not in router.calls and ("finish", 3) not in router.calls  # in order
+        router.unlanded.clear()
+        assert sender.pump() and list(sender.done) == steps and not sender.deferred and not sender.busy
+        assert router.calls[3:] == [(c, rid) for rid in (1, 2, 3) for c in ("finish", "status", "step")]
     finally:
         pair.close()
 

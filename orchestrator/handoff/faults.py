@@ -103,6 +103,13 @@ class FaultyRouter(SendPath):
     def starts_in_caller(self) -> bool:  # type: ignore[override]  # read-only here: always False
         return False  # a fault may sleep or alter the send: the queue's driver does it
 
+    @property
+    def polls(self) -> bool:  # type: ignore[override]  # read-only here: the inner path's
+        return self.inner.polls
+
+    def landed(self, send: Send) -> bool:
+        return self.inner.landed(send)  # a held send is not ready(): asked once the delayer started it
+
     def connect(self, peer: Peer) -> None:
         self.inner.connect(peer)
 

@@ -121,6 +121,15 @@ class SendPath(ABC):
         """Whether finish() may be called now (a started send can always be waited for)."""
         return True
 
+    polls = True
+    """landed() answers without waiting (a route whose finish() has nothing to wait for, or an
+    engine whose wheel exports its batch status)"""
+
+    def landed(self, send: Send) -> bool:
+        """Whether a started send has landed, asked once, without waiting (`polls`); finish()
+        then does not wait. A failure counts as landed (finish() records it)."""
+        return True
+
     def judged(self, rid: int) -> None:
         """A verdict on request `rid` came back before its send finished (a decode shed it);
         nothing to do but for a fault holding the send back."""

@@ -158,12 +158,17 @@ class PrefillEndpoint:
             self.stuck = self.stuck or handshake.stuck
         spin = spec.poll.spins(usable_cores())
         nap_s = spec.nap_us / 1e6 if self.plan.completion is CompletionSetting.nap else 0.0
-        # steps that overlap go to the transfer thread only where the loops spin (a host of
-        # 8 cores or more); on a small host the loop drives every step (Sender)
+        # The loop asks its writes' completion without waiting where every path can (Mooncake's
+        # batch status: completion.py): it never blocks in the engine. Steps that overlap go
+        # to the transfer thread where the loops spin (a host of 8 cores or more) or where a
+        # path cannot be asked; else the loop drives every step (Sender).
+        polls = all(link.router.polls for inst in self.links.instances for link in inst.links)
+        overlap = spin or not polls
         self._sender = Sender(self.ctx, self.links.wake_addr, self.log_decisions, nap_s,
-                              spec.max_inflight_sends, self.buffers.device, spin, overlap=spin)
+                              spec.max_inflight_sends, self.buffers.device, spin, overlap=overlap, polls=polls)
         self.log.info("prefill_loop", transfer_thread="spin" if spin else "block", alone_in_flight="inline",
-                      overlapping="transfer_thread" if spin else "inline")
+                      overlapping="transfer_thread" if overlap else "inline",
+                      completion="polled" if polls else "engine_wait")
         self._sender.start()
 
     def log_decisions(self, step: ForwardStep) -> None:

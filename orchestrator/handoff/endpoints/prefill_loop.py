@@ -452,7 +452,8 @@ class PrefillLoop:
                 last_iter = now
                 self.issue(now, t0)
                 # Sends the loop drives (Sender): the writes of earlier passes first, landed
-                # meanwhile (Mooncake's wait returns without spinning), their statuses out. The
+                # meanwhile (asked without waiting; one not landed waits for a later pass),
+                # their statuses out. The
                 # writes of steps that overlap, started in this pass, wait until the loop has
                 # heard its sockets: finished in the next pass, or below when nothing came. A
                 # step alone in flight runs to completion here.

@@ -5,10 +5,14 @@ drives it. Sender picks that thread per step: a step alone in flight runs to com
 loop's own thread (no thread hop between its write, its completion and its status). Steps that
 overlap go to the transfer thread where the loops spin (endpoints.poll; hosts of 8 cores or
 more), which finishes each write as it lands while the loop fills the next (Mooncake's wait
-releases the GIL; it has no non-blocking completion for a batch). Where the loops block (a
-small host), the loop drives every step itself: it forms what it can, then finishes every
-write started (the earlier ones landed meanwhile); the thread's wake-ups and the GIL passed
-back and forth cost more there than the overlap buys (BENCHMARKS.md)."""
+releases the GIL). Where the loops block (a small host), the loop drives every step itself:
+it forms what it can, then finishes every write started (the earlier ones landed meanwhile);
+the thread's wake-ups and the GIL passed back and forth cost more there than the overlap buys
+(BENCHMARKS.md). The loop never waits in the engine: it asks a write's completion without
+waiting (Mooncake's batch status, backends/mooncake/completion.py), spins on it at most
+LAND_SPIN_S, then hears its sockets and asks again, so a write to a decode whose link was cut
+cannot hold it (the engine's own wait spins until its timeout, ~13 s there). Where a path
+cannot be asked (a wheel without the batch status), overlapping steps stay on the thread."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from orchestrator.handoff.endpoints.links import Link, Req
 
 Pending = collections.deque[tuple["ForwardStep", Link, list[Transfer], Send]]
 IDLE_SPIN_S = 0.002  # a spinning transfer thread polls this long after a hand-over, then blocks
+LAND_SPIN_S = 0.001  # the loop asks a write's completion this long, then hears its sockets first
 
 
 @dataclass
@@ -72,7 +77,9 @@ class SendQueue:
     holds back lets the ones behind it go first), each status behind its send, until a step is
     done (or, for the loop, until all are, or all started before a given time); a finished step
     lands in `done` (`landed` is called, then its decisions are logged).
-    Finishing an engine write waits for it to land."""
+    Finishing an engine write waits for it to land: in the engine's wait, or with `spin_s`
+    (the loop, where the path can be asked) by asking its completion for at most that long;
+    a send not landed by then is left, `deferred`."""
 
     def __init__(self, log_decisions: Callable[[ForwardStep], None], nap_s: float = 0.0,
                  max_inflight: int = 16):
@@ -109,18 +116,18 @@ class SendQueue:
         while queue and (self.inflight < self.max_inflight or not self.pending):
             self._start(queue.popleft())
 
-    def pump(self, drain: bool = False, before: Optional[float] = None) -> bool:
+    def pump(self, drain: bool = False, before: Optional[float] = None, spin_s: Optional[float] = None) -> bool:
         """Start what may start, then finish sends in order until a step is done (the transfer
         thread then takes what was handed over since, and starts it: the engine's queue stays
         fed), or with `drain` until none is left (the loop, which formed what it could before:
         it hears its sockets next), or until none can finish now. `before`: finish only sends
-        started before this time (monotonic s); the next one left is `deferred`. Whether any
-        send finished."""
+        started before this time (monotonic s); the next one left is `deferred`, as is one not
+        landed within `spin_s` (where given). Whether any send finished."""
         self.start_queued()
         done, finished = len(self.done), False
         self.deferred = False
         while self.pending and (drain or len(self.done) == done):
-            if not self._finish_oldest(before):
+            if not self._finish_oldest(before, spin_s):
                 break
             finished = True
             if self.queue:
@@ -139,10 +146,11 @@ class SendQueue:
                 self.inflight += 1
         step.started = True
 
-    def _finish_oldest(self, before: Optional[float] = None) -> bool:
+    def _finish_oldest(self, before: Optional[float] = None, spin_s: Optional[float] = None) -> bool:
         """Finish the oldest send that can be finished (in order, unless a send is held
         back: then the ones behind it go first); False when none can, or when that send
-        started at or after `before` (then it is `deferred`)."""
+        started at or after `before`, or has not landed within `spin_s` (then it is
+        `deferred`)."""
         pending = self.pending
         i = next((k for k, p in enumerate(pending) if p[1].router.ready(p[3])), None)
         if i is None:
@@ -156,6 +164,12 @@ class SendQueue:
             if left > 0:
                 time.sleep(left)  # leave the core to Mooncake's transport threads meanwhile
         router = link.router
+        if spin_s is not None and not router.landed(send):
+            deadline = time.monotonic() + spin_s
+            while not router.landed(send):
+                if time.monotonic() > deadline:
+                    self.deferred = True
+                    return False
         router.finish(send)
         del pending[i]
         self.inflight -= 1
@@ -270,10 +284,11 @@ class Sender:
 
     def __init__(self, ctx: zmq.Context, wake_addr: str, log_decisions: Callable[[ForwardStep], None],
                  nap_s: float = 0.0, max_inflight: int = 16, device: Optional[torch.device] = None,
-                 spin: bool = False, overlap: bool = True):
+                 spin: bool = False, overlap: bool = True, polls: bool = False):
         self.queue = SendQueue(log_decisions, nap_s, max_inflight)
         self.thread = TransferThread(self.queue, ctx, wake_addr, device, spin)
         self.overlap = overlap
+        self.spin_s = LAND_SPIN_S if polls else None
 
     def start(self) -> None:
         self.thread.start()
@@ -327,14 +342,14 @@ class Sender:
 
     def pump(self, before: Optional[float] = None) -> bool:
         """The loop drives the queue while the thread holds none of it: every send it started
-        (before `before`, where given) finished in order where it can be; whether a send
-        finished."""
-        return self.queue.pump(drain=True, before=before) if self.loop_drives else False
+        (before `before`, where given) finished in order where it can be (with `polls`, each
+        landed within LAND_SPIN_S); whether a send finished."""
+        return self.queue.pump(drain=True, before=before, spin_s=self.spin_s) if self.loop_drives else False
 
     @property
     def deferred(self) -> bool:
-        """The loop's last pump() left a send started since its `before` (the loop hears its
-        sockets first, then finishes it)."""
+        """The loop's last pump() left a send started since its `before`, or one not landed
+        yet (the loop hears its sockets first, then finishes it)."""
         return self.loop_drives and self.queue.deferred
 
     def close(self, timeout_s: float) -> bool:

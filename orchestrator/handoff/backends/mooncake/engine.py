@@ -14,11 +14,13 @@ import os
 import re
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from orchestrator.handoff.backends.mooncake.completion import BatchStatus, TaskState, transfer_timeout_ns
 from orchestrator.handoff.backends.mooncake.probe import send_probe
 from orchestrator.handoff.transport.ports import any_free_port
 from orchestrator.profile.kinds import is_loopback
@@ -150,7 +152,6 @@ def _init_lock(wait_s: float = 10.0) -> Iterator[None]:
     ports listen and later probes skip them. A holder that takes more than `wait_s` (a stuck
     metadata server) is not waited for further."""
     import fcntl
-    import time
 
     path = os.path.join(tempfile.gettempdir(), "orchestrator-mooncake-init.lock")
     try:
@@ -241,6 +242,8 @@ class MooncakeEngine:
         self.effective_transport = transport_from_log(self.init_log)
         self._async_arrays = getattr(self._engine, "batch_transfer_async_write_arrays", None)
         self._sync_arrays = getattr(self._engine, "batch_transfer_sync_write_arrays", None)
+        self._status = BatchStatus.attach(self._engine)
+        self._timeout_ns = transfer_timeout_ns()
         self.quiet = quiet_info_logs()  # its start-up lines were read: only now
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -272,6 +275,32 @@ class MooncakeEngine:
         rc = self._engine.get_batch_transfer_status([batch])
         if rc != 0:
             raise EngineError("get_batch_transfer_status", rc, **context)
+
+    @property
+    def polls(self) -> bool:
+        """Whether landed() answers without waiting (the wheel exports the engine's batch
+        status: completion.py); else it is wait()."""
+        return self._status is not None
+
+    def landed(self, batch: int, t0: float, nbytes: int, **context: object) -> bool:
+        """Whether the batch (started at monotonic `t0`, `nbytes` long) has landed, asked once,
+        without waiting; True means it was freed, so never ask again. Raises EngineError as
+        wait() does: a task failed, or the batch is older than the binding's timeout (its
+        transfer timeout plus a nanosecond a byte). Where the wheel has no batch status, it
+        is wait()."""
+        status = self._status
+        if status is None:
+            self.wait(batch, **context)
+            return True
+        state = status.poll(batch)
+        if state is TaskState.COMPLETED:
+            return True
+        if state is TaskState.FAILED:
+            raise EngineError("getBatchTransferStatus", -1, **context)
+        if (time.monotonic() - t0) * 1e9 > self._timeout_ns + nbytes:
+            status.free(batch)  # the binding frees a timed-out batch too (once its tasks end)
+            raise EngineError("getBatchTransferStatus", -2, reason="timeout", **context)
+        return False
 
     def batch_write(self, session: str, srcs: Addresses, dsts: Addresses, lengths: Addresses) -> None:
         """One synchronous batch write (SGLang's call)."""

@@ -68,6 +68,25 @@ class EngineRouter(AuxRouter):
         except EngineError as exc:
             send.error = str(exc)
 
+    @property
+    def polls(self) -> bool:  # type: ignore[override]
+        return self.engine.polls
+
+    def landed(self, send: Send) -> bool:
+        """Whether every batch of the send has landed, each asked once without waiting (the
+        landed ones are dropped from its handles: the engine freed them). A failure counts as
+        landed, with its error recorded."""
+        handles = send.handles
+        while handles and send.error is None:
+            try:
+                if not self.engine.landed(handles[0], send.t0, send.nbytes,
+                                          session=self.connected_peer().session_id, blocks=send.blocks):
+                    return False
+            except EngineError as exc:
+                send.error = str(exc)
+            del handles[0]
+        return True
+
     def finish(self, send: Send) -> None:
         """Wait until a started send has landed; record its latency and error."""
         for batch in send.handles:
