@@ -43,6 +43,9 @@ class TaskState(IntEnum):
     FAILED = 6
 
 
+_WAITING, _COMPLETED, _FAILED = TaskState.WAITING, TaskState.COMPLETED, TaskState.FAILED
+
+
 class _Status(ctypes.Structure):
     """mooncake::Status: `Code code_` (uint16) and `const char* message_` (nullptr when OK)."""
 
@@ -116,21 +119,16 @@ class BatchStatus:
         return ret.code == 0
 
     def poll(self, batch: int) -> TaskState:
-        ret, st = self._ret, self._st
-        ret.code, ret.message = 0, None
-        st.s = TaskState.WAITING
+        ret = self._ret  # the callee constructs the Status in it (and sets the state unless it failed)
         self._get(self._ret_ref, self._this, batch, self._st_ref)
-        if not self._ok() or not 0 <= st.s <= 6:
-            state = TaskState.FAILED
-        else:
-            state = TaskState(st.s)
-        if state is TaskState.WAITING or state is TaskState.PENDING:
-            return TaskState.WAITING
+        s = self._st.s if ret.code == 0 and not ret.message else -1
+        if s == 0 or s == 1:  # WAITING, PENDING
+            return _WAITING
+        self._ok()  # frees a message
         self.free(batch)
-        return TaskState.COMPLETED if state is TaskState.COMPLETED else TaskState.FAILED
+        return _COMPLETED if s == 4 else _FAILED  # any other state, or a non-OK Status, failed
 
     def free(self, batch: int) -> bool:
         """freeBatchID: whether the batch was freed (not while a task is unfinished)."""
-        self._ret.code, self._ret.message = 0, None
         self._free(self._ret_ref, self._this, batch)
         return self._ok()
