@@ -66,6 +66,14 @@ def test_engine_route_over_mooncake_tcp(run_job, tmp_path):
     boots = [json.loads(line) for line in (tmp_path / "prefill.log").read_text().splitlines()
              if '"bootstrapped"' in line]
     assert len(boots) == 1 and boots[0]["first_write_us"] > 0
+    # the wheel exports the engine's batch status: the loop asks it, never waits in the engine,
+    # and where the loops block (under 8 usable cores, as on CI) drives overlapping steps itself
+    from orchestrator.profile.platform import usable_cores
+
+    loop = [json.loads(line) for line in (tmp_path / "prefill.log").read_text().splitlines()
+            if '"prefill_loop"' in line]
+    overlapping = "transfer_thread" if usable_cores() >= 8 else "inline"
+    assert [(e["completion"], e["overlapping"]) for e in loop] == [("polled", overlapping)]
 
 
 def test_nvlink_pool_goes_over_zmq(run_job, tmp_path):

@@ -459,7 +459,8 @@ class EndpointsConfig:
     """how long a side waits for its processes and its peer to start up"""
     poll: PollMode = PollMode.auto
     """spin | block | auto (spin where this process may use >= 8 cores: affinity and cgroup quota).
-    block: the prefill's loop also sends every step itself (no transfer-thread hand-over)"""
+    block: the prefill's loop also sends every step itself (no transfer-thread hand-over) where the
+    engine's batch status can be asked without waiting (both Mooncake wheels)"""
     mps: MpsMode = MpsMode.auto
     """CUDA MPS for processes of this run that share a GPU. Without it they time-slice the GPU:
     each device touch of one costs a context switch of the other (about 300-400 us on an

@@ -182,8 +182,9 @@ class PollMode(Enum):
     block sleeps in the poll; auto spins where this process may use >= 8 cores (GPU hosts)
     and blocks elsewhere (a 2-core box; 2 pinned cores or a 2-CPU container quota of a big
     host): its CPU affinity and cgroup quota count, not the host's core count. Where the
-    loops block, the prefill's loop also drives every step's sends itself: steps that overlap
-    are not handed to the transfer thread, whose wake-ups cost more than they buy there."""
+    loops block and the engine's batch status can be asked without waiting (both Mooncake
+    wheels), the prefill's loop also drives every step's sends itself: steps that overlap are
+    not handed to the transfer thread, whose wake-ups cost more than they buy there."""
 
     auto = "auto"
     spin = "spin"

@@ -2,10 +2,10 @@
 instance, take a slot when it grants one, are filled and sealed a forward step at a time, and
 sent: a step alone in flight by the loop itself (run to completion: its write, completion
 and status with no thread hop), steps that overlap by the transfer thread where the loops spin
-(a host of 8 cores or more), else by the loop too (each write finished in the pass after it
-started, once landed); verdicts come back in batches. The loop owns the phase; it reaches the
-decodes through Links, its rows through SourceRows, its sends through the Sender, and nothing
-else of the endpoint."""
+(a host of 8 cores or more) or a write's completion cannot be asked without waiting, else by
+the loop too (each write finished in the pass after it started, once landed); verdicts come
+back in batches. The loop owns the phase; it reaches the decodes through Links, its rows
+through SourceRows, its sends through the Sender, and nothing else of the endpoint."""
 
 from __future__ import annotations
 
@@ -452,11 +452,10 @@ class PrefillLoop:
                 last_iter = now
                 self.issue(now, t0)
                 # Sends the loop drives (Sender): the writes of earlier passes first, landed
-                # meanwhile (asked without waiting; one not landed waits for a later pass),
-                # their statuses out. The
-                # writes of steps that overlap, started in this pass, wait until the loop has
-                # heard its sockets: finished in the next pass, or below when nothing came. A
-                # step alone in flight runs to completion here.
+                # meanwhile (asked without waiting; one not landed yet is left for a later
+                # pass), their statuses out. The writes of steps that overlap, started in this
+                # pass, wait until the loop has heard its sockets: finished in the next pass,
+                # or below when nothing came. A step alone in flight runs to completion here.
                 sender.pump(now)
                 overlapping = False
                 while self.can_form():

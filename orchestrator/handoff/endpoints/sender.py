@@ -8,11 +8,12 @@ more), which finishes each write as it lands while the loop fills the next (Moon
 releases the GIL). Where the loops block (a small host), the loop drives every step itself:
 it forms what it can, then finishes every write started (the earlier ones landed meanwhile);
 the thread's wake-ups and the GIL passed back and forth cost more there than the overlap buys
-(BENCHMARKS.md). The loop never waits in the engine: it asks a write's completion without
-waiting (Mooncake's batch status, backends/mooncake/completion.py), spins on it at most
-LAND_SPIN_S, then hears its sockets and asks again, so a write to a decode whose link was cut
-cannot hold it (the engine's own wait spins until its timeout, ~13 s there). Where a path
-cannot be asked (a wheel without the batch status), overlapping steps stay on the thread."""
+(BENCHMARKS.md). Where the path can be asked (Mooncake's batch status,
+backends/mooncake/completion.py), the loop never waits in the engine: it asks a write's
+completion, spins on it at most LAND_SPIN_S, then hears its sockets and asks again, so a write
+to a decode whose link was cut cannot hold it (the engine's own wait spins until its timeout,
+~13 s there). Where a path cannot be asked (a wheel without the batch status), the loop waits
+in the engine for a step alone in flight, and overlapping steps stay on the thread."""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def transfer_timeout_ns(env: Optional[dict[str, str]] = None) -> int:
 class BatchStatus:
     """Looks once at a batch's tasks: `poll(batch)` is TaskState.COMPLETED (the batch is
     freed: never ask again), FAILED (freed where every task has finished, as the binding's
-    own wait does) or WAITING."""
+    own wait does) or WAITING. One caller at a time (its Status and TransferStatus are reused
+    across calls): the prefill's loop."""
 
     def __init__(self, engine_ptr: int, get_status: Any, free_batch: Any, delete_array: Any):
         self._this = ctypes.c_void_p(engine_ptr)
