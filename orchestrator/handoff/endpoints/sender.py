@@ -93,7 +93,7 @@ class SendQueue:
         self.done: collections.deque[ForwardStep] = collections.deque()  # finished, not yet taken
         self.inflight = 0  # sends started, not finished
         self.blocks_done = 0  # blocks of finished sends
-        self.deferred = False  # the last pump() left a send it was told to leave (`before`)
+        self.deferred = False  # the last pump() left a send: started since `before`, or not landed in `spin_s`
 
     @property
     def backlog(self) -> int:
