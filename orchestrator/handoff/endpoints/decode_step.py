@@ -159,9 +159,8 @@ class Stepper:
         verdicts (made at `t_ns`, taken as the sglang gate read each, else at `now_ns`), one
         write of their records, their slots freed."""
         res, n = self.res, len(gs)
-        outcomes = res.outcomes
-        before = sum(outcomes.values())
-        outcomes[Outcome.verified] += n
+        before = res.judged
+        res.outcomes[Outcome.verified] += n
         if self.leader:
             verdicts = self.ledger.verdicts
             if taken_at is None:

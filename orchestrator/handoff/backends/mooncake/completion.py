@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
 from enum import IntEnum
 from typing import Any, Optional
 
@@ -64,15 +66,8 @@ def transfer_timeout_ns(env: Optional[dict[str, str]] = None) -> int:
     value = (os.environ if env is None else env).get("MC_TRANSFER_TIMEOUT")
     if value is None:
         return 30 * 10**9
-    digits = value.strip()
-    sign = -1 if digits.startswith("-") else 1
-    digits = digits.lstrip("+-")
-    n = 0
-    for ch in digits:
-        if not ch.isdigit():
-            break
-        n = n * 10 + int(ch)
-    return max(5, sign * n) * 10**9
+    number = re.match(r"\s*([+-]?\d+)", value)  # what atoi reads
+    return max(5, int(number.group(1)) if number else 0) * 10**9
 
 
 class BatchStatus:
@@ -93,8 +88,7 @@ class BatchStatus:
         """For a mooncake.engine.TransferEngine: None where its wheel lacks get_engine_ptr or
         engine.so lacks either symbol."""
         ptr_of = getattr(engine, "get_engine_ptr", None)
-        module = __import__(type(engine).__module__, fromlist=["__file__"])
-        path = getattr(module, "__file__", None)
+        path = getattr(sys.modules.get(type(engine).__module__), "__file__", None)
         if ptr_of is None or not path:
             return None
         try:

@@ -76,11 +76,10 @@ class EngineRouter(AuxRouter):
         """Whether every batch of the send has landed, each asked once without waiting (the
         landed ones are dropped from its handles: the engine freed them). A failure counts as
         landed, with its error recorded."""
-        handles = send.handles
+        handles, session = send.handles, self.connected_peer().session_id
         while handles and send.error is None:
             try:
-                if not self.engine.landed(handles[0], send.t0, send.nbytes,
-                                          session=self.connected_peer().session_id, blocks=send.blocks):
+                if not self.engine.landed(handles[0], send.t0, send.nbytes, session=session, blocks=send.blocks):
                     return False
             except EngineError as exc:
                 send.error = str(exc)
