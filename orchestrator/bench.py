@@ -57,7 +57,7 @@ def bench_spec(cfg: OrchestratorConfig, platform: Platform) -> BenchSpec:
     selected = check_profile(cfg, platform)
     base = validate(replace(
         cfg, buffers=replace(cfg.buffers, size=max(cfg.buffers.size, 4 * b.batch_size + b.batch_size)),
-        workload=replace(cfg.workload, requests=b.handoffs + 4 * b.requests),
+        workload=replace(cfg.workload, requests=b.handoffs + 3 * b.requests + 2 * b.batched_requests),
         transport=replace(cfg.transport, timeout_s=max(cfg.transport.timeout_s, 10.0))))
     plan = check_profile(base, platform)
     t = base.transport
@@ -82,7 +82,8 @@ def bench_spec(cfg: OrchestratorConfig, platform: Platform) -> BenchSpec:
             q = check_profile(twin, platform)
             if not q.sharing.mps:
                 out.append(Path_(_label(q), build_specs(twin, q), NO_MPS_PHASES))
-    return BenchSpec(selected, b.handoffs, b.requests, b.batch_size, b.iters, b.bulk_mib, tuple(out))
+    return BenchSpec(selected, b.handoffs, b.requests, b.batched_requests, b.batch_size, b.iters, b.bulk_mib,
+                     tuple(out))
 
 
 def ladder_spec(cfg: OrchestratorConfig, platform: Platform, overrides: Sequence[str] = ()) -> LadderSpec:

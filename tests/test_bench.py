@@ -20,7 +20,8 @@ def test_bench_runs_every_path_and_phase(tmp_path):
     run_dir = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.bench", "bench.iters=40", "bench.handoffs=20",
-         "bench.requests=128", "bench.batch_size=8", "bench.bulk_mib=1", "bench.bulk_reps=2",
+         "bench.requests=128", "bench.batched_requests=192", "bench.batch_size=8", "bench.bulk_mib=1",
+         "bench.bulk_reps=2",
          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = BenchResults.from_json(json.loads((run_dir / "bench.json").read_text()))
@@ -29,8 +30,9 @@ def test_bench_runs_every_path_and_phase(tmp_path):
     for p in paths:
         assert p.ok, p
         assert set(p.phases) == {"handoff 1-in-flight", "per-request", "batched", "coalesced", "inline"}
-        for ph in p.phases.values():
+        for name, ph in p.phases.items():
             assert ph.verified == ph.requests and ph.handoffs_per_s > 0, (p.path, ph)
+            assert ph.requests == {"handoff 1-in-flight": 20, "batched": 192, "coalesced": 192}.get(name, 128), name
         assert p.phases["coalesced"].requests_per_send > 1
     engine = next(p for p in paths if p.path.startswith("engine"))
     assert engine.ours_over_raw_p50 > 0 and engine.bulk.gb_per_s > 0

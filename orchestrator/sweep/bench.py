@@ -191,6 +191,7 @@ class BenchDriver:
     name: str
     handoffs: int
     requests: int
+    batched_requests: int
     batch: int
     iters: int
     raw: bool  # engine route: compare with raw Mooncake calls
@@ -200,12 +201,12 @@ class BenchDriver:
     def __call__(self, ep: PrefillEndpoint, conn: control.Pipe) -> PathResult:
         out = PathResult(self.name, ep.backend.transport, ep.buffers.row_bytes, len(ep.buffers.item_lens))
         base = 0
-        B, n = self.batch, self.requests
+        B, n, m = self.batch, self.requests, self.batched_requests
         plan = [
             ("handoff 1-in-flight", PhaseSpec(self.handoffs, 1, None, 1, FillMode.ahead)),
             ("per-request", PhaseSpec(n, 4 * B, None, 1, FillMode.ahead)),
-            ("batched", PhaseSpec(n, 4 * B, None, B, FillMode.ahead, False, StatusMode.per_step)),
-            ("coalesced", PhaseSpec(n, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
+            ("batched", PhaseSpec(m, 4 * B, None, B, FillMode.ahead, False, StatusMode.per_step)),
+            ("coalesced", PhaseSpec(m, 4 * B, None, B, FillMode.ahead, True, StatusMode.per_step)),
             ("inline", PhaseSpec(n, ep.workload.concurrency, None, 1, FillMode.inline)),
         ]
         if ep.staged is not None:  # device rows: SGLang's set_buf against the staged fill
@@ -297,7 +298,8 @@ class BenchSpec:
 
     plan: Plan  # the selected profile's (bench.json `profile`)
     handoffs: int  # bench.handoffs: one-in-flight handoffs per path
-    requests: int  # bench.requests: per throughput row
+    requests: int  # bench.requests: per throughput row (per-request, inline)
+    batched_requests: int  # bench.batched_requests: per batched and coalesced row
     batch_size: int  # bench.batch_size
     iters: int  # bench.iters: send_aux vs raw batch writes, each, per engine path
     bulk_mib: int  # bench.bulk_mib (0: no bulk point)
@@ -341,8 +343,8 @@ def _run_path(spec: BenchSpec, ph: Path_, run_dir: Path, progress: "_BenchProgre
     phase_dir = run_dir / (re.sub(r"[^A-Za-z0-9_.]+", "_", ph.name).strip("_") + suffix)
     engine = ph.plan.route is Route.engine and ph.only is None
     bulk = (spec.bulk_mib << 20) if engine and spec.bulk_mib else 0
-    driver = BenchDriver(ph.name, spec.handoffs, spec.requests, spec.batch_size, spec.iters, engine, bulk,
-                         ph.only)
+    driver = BenchDriver(ph.name, spec.handoffs, spec.requests, spec.batched_requests, spec.batch_size, spec.iters,
+                         engine, bulk, ph.only)
     progress.say("starting its processes")
     out = run_handoffs(ph.job, phase_dir, driver=driver, bulk_bytes=bulk, progress=progress)
     sides = ", ".join(f"{name} {s} s" for name, s in out.startup_by_process.items())

@@ -388,7 +388,7 @@ def _bench_rung(spec: LadderSpec, rdir: Path) -> RungRun:
     phase = "handoff 1-in-flight"
     n = spec.handoffs
     t0 = time.monotonic()
-    driver = BenchDriver("R6", n, 1, 1, 1, False, 0, (phase,))
+    driver = BenchDriver("R6", n, 1, 1, 1, 1, False, 0, (phase,))
     out = run_handoffs(spec.job, rdir, driver=driver)
     if out.interrupted:  # Ctrl-C reached the runner first: end the ladder as the bench does
         raise KeyboardInterrupt
