@@ -27,6 +27,16 @@ blocks for replies (as the yardstick).
   engine-pipe+st  engine-pipe plus a 24-byte status PUSHed per landed write and a 16-byte
                   reply per status on the PAIR, at most W unanswered (tcp-pipe's control path)
   tcp-pipe        requests/s: tcp-1's messages with at most W requests unanswered
+  engine-co64     handoffs (requests)/s, coalesced: steps of 64 requests in consecutive slots
+                  (0-255 in runs of 64), W / 64 steps unanswered (W 64-256). Per step the 64
+                  rooms (request i's is i + 1) written into the rows in one op (a slice assignment
+                  from a prebuilt array of rooms; gpu: a device tensor, then a stream sync so the
+                  rooms are in before the write), one batch_transfer_async_write of 10 blocks (a
+                  field's 64 slots each) and, once landed (the loop waits on its oldest write when
+                  no reply is waiting), a 24-byte status (first slot, first room, 64); the decode
+                  gates the step as SGLang gates a request, batched: the 64 rooms read in one copy
+                  (gpu: the zero queued behind it, one sync), compared with the status's, zeroed,
+                  and a 16-byte reply that frees the step's slots
 
 On SGLang 0.5.23's default aux rows instead (conf/buffers/default.yaml: its own MetadataBuffers,
 compiled from the installed wheel as tests/helpers/sglang_oracle.py does, 64 slots, 10 fields,
@@ -53,7 +63,8 @@ ratio of medians over the quiet rounds. On cpu the driver waits before each run 
 for the box's work to fall under 0.1 cores; the box is shared, so a run may still not be quiet.
 
     python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W] [MODES]
-        # N requests a run (default 3000), ROUNDS interleaved (3), window W (256), MODES a comma
+        # N requests a run (default 3000; engine-co64: rounded up to whole steps), ROUNDS
+        # interleaved (3), window W (256; with engine-co64 64, 128, 192 or 256), MODES a comma
         # list (default: all; the default-row modes on cpu only)
 
 cpu: every row in host memory, the engine with MC_FORCE_TCP=1 and its TCP lane queue raised to
@@ -73,7 +84,9 @@ tcp-pipe is G2 with the engine's W=1 (one H200, NVLink: sync writes ran as fast 
 8-256, the transport waiting on the CPU before each submit), and engine-pipe+st / tcp-pipe G2
 with the same control messages on both routes; engine-inline / engine-raw (and the +thr form)
 against "2-core CPU box: the default run >= 0.8x raw" (G5: the transport with SGLang's set_buf,
-a status and a checked verdict). Where a floor is below its goal, the goal's floor lies outside
+a status and a checked verdict); engine-co64 against "NVLink coalesced b64 >= 100,000 handoffs/s"
+and engine-co64 / engine-pipe+st against ">= 20x per-request" (the 2-core box's: >= 10x), the
+coalesced goal's floor. Where a floor is below its goal, the goal's floor lies outside
 this project's code. The tcp route here is leaner than SGLang's own: SGLang 0.5.23 copies each
 row into bytes before the send and writes the payload with a ctypes slice assignment on
 receipt."""
@@ -112,10 +125,14 @@ DEFAULT_SLOTS = 64
 INFLIGHT = 8  # conf/workload/default.yaml: concurrency, a closed loop
 POOL = 256  # distinct requests; request i fills its row from request i % POOL
 ONE = ("engine-1", "engine-1+gate", "tcp-1", "tcp-1+gate")
-RATE = ("engine-sync", "engine-pipe", "engine-pipe+st", "tcp-pipe")
+RATE = ("engine-sync", "engine-pipe", "engine-pipe+st", "tcp-pipe", "engine-co64")
+GATED = ("engine-1+gate", "tcp-1+gate", "engine-co64")  # the decode zeroes the rooms it gated
+CO = 64  # engine-co64: requests a step, in consecutive slots
+CO_GOAL = 100_000  # handoffs/s: issue 39's NVLink coalesced b64 goal
 INLINE = ("engine-inline", "engine-inline+thr")
 DEFAULT_ROW = ("engine-raw",) + INLINE  # the modes on SGLang's default rows, cpu's by default
-ST = struct.Struct("<qqq")  # 24-byte status: slot, room (engine-inline: the request id), 0
+ST = struct.Struct("<qqq")  # 24-byte status: slot, room (engine-inline: the request id), 0 (engine-co64: a step's
+# first slot and room, its requests)
 REPLY = struct.Struct("<qq")  # 16-byte reply: slot or room, 1 or the status (engine-inline: 1 if the row is right)
 ROOM_ROW = struct.Struct("<Q56x")  # a bootstrap_room row as set_buf leaves it: the room, then zeros
 AUX_DATA = b"AUX_DATA"
@@ -352,6 +369,28 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
                 rooms[slot] = 0
                 room = room if landed == room else -1
             pair.send(REPLY.pack(slot, room))
+    elif mode == "engine-co64":  # SGLang's readiness gate over a step: its rooms read, compared, zeroed at once
+        recv = _recv_fn(pull, spin, False)
+        rooms, steps = _rooms(rows), np.arange(CO, dtype=np.int64)
+        if not isinstance(rooms, np.ndarray):  # torch, on a CUDA device: the rooms come back through pinned memory
+            import torch
+
+            host = torch.empty(CO, dtype=torch.int64).pin_memory()
+            got, settle = host.numpy(), torch.cuda.current_stream().synchronize
+        while True:
+            m = recv()
+            if m == b"bye":
+                break
+            slot, room, count = ST.unpack(m)
+            if isinstance(rooms, np.ndarray):
+                landed = rooms[slot:slot + count].copy()
+                rooms[slot:slot + count] = 0
+            else:  # one device->host copy, the zero queued behind it, one sync before the reply
+                host[:count].copy_(rooms[slot:slot + count], non_blocking=True)
+                rooms[slot:slot + count] = 0
+                settle()
+                landed = got[:count]
+            pair.send(REPLY.pack(slot, room if np.array_equal(landed, steps[:count] + room) else -1))
     else:  # tcp-1, tcp-1+gate, tcp-pipe: SGLang's decode thread, its copy a memmove
         recv = _recv_fn(pull, spin, True)
         rooms = _rooms(rows) if mode == "tcp-1+gate" else None
@@ -373,12 +412,14 @@ def decode(mode: str, dev: str, rdv: str, n: int) -> None:
                     status = status if int(rooms[slot]) == room else -1
                     rooms[slot] = 0
                 pair.send(REPLY.pack(int(msg[0]), status))
-    pair.send(_digest(rows, mode.endswith("+gate")).encode())  # after bye: the rows as landed
+    pair.send(_digest(rows, mode in GATED).encode())  # after bye: the rows as landed
     ctx.destroy(linger=int(WAIT_S * 1000))
 
 
 def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
     rows, ptrs, bufs = _rows(mode, _where(mode, dev, "prefill"), True)
+    co = mode == "engine-co64"
+    n = -(-n // CO) * CO if co else n  # engine-co64: whole steps
     te = _engine(ptrs, mode) if mode.startswith("engine") else None
     quiet = _quiet_glog() if te else True
     end = time.monotonic() + WAIT_S
@@ -401,6 +442,8 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
     row_lens, nslots = _layout(mode)
     blocks = [([ptrs[f] + ln * k for f, ln in enumerate(row_lens)],
                [info["ptrs"][f] + ln * k for f, ln in enumerate(row_lens)], list(row_lens)) for k in range(nslots)]
+    co_blocks = [([p + ln * k for p, ln in zip(ptrs, AUX)], [p + ln * k for p, ln in zip(info["ptrs"], AUX)],
+                  [ln * CO for ln in AUX]) for k in range(0, NSLOTS, CO)] if co else []  # a step's: one a field
     views = [memoryview(r) for r in rows] if mode.startswith("tcp") else []
     payloads = [[views[f][ln * k:ln * (k + 1)] for f, ln in enumerate(AUX)] for k in range(NSLOTS)] if views else []
     fields = [str(f).encode() for f in range(len(AUX))]
@@ -486,6 +529,41 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
                         pair.recv()
                         replied += 1
 
+        def co_pass(count: int, start: int) -> None:
+            """engine-co64: steps of CO requests, at most w // CO unanswered; per step the rooms
+            written, one async batch write, a status once landed (the loop's wait on its oldest
+            write when no reply is waiting) and a reply that frees the step's slots."""
+            nonlocal bad
+            submit, wait = te.batch_transfer_async_write, te.get_batch_transfer_status
+            send, recv, pack, unpack = push.send, pair.recv, ST.pack, REPLY.unpack
+            flight: collections.deque = collections.deque()  # (batch, first request) not yet waited for
+            started = done = 0
+            while done < count // CO:
+                while started < count // CO and started - done < w // CO:
+                    i = start + started * CO
+                    k = i % NSLOTS
+                    rooms[k:k + CO] = all_rooms[i:i + CO]  # set_buf's room writes, one op for the step
+                    if settle:  # the rooms in on the device before the write reads them
+                        settle()
+                    bid = submit(session, *co_blocks[k // CO])
+                    if bid == 0:
+                        raise SystemExit("route_floor: batch_transfer_async_write failed")
+                    flight.append((bid, i))
+                    started += 1
+                if not flight:
+                    m = recv()
+                else:
+                    try:
+                        m = recv(zmq.NOBLOCK)
+                    except zmq.Again:  # nothing else to do: the oldest write
+                        bid, i = flight.popleft()
+                        if wait([bid]) != 0:
+                            raise SystemExit("route_floor: get_batch_transfer_status failed") from None
+                        send(pack(i % NSLOTS, i + 1, CO))
+                        continue
+                bad += unpack(m)[1] != start + done * CO + 1  # the step's first room, or the gate failed
+                done += 1
+
         pool = [_Req(e) for e in range(POOL)] if mode in INLINE else []
         free = list(range(nslots))
         waits: queue.SimpleQueue = queue.SimpleQueue()  # engine-inline+thr: (batch, slot, rid), None to stop
@@ -560,12 +638,24 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
                 return tcp_pass(count, start)
             if mode in INLINE:
                 return inline_pass(count, start)
+            if co:
+                return co_pass(count, start)
             return engine_pass(count, start, mode == "engine-pipe+st")
 
         thread = threading.Thread(target=waiter, daemon=True) if mode == "engine-inline+thr" else None
         if thread:
             thread.start()
         warm = max(WARM, 2 * w)
+        if co:  # whole steps; request i's room is i + 1 (as engine-1+gate's), all of them prebuilt where the rows are
+            warm = -(-warm // CO) * CO
+            rooms = _rooms(rows)
+            if isinstance(rooms, np.ndarray):
+                all_rooms, settle = np.arange(1, warm + n + 1, dtype=np.int64), None
+            else:
+                import torch
+
+                all_rooms = torch.arange(1, warm + n + 1, dtype=torch.int64, device=rooms.device)
+                settle = torch.cuda.current_stream().synchronize
         one_pass(warm, 0)
         pids = (os.getpid(), info["pid"])
         c0, b0 = [_cpu_s(p) for p in pids], box()[0]
@@ -579,10 +669,10 @@ def prefill(mode: str, dev: str, rdv: str, n: int, w: int) -> None:
             waits.put(None)
             thread.join()
         bad += len(failed)
-    (push if mode.startswith("tcp") or mode in ("engine-pipe+st",) + INLINE else pair).send(b"bye")
+    (push if mode.startswith("tcp") or mode in ("engine-pipe+st", "engine-co64") + INLINE else pair).send(b"bye")
     landed = pair.recv().decode()
     result.update(bad=bad, quiet=quiet and info["quiet"],
-                  intact=landed == _digest(rows, mode.endswith("+gate")) if WARM + n >= nslots else None)
+                  intact=landed == _digest(rows, mode in GATED) if WARM + n >= nslots else None)
     print("RESULT " + json.dumps(result), flush=True)
     ctx.destroy(linger=0)
 
@@ -654,6 +744,9 @@ def main() -> None:
     modes = tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else every if dev == "cpu" else ONE + RATE
     if not set(modes) <= set(every):
         raise SystemExit(f"route_floor: MODES is a comma list of {', '.join(every)}")
+    if "engine-co64" in modes and (w % CO or not CO <= w <= NSLOTS):
+        raise SystemExit(f"route_floor: engine-co64 needs W a multiple of {CO} from {CO} to {NSLOTS} (whole steps "
+                         f"in flight, no slot reused while in flight), not {w}")
     env = dict(os.environ)
     if dev == "gpu":
         env["MC_INTRANODE_NVLINK"] = "1"
@@ -711,6 +804,8 @@ def main() -> None:
              "engine-pipe": f"async batch writes, {w} in flight, writes only",
              "engine-pipe+st": f"the same + 24-B status PUSH and 16-B reply per request, {w} unanswered",
              "tcp-pipe": f"10 AUX_DATA + status per request, 16-B reply, {w} unanswered",
+             "engine-co64": f"steps of {CO} slots: rooms written, 10-block async write, 24-B status, rooms "
+                            f"gated and zeroed, 16-B reply; {w // CO} unanswered",
              "engine-raw": "default rows: sync batch writes back to back (W=1), the bench's raw",
              "engine-inline": f"default rows, {INFLIGHT} in flight closed loop: set_buf, async write, the loop "
                               "waits its oldest, status, row checked, verdict",
@@ -747,11 +842,18 @@ def main() -> None:
               ("G5  engine-inline / engine-raw:        ", "engine-inline", "rate", "engine-raw", "rate",
                "goal: 2-core CPU box, the default run >= 0.8x raw"),
               ("    engine-inline+thr / engine-raw:    ", "engine-inline+thr", "rate", "engine-raw", "rate",
-               "(the writes waited for on a second thread)"))
+               "(the writes waited for on a second thread)"),
+              ("co  engine-co64 / engine-pipe+st:      ", "engine-co64", "rate", "engine-pipe+st", "rate",
+               "goal: NVLink coalesced b64 >= 20x per-request (2-core CPU box: >= 10x)"))
     for label, a, ka, b, kb, goal in floors:
         if a in modes and b in modes:
             r, per, note = ratio(a, ka, b, kb)
             print(f"  {label}   {r:6.2f}x {[round(x, 2) for x in per]}   {goal}{note}")
+    if "engine-co64" in modes:
+        v, per = med("engine-co64", "rate")
+        label = f"co  engine-co64 / {CO_GOAL:,}/s:"
+        print(f"  {label:39s}   {v / CO_GOAL:6.2f}x {[round(x) for x in per]}   goal: NVLink coalesced b64 >= "
+              f"{CO_GOAL:,} handoffs/s; the goal's floor: a careful coalesced loop reaches {v:,.0f}/s")
     intact = all(r["intact"] for v in got.values() for r in v)
     print(f"load after: {_loadavg()}" + (f"; {loud} runs started on a box not quiet after {QUIET_WAIT_S:.0f} s"
                                           if loud else ""))
