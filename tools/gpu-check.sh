@@ -2,13 +2,16 @@
 # The GPU results in BENCHMARKS.md, reproduced on an H200 machine, one GPU or two (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,yardstick,bench,ladder,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
+# STEPS: any of tests,yardstick,bench,ladder,floor,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
 # (ladder: the cost ladder, `python -m orchestrator.bench phases=ladder` on experiment=deepseek_v3_mtp
 # (NVLink rows, endpoints.mps=auto: MPS where the pair shares a GPU), R0..R7 and the yardstick
 # (YARDSTICK_ROOM=1) interleaved over 5 rounds of bench.ladder_handoffs each; LADDER_HANDOFFS,
 # LADDER_ROUNDS and LADDER_RUNGS (e.g. [R7,yardstick]: the goal's pair alone, more rounds) override; ladder.md / ladder.json in OUTDIR's tarball; the CPU twin is the same
 # command without the experiment)
+# (floor: tools/route_floor.py gpu FLOOR_N FLOOR_ROUNDS 256 FLOOR_MODES, default 12800 3
+# engine-co64,engine-pipe+st: the coalesced goal's floor, a careful coalesced loop against
+# per-request writes with a status each; any of its modes may be named, all under MPS)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
 # with, run in the same call just before and just after the bench, plain and with
 # YARDSTICK_ROOM=1 (SGLang's room write and check), each without CUDA MPS and under a daemon of
@@ -128,6 +131,16 @@ if want ladder; then
   echo "(exit $?)"
   cp "$out/ladder/ladder.md" "$out/ladder.md" 2>/dev/null; cp "$out/ladder/ladder.json" "$out/ladder.json" 2>/dev/null
   cat "$out/ladder.md" 2>/dev/null || tail -30 "$out/ladder.log"
+fi
+if want floor; then
+  echo "== route floors: tools/route_floor.py gpu, none of this project's code, under an MPS daemon of this script's own"
+  if mps_on; then
+    timeout 300 python3 tools/route_floor.py gpu "${FLOOR_N:-12800}" "${FLOOR_ROUNDS:-3}" 256 \
+      "${FLOOR_MODES:-engine-co64,engine-pipe+st}" > "$out/floor.txt" 2>&1
+    echo "(exit $?)"
+    mps_off
+  fi
+  tail -25 "$out/floor.txt" 2>/dev/null
 fi
 if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
