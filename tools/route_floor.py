@@ -744,7 +744,11 @@ def main() -> None:
     modes = tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else every if dev == "cpu" else ONE + RATE
     if not set(modes) <= set(every):
         raise SystemExit(f"route_floor: MODES is a comma list of {', '.join(every)}")
-    if "engine-co64" in modes and (w % CO or not CO <= w <= NSLOTS):
+    co_ok = not w % CO and CO <= w <= NSLOTS
+    if len(sys.argv) <= 5 and not co_ok:  # the default list: engine-co64 only where W is whole steps
+        modes = tuple(m for m in modes if m != "engine-co64")
+        print(f"(engine-co64 left out: W={w} is not a multiple of {CO} from {CO} to {NSLOTS})")
+    if "engine-co64" in modes and not co_ok:
         raise SystemExit(f"route_floor: engine-co64 needs W a multiple of {CO} from {CO} to {NSLOTS} (whole steps "
                          f"in flight, no slot reused while in flight), not {w}")
     env = dict(os.environ)
