@@ -65,7 +65,8 @@ for the box's work to fall under 0.1 cores; the box is shared, so a run may stil
     python tools/route_floor.py cpu|gpu [N] [ROUNDS] [W] [MODES]
         # N requests a run (default 3000; engine-co64: rounded up to whole steps), ROUNDS
         # interleaved (3), window W (256; with engine-co64 64, 128, 192 or 256), MODES a comma
-        # list (default: all; the default-row modes on cpu only)
+        # list (default: all; the default-row modes on cpu only; engine-co64 only where W is one
+        # of those)
 
 cpu: every row in host memory, the engine with MC_FORCE_TCP=1 and its TCP lane queue raised to
 10 W blocks a peer (MC_TCP_MAX_{QUEUED_TRANSFERS,PENDING_ADMISSIONS}_PER_PEER: past 1024 + 1024
