@@ -46,6 +46,8 @@ class TaskState(IntEnum):
 
 
 _WAITING, _COMPLETED, _FAILED = TaskState.WAITING, TaskState.COMPLETED, TaskState.FAILED
+_STILL = (int(TaskState.WAITING), int(TaskState.PENDING))  # the raw states poll() reads as plain ints
+_DONE = int(TaskState.COMPLETED)
 
 
 class _Status(ctypes.Structure):
@@ -117,11 +119,11 @@ class BatchStatus:
         ret = self._ret  # the callee constructs the Status in it (and sets the state unless it failed)
         self._get(self._ret_ref, self._this, batch, self._st_ref)
         s = self._st.s if ret.code == 0 and not ret.message else -1
-        if s == 0 or s == 1:  # WAITING, PENDING
+        if s in _STILL:
             return _WAITING
         self._ok()  # frees a message
         self.free(batch)
-        return _COMPLETED if s == 4 else _FAILED  # any other state, or a non-OK Status, failed
+        return _COMPLETED if s == _DONE else _FAILED  # any other state, or a non-OK Status, failed
 
     def free(self, batch: int) -> bool:
         """freeBatchID: whether the batch was freed (not while a task is unfinished)."""
