@@ -5,6 +5,15 @@ wait, and our decode's read of one row (one graph replay: digest, room zeroed) w
 
     python tools/seal_floor.py [ITERS]        # on a CUDA machine; run it under an MPS daemon too
 
+What the run's process adds around the same calls, one at a time (environment):
+  SEAL_FLOOR_GAP_US=N    each timed call follows a sleep of N us (the run's loop blocks in its
+                         poll between handoffs: its core may idle, its caches cool)
+  SEAL_FLOOR_CHURN=N     each timed call follows N rounds of unrelated Python work (json, dicts,
+                         lists: another code path running through the caches, as the run's loop
+                         does between two seals)
+  SEAL_FLOOR_ENGINE=1    a Mooncake engine in the process, as the run's prefill has one
+                         (MC_INTRANODE_NVLINK=1, P2PHANDSHAKE on 127.0.0.1; the buffers registered)
+
 Prints the p50 of each, in microseconds (one process: no peer, no transport). The indented rows
 split the seal and the read: what of them is a CUDA call timed alone (a graph replay), what is
 our host code around it; the last two are SGLang's own room write (the yardstick's
@@ -12,6 +21,8 @@ YARDSTICK_ROOM=1 step), for comparison."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import sys
 import time
@@ -21,16 +32,43 @@ import torch
 from orchestrator import MetadataBuffers
 from orchestrator.handoff.digest import Keys, RowDigest
 
+GAP_S = float(os.environ.get("SEAL_FLOOR_GAP_US", "0")) / 1e6
+CHURN = int(os.environ.get("SEAL_FLOOR_CHURN", "0"))
+
+
+def _churn(n: int) -> None:
+    for i in range(n):
+        d = {"rid": i, "room": i * 7919, "slot": i % 64, "t": [1.5, 2.5, float(i)], "why": "x" * (i % 13)}
+        json.dumps(d)
+        sorted(d.items())
+        [k for k in d if k != "slot"]
+
 
 def _p50(f, iters: int) -> float:
     for _ in range(50):
         f()
     times = []
     for _ in range(iters):
+        if GAP_S:
+            time.sleep(GAP_S)
+        if CHURN:
+            _churn(CHURN)
         t0 = time.perf_counter()
         f()
         times.append((time.perf_counter() - t0) * 1e6)
     return round(statistics.median(times), 1)
+
+
+def _engine(b: MetadataBuffers) -> object:
+    """A Mooncake engine in this process, as the run's prefill has (NVLink intra-node)."""
+    os.environ["MC_INTRANODE_NVLINK"] = "1"
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    for t in b.fields:
+        assert te.register_memory(t.data_ptr(), t.numel() * t.element_size()) == 0
+    return te
 
 
 def main() -> None:
@@ -38,6 +76,7 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     # DeepSeek-V3 MTP's rows (experiment=deepseek_v3_mtp: hidden 7168, bf16), 64 slots
     b = MetadataBuffers(64, 7168, torch.bfloat16, 16, device=dev, kv_checksum_enabled=True)
+    engine = _engine(b) if os.environ.get("SEAL_FLOOR_ENGINE") else None  # noqa: F841 (kept alive)
     d = RowDigest(b, Keys(b"k" * 32))
     d.warm_seal(1)
     d.warm()
@@ -94,7 +133,10 @@ def main() -> None:
         "SGLang's room write, bootstrap_room[slot, 0] = room (set_buf's), no wait": _p50(room_scalar, iters),
         "the same + synchronize (the yardstick's YARDSTICK_ROOM=1 write, waited for)": _p50(room_scalar_wait, iters),
     }
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {iters} iterations, p50 us:")
+    extra = [f"{k}={os.environ[k]}" for k in ("SEAL_FLOOR_GAP_US", "SEAL_FLOOR_CHURN", "SEAL_FLOOR_ENGINE")
+             if os.environ.get(k)]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {iters} iterations, p50 us"
+          f"{' (' + ', '.join(extra) + ')' if extra else ''}:")
     for name, us in rows.items():
         print(f"  {us:8.1f}  {name}")
 

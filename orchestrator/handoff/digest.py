@@ -135,6 +135,9 @@ class Sealed:
         self._tags, self._contents, self._out, self._k, self._event = tags, contents, out, k, event
         self.pack_s = pack_s  # seconds spent packing staged rows (buffers.set_buf=staged)
         self._lock = threading.Lock() if tags is None else None
+        # the send path sets it once every send of the step landed: the device work that sealed
+        # its rows ran (the engine orders its writes after it, or the loop synced first)
+        self.landed = False
 
     @property
     def ready(self) -> bool:
@@ -174,7 +177,10 @@ class _Ring:
 
 class _Slot:
     """One captured graph's pinned buffers are rewritten only after its last replay ran and
-    what it returned was read (normally long before: this does not block)."""
+    what it returned was read (normally long before: this does not block). Where the step it
+    sealed has landed (Sealed.landed) that is known without asking the device: in a loop
+    that runs a large code path between two seals, every CUDA call costs several times its
+    cost back to back (BENCHMARKS.md, session 50), so the seal makes as few as it can."""
 
     __slots__ = ("event", "last")
 
@@ -182,11 +188,14 @@ class _Slot:
         self.event = torch.cuda.Event()
         self.last: Optional[Sealed] = None
 
-    def reuse(self) -> None:
-        if self.last is not None:
-            self.last.result()  # reads the pinned outputs (after the event) before they change
-            self.last = None
-        self.event.synchronize()
+    def reuse(self, device: torch.device) -> None:
+        last, self.last = self.last, None
+        if last is None or last.landed:  # (landed: its tags and fingerprints were read before its send)
+            return
+        if last.ready:  # a seal with no outputs to read, recorded no event: its stream is waited for
+            torch.cuda.current_stream(device).synchronize()
+        else:
+            last.result()  # waits for the event, reads the pinned outputs before they change
 
 
 def _weights(seed: int, words: int, cols: int) -> np.ndarray:
@@ -566,7 +575,7 @@ class RowDigest:
             return Sealed(tags, contents)
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, slot = self._write[kb].next()
-        slot.reuse()
+        slot.reuse(self.device)
         m = 3 if b.checksum_field is not None else 1  # (val[2], the signature, is set at capture)
         pos, val = inp[0].reshape(m, kb), inp[1].reshape(m, kb)
         if k == 1:  # one in flight: no array built
@@ -588,8 +597,8 @@ class RowDigest:
             pos[:, k:] = pos[:, :1]
             val[:2, k:] = val[:2, :1]
         graph.replay()
-        slot.event.record()
-        return Sealed(tags, contents)
+        slot.last = sealed = Sealed(tags, contents)  # no event: the slot waits for its landing (_Slot)
+        return sealed
 
     def _seal_eager(self, slots: Sequence[int], rooms: Sequence[int], pads: Sequence[tuple[int, int]],
                     idents: Sequence[tuple[int, int]], ahead: bool) -> Sealed:
@@ -640,7 +649,7 @@ class RowDigest:
         k = len(slots)
         kb = bucket_of(k, self._seal_sizes)
         graph, inp, out, packed, slot = self._seal[(kb, rows is not None)].next()
-        slot.reuse()
+        slot.reuse(self.device)
         at = b.slot_words[list(slots)]
         inp[0, :k] = slots
         inp[1, :k] = at[:, 0]

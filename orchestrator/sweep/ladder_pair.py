@@ -567,6 +567,7 @@ def _prefill_direct(rung: int, p: _Prefill, n: int, corrupt: Optional[int]) -> t
             if flip:
                 _flip(b, k)
             engine.batch_write(dst_session, *blocks[k])
+            sealed.landed = True  # as the run's send path tells it (the seal's inputs are free)
             push.send(session.sign_frame(wire.status_frame(0, [(rid, room, k, SUCCESS, tag)])))
             good = _verdict_ok(session, _recv(pair, spin), rid)
         t1 = pc()
@@ -621,7 +622,7 @@ def _prefill_sent(rung: int, p: _Prefill, path: _SendPath, src: SlotAllocator, n
             _flip(b, k)
         transfers = [Transfer(rid, room, k, dst)]
         step = ForwardStep([Req(rid, room, 0, 0.0, pad, dst, k)],
-                           [(link, transfers, router.sends(transfers))], sealed=sealed)
+                           [(link, transfers, router.sends(transfers))], sealed=sealed, seal=sealed)
         if sealed.ready:
             step.take_seal()
         sender.submit(step, alone=True)

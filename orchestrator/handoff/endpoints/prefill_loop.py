@@ -227,6 +227,8 @@ class PrefillLoop:
         staged = self.staged if ph.fill is FillMode.inline else None
         set_buf_us = self._fill(staged or b, rids, slots) if ph.fill is FillMode.inline else None
         rank = self.settings.rank
+        # the sends first: the seal's device call and the write's follow each other closely
+        work = self._work(rids, rooms, slots, dsts, insts)
         sealed = rows.digest.seal(slots, rooms, pads, [(rank, rid) for rid in rids], rows=staged,
                                   ahead=ph.fill is FillMode.ahead)
         if staged is not None and set_buf_us is not None:  # each request's share of packing the step's rows
@@ -240,9 +242,8 @@ class PrefillLoop:
         if set_buf_us is not None:
             for req, us in zip(reqs, set_buf_us):
                 req.set_buf_us = us
-        work = self._work(rids, rooms, slots, dsts, insts)
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
-        step = ForwardStep(reqs, work, sealed=sealed)
+        step = ForwardStep(reqs, work, sealed=sealed, seal=sealed)
         if sealed.ready:  # host rows: the tags are known now
             step.take_seal()
         t_ready = _clock()

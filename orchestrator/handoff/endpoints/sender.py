@@ -46,6 +46,7 @@ class ForwardStep:
     sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
     open: int = 0  # sends started and not finished
     sealed: Optional[Sealed] = None  # until its tags and fingerprints are read
+    seal: Optional[Sealed] = None  # told when every send of the step landed (its device inputs are free)
 
     def take_seal(self) -> None:
         """The tags (for statuses) and fingerprints (for records) of the step's rows. Device
@@ -182,6 +183,8 @@ class SendQueue:
         if not any(p[0] is step and p[1] is link for p in pending):
             router.after_step(transfers, send.per_step)
         if step.open == 0:
+            if step.seal is not None and all(s.error is None for _, s in step.sends):
+                step.seal.landed = True
             self.done.append(step)
             self.landed()
             self.log_decisions(step)
