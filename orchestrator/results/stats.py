@@ -74,11 +74,15 @@ class LatencyHistogram:
         import numpy as np  # here: a refusal or --help reads this module without numpy
 
         v = np.asarray(self._pending, dtype=np.float64)
-        if self._repeats is not None:
-            v = np.repeat(v, self._repeats)
-        self._pending, self._repeats, self._extra = [], None, 0
         b = np.where(v > _BASE_US, np.log(np.maximum(v, _BASE_US) / _BASE_US) / _LOG_RATIO, 0).astype(np.int64)
-        keys, counts = np.unique(b, return_counts=True)
+        repeats = self._repeats
+        self._pending, self._repeats, self._extra = [], None, 0
+        if repeats is None:
+            keys, counts = np.unique(b, return_counts=True)
+        else:  # runs: each distinct value's bucket taken once, counted as often as it repeats
+            keys, at = np.unique(b, return_inverse=True)
+            counts = np.bincount(at, weights=repeats).astype(np.int64)
+            v = np.repeat(v, repeats)  # (the total summed as extend() of them spelled out)
         for k, c in zip(keys.tolist(), counts.tolist()):
             self.counts[k] = self.counts.get(k, 0) + c
         self.n += len(v)

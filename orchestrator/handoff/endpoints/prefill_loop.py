@@ -177,7 +177,7 @@ class PrefillLoop:
 
     # ---- request lifecycle ------------------------------------------------------------------
     def arrive(self, i: int, t_arrive: float, n: int = 1) -> None:
-        """Requests i .. i+n-1 arrive at `t_arrive` (their pads taken together)."""
+        """Requests i .. i+n-1 arrive at `t_arrive` (their rooms and pads taken together)."""
         instances, outstanding = self.links.instances, self.outstanding
         rids = range(self.rid_base + i, self.rid_base + i + n)
         for rid, room, pad in zip(rids, self.rooms_of(rids), self.pads_of(rids)):
@@ -236,9 +236,6 @@ class PrefillLoop:
             set_buf_us = [us + share for us in set_buf_us]
         if not rows.engine_orders_writes:
             b.sync()
-        route = self.settings.route
-        for req, slot in zip(reqs, slots):
-            req.src_slot, req.t_step, req.route = slot, t_step, route
         if set_buf_us is not None:
             for req, us in zip(reqs, set_buf_us):
                 req.set_buf_us = us
@@ -246,9 +243,9 @@ class PrefillLoop:
         step = ForwardStep(reqs, work, sealed=sealed, seal=sealed)
         if sealed.ready:  # host rows: the tags are known now
             step.take_seal()
-        t_ready = _clock()
-        for req in reqs:
-            req.t_ready = t_ready
+        t_ready, route = _clock(), self.settings.route
+        for req, slot in zip(reqs, slots):
+            req.src_slot, req.t_step, req.t_ready, req.route = slot, t_step, t_ready, route
         # alone in flight (no other request outstanding): the loop sends it itself, no hop
         alone = len(self.outstanding) == len(reqs)
         self.sender.submit(step, alone)
