@@ -230,3 +230,48 @@ def test_slot_words_are_each_slots_room_and_checksum_rows(kv_checksum):
             assert sorted(row) == sorted(want_room + ck)
         else:
             assert row[0] == want_room[0] and sorted(row) == sorted(want_room)
+
+
+def test_a_ring_slot_asks_the_device_only_for_a_step_not_landed(monkeypatch):
+    """_Slot.reuse: a slot whose last step landed is reused with no CUDA call; a fill=ahead
+    seal (no event) not landed waits for its stream; a seal whose outputs are read waits for
+    its event, after its outputs are read."""
+    import torch
+
+    from orchestrator.handoff import digest as dg
+
+    calls: list[str] = []
+
+    class FakeEvent:
+        def synchronize(self) -> None:
+            calls.append("event")
+
+    class FakeStream:
+        def synchronize(self) -> None:
+            calls.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    slot = dg._Slot.__new__(dg._Slot)
+    slot.event, slot.last = FakeEvent(), None
+    dev = torch.device("cpu")
+
+    slot.reuse(dev)  # never used
+    assert calls == []
+    ahead = dg.Sealed([1], ["a"])
+    ahead.landed = True
+    slot.last = ahead
+    slot.reuse(dev)
+    assert calls == [] and slot.last is None
+    slot.last = dg.Sealed([1], ["a"])  # not landed, no event
+    slot.reuse(dev)
+    assert calls == ["stream"]
+    calls.clear()
+    read = dg.Sealed(tags=[7], contents=["b"], event=FakeEvent())  # outputs already read
+    slot.last = read
+    slot.reuse(dev)
+    assert calls == ["event"]
+    calls.clear()
+    read.landed = True
+    slot.last = read
+    slot.reuse(dev)
+    assert calls == []

@@ -143,6 +143,11 @@ class Sealed:
     def ready(self) -> bool:
         return self._tags is not None
 
+    @property
+    def recorded(self) -> bool:
+        """Whether an event marks the device work that sealed it (a seal whose outputs are read)."""
+        return self._event is not None
+
     def result(self) -> tuple[list[int], list[str]]:
         """(tags, fingerprints); the scheduler and the transfer thread may both ask."""
         if self._tags is None:
@@ -192,10 +197,11 @@ class _Slot:
         last, self.last = self.last, None
         if last is None or last.landed:  # (landed: its tags and fingerprints were read before its send)
             return
-        if last.ready:  # a seal with no outputs to read, recorded no event: its stream is waited for
+        if last.recorded:
+            last.result()  # reads the pinned outputs (after the event) before they change
+            self.event.synchronize()
+        else:  # a fill=ahead seal records no event: its stream is waited for
             torch.cuda.current_stream(device).synchronize()
-        else:
-            last.result()  # waits for the event, reads the pinned outputs before they change
 
 
 def _weights(seed: int, words: int, cols: int) -> np.ndarray:
