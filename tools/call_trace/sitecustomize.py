@@ -2,7 +2,8 @@
 in $CALL_TRACE ("module:Qual.name,...") when their modules are imported, and records each
 call's (function, thread, enter, exit) on CLOCK_MONOTONIC (time.perf_counter_ns: one clock for
 every process of the host). Each process writes its calls to $CALL_TRACE_OUT/<pid>.json at exit
-(atexit, os._exit and a fork's child included). Not imported by the project itself."""
+(atexit, os._exit and a fork's child included). Not imported by the project itself; while
+it is first on the path it takes the place of any other sitecustomize."""
 
 from __future__ import annotations
 
