@@ -98,7 +98,8 @@ def test_the_mac_is_checked_first_under_the_named_ranks_key():
     good = wire.status_frame(0, [(1, 101, 1, OK, 0)])
     p.send(None, by=1, raw=good)  # names rank 0, MAC'd with rank 1's key
     p.dp.on_data([good])  # no MAC
-    p.dp.on_data([p.tx[0].sign_frame(good)[:-1] + b"\x00"])  # a forged MAC
+    signed = p.tx[0].sign_frame(good)
+    p.dp.on_data([signed[:-1] + bytes([signed[-1] ^ 1])])  # a forged MAC (a zero byte was the real one 1 run in 256)
     p.send(None, rank=1, raw=wire.status_frame(7, [(1, 101, 1, OK, 0)]))  # a rank nobody bound
     malformed = struct.pack("<4sII", wire.STATUS, 0, 2) + good[12:]  # counts 2, carries 1
     p.dp.on_data([malformed + bytes(16)])  # malformed and not authentic: refused on its MAC alone
