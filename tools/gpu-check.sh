@@ -2,7 +2,7 @@
 # The GPU results in BENCHMARKS.md, reproduced on an H200 machine, one GPU or two (no network there).
 # Prepare here:  ../shared/tools/gpu-wheels.sh      (fills .whl/)
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
-# STEPS: any of tests,yardstick,bench,ladder,floor,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
+# STEPS: any of tests,yardstick,bench,ladder,floor,trace,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
 # (ladder: the cost ladder, `python -m orchestrator.bench phases=ladder` on experiment=deepseek_v3_mtp
 # (NVLink rows, endpoints.mps=auto: MPS where the pair shares a GPU), R0..R7 and the yardstick
@@ -12,6 +12,8 @@
 # (floor: tools/route_floor.py gpu FLOOR_N FLOOR_ROUNDS 256 FLOOR_MODES, default 12800 3
 # engine-co64,engine-pipe+st: the coalesced goal's floor, a careful coalesced loop against
 # per-request writes with a status each; any of its modes may be named, all under MPS)
+# (trace: tools/call_trace.py over one run of TRACE_N (3000) handoffs one in flight, fill=ahead, MPS
+# auto: each function's p50 per process and the median handoff, both sides on one clock, in trace.txt)
 # (yardstick: ../shared/tools/handoff_yardstick.py, the reference loop the bench is compared
 # with, run in the same call just before and just after the bench, plain and with
 # YARDSTICK_ROOM=1 (SGLang's room write and check), each without CUDA MPS and under a daemon of
@@ -143,6 +145,14 @@ if want floor; then
   else
     echo "(no MPS daemon to be had: the floor is taken under one, as the ladder's pair is; skipped)"
   fi
+fi
+if want trace; then
+  echo "== the one-in-flight critical path, call by call: tools/call_trace.py (endpoints.mps=auto)"
+  timeout 200 python3 tools/call_trace.py run "$out/trace" -- python3 -m orchestrator experiment=deepseek_v3_mtp \
+    workload.fill=ahead workload.concurrency=1 workload.requests="${TRACE_N:-3000}" hydra.run.dir="$out/run-trace" 2>&1 | tail -4
+  python3 tools/call_trace.py report "$out/trace" > "$out/trace.txt" 2>&1
+  rm -rf "$out/trace"  # (every call recorded: large; the report stays)
+  sed -n '/median handoff/,$p' "$out/trace.txt" | head -45
 fi
 if want profile; then
   echo "== experiment=deepseek_v3_mtp (inline) and with fill=ahead"
