@@ -4,7 +4,7 @@
 # Run there:     bash tools/gpu-check.sh [OUTDIR] [STEPS]   (carry .whl along)
 # STEPS: any of tests,yardstick,bench,ladder,floor,trace,profile,pyspy,sweep,sweeplow,pairs,tp,tprace,gate,tails
 # (default: tests,yardstick,bench,profile,pyspy,sweep,pairs,tp)
-# (ladder: the cost ladder, `python -m orchestrator.bench phases=ladder` on experiment=deepseek_v3_mtp
+# (ladder: the cost ladder, `python -m orchestrator.bench bench.phases=ladder` on experiment=deepseek_v3_mtp
 # (NVLink rows, endpoints.mps=auto: MPS where the pair shares a GPU), R0..R7 and the yardstick
 # (YARDSTICK_ROOM=1) interleaved over 5 rounds of bench.ladder_handoffs each; LADDER_HANDOFFS,
 # LADDER_ROUNDS and LADDER_RUNGS (e.g. [R7,yardstick]: the goal's pair alone, more rounds) override; ladder.md / ladder.json in OUTDIR's tarball; the CPU twin is the same
