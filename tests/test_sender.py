@@ -340,3 +340,23 @@ def test_a_spinning_transfer_thread_blocks_once_idle(monkeypatch):
         assert sender.close(30)
         wake.close(0)
         ctx.term()
+
+
+def test_a_finished_step_tells_its_seal_it_landed_unless_a_send_failed():
+    """The seal's ring slot is reused without a device call only after the step landed
+    (digest._Slot.reuse): the queue says so once every send of the step finished without an
+    error, after take_seal() has cleared `sealed`."""
+    from orchestrator.handoff.digest import Sealed
+
+    router = _Router()
+    sends = SendQueue(lambda step: None)
+    ok, failed = Sealed([1], ["a"]), Sealed([2], ["b"])
+    a, b = _step(router, 1, ok), _step(router, 2, failed)
+    b.work[0][2][0].error = "write failed"
+    assert a.seal is ok and not ok.landed
+    for step in (a, b):
+        step.take_seal()
+        sends.submit(step)
+        sends.pump()
+    assert a.sealed is None and list(sends.done) == [a, b]
+    assert ok.landed and not failed.landed

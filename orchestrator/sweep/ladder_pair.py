@@ -622,7 +622,7 @@ def _prefill_sent(rung: int, p: _Prefill, path: _SendPath, src: SlotAllocator, n
             _flip(b, k)
         transfers = [Transfer(rid, room, k, dst)]
         step = ForwardStep([Req(rid, room, 0, 0.0, pad, dst, k)],
-                           [(link, transfers, router.sends(transfers))], sealed=sealed, seal=sealed)
+                           [(link, transfers, router.sends(transfers))], sealed=sealed)
         if sealed.ready:
             step.take_seal()
         sender.submit(step, alone=True)

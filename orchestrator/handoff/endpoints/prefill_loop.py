@@ -240,7 +240,7 @@ class PrefillLoop:
             for req, us in zip(reqs, set_buf_us):
                 req.set_buf_us = us
         self.blocks_out += sum(len(sends) * len(link.router.item_lens) for link, _, sends in work)
-        step = ForwardStep(reqs, work, sealed=sealed, seal=sealed)
+        step = ForwardStep(reqs, work, sealed=sealed)
         if sealed.ready:  # host rows: the tags are known now
             step.take_seal()
         t_ready, route = _clock(), self.settings.route

@@ -46,7 +46,12 @@ class ForwardStep:
     sends: list[tuple[Link, Send]] = field(default_factory=list)  # as they finished
     open: int = 0  # sends started and not finished
     sealed: Optional[Sealed] = None  # until its tags and fingerprints are read
-    seal: Optional[Sealed] = None  # told when every send of the step landed (its device inputs are free)
+    # the same seal, kept after take_seal() clears `sealed`: told when every send of the step
+    # landed (its device inputs are free)
+    seal: Optional[Sealed] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.seal = self.sealed
 
     def take_seal(self) -> None:
         """The tags (for statuses) and fingerprints (for records) of the step's rows. Device
